@@ -1,0 +1,185 @@
+"""Projected weights: a Linear (or Hugging Face ``Conv1D``) whose gradient is produced already compressed.
+
+For ``y = x Wᵀ + b`` with ``W`` of shape ``o × i``, the weight gradient is ``G = Δᵀ X`` (``Δ`` the output
+gradient). LSP-Offload needs only ``S = A G Bᵀ = (Δ Aᵀ)ᵀ (X Bᵀ)``, so forward keeps ``X Bᵀ`` (``d_i`` numbers
+per token instead of ``i``) and backward does one small ``d_o × d_i`` GEMM; ``G`` is never formed and
+``W.grad`` stays ``None``. The module object, its parameters and so its ``state_dict`` keys are untouched: only
+its ``forward`` is rebound, so a checkpoint loads into the plain model.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.rounding import copy_stochastic_rounded_
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """True for Hugging Face's ``Conv1D`` (GPT-2 style), which stores its weight transposed (``i × o``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+class ProjectedWeight:
+    """The LSP state of one weight: its projectors and the device buffer that accumulates ``S``.
+
+    Args:
+        name: the module's qualified name, used in messages and checkpoints.
+        module: an ``nn.Linear`` or Hugging Face ``Conv1D``.
+        proj_out: ``A`` (``d_o × o``).
+        proj_in: ``B`` (``d_i × i``).
+    """
+
+    def __init__(self, name: str, module: nn.Module, proj_out: SparseProjector, proj_in: SparseProjector) -> None:
+        self.name = name
+        self.module = module
+        self.transposed = is_hf_conv1d(module)
+        out_features, in_features = self.weight_shape(module)
+        if proj_out.dim_in != out_features or proj_in.dim_in != in_features:
+            raise ValueError(
+                f"Projectors for {name} must compress ({out_features}, {in_features}); got "
+                f"({proj_out.dim_in}, {proj_in.dim_in})."
+            )
+        self.proj_out = proj_out
+        self.proj_in = proj_in
+        # fp32 accumulator of S across micro-batches; projection is linear, so accumulating S equals
+        # compressing the accumulated gradient exactly.
+        self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=module.weight.device)
+        self.has_grad = False
+        self._original_forward = module.forward
+        module.forward = types.MethodType(_projected_forward, module)
+        module._lsp_state = self
+
+    @staticmethod
+    def weight_shape(module: nn.Module) -> tuple[int, int]:
+        """``(o, i)`` of the mathematical weight, whatever the storage layout."""
+        rows, cols = module.weight.shape
+        return (cols, rows) if is_hf_conv1d(module) else (rows, cols)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The module's weight parameter (device, possibly bf16)."""
+        return self.module.weight
+
+    @property
+    def compressed_shape(self) -> tuple[int, int]:
+        """``(d_o, d_i)``: the shape of ``S``, ``U`` and the host moments."""
+        return (self.proj_out.dim_out, self.proj_in.dim_out)
+
+    def set_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector) -> None:
+        """Replace ``A`` and ``B`` (a refit); the accumulator is resized and cleared."""
+        out_features, in_features = self.weight_shape(self.module)
+        if proj_out.dim_in != out_features or proj_in.dim_in != in_features:
+            raise ValueError(f"Projectors for {self.name} must compress ({out_features}, {in_features}).")
+        self.proj_out, self.proj_in = proj_out, proj_in
+        self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=self.grad_buffer.device)
+        self.has_grad = False
+
+    def accumulate(self, compressed_grad: Tensor) -> None:
+        """Add one backward pass's ``S`` (called from autograd)."""
+        self.grad_buffer.add_(compressed_grad)
+        self.has_grad = True
+
+    def zero_grad(self) -> None:
+        """Clear ``S`` after it has been consumed by an optimizer step (or skipped)."""
+        if self.has_grad:
+            self.grad_buffer.zero_()
+            self.has_grad = False
+
+    def compress_weight(self) -> Tensor:
+        """``A W Bᵀ`` in fp32: the compressed image of the weight, for Adam's coupled (L2) weight decay."""
+        weight = self.weight.detach().float()
+        weight = weight.t() if self.transposed else weight
+        return self.proj_out.compress(self.proj_in.compress(weight).t()).t()
+
+    @torch.no_grad()
+    def apply_update(self, update: Tensor, decay: float, stochastic_generator: torch.Generator | None) -> None:
+        """``W ← W·decay + Aᵀ U B`` on the device, by two gathers (never a dense projector).
+
+        Args:
+            update: ``U``, the host step's ``d_o × d_i`` update, already on the device.
+            decay: the decoupled weight-decay factor ``1 − lr·wd`` (1.0 for none).
+            stochastic_generator: generator for stochastic rounding of low-precision weights; ignored for fp32.
+        """
+        # U B: expand the input side of every row of U (d_o × i), then Aᵀ (U B): expand the output side of every
+        # column; expanding along the last dim of the transpose gives the i × o layout Conv1D stores directly.
+        delta_t = self.proj_out.expand(self.proj_in.expand(update.float()).t())  # i × o
+        delta = delta_t if self.transposed else delta_t.t()
+        weight = self.weight
+        if weight.dtype == torch.float32:
+            if decay != 1.0:
+                weight.mul_(decay)
+            weight.add_(delta)
+        else:
+            # Low-precision weights: form the new value in fp32 and round it stochastically (unbiased), since
+            # round-to-nearest would silently drop updates smaller than half a bf16 ulp of the weight.
+            new_value = weight.float()
+            if decay != 1.0:
+                new_value.mul_(decay)
+            new_value.add_(delta)
+            copy_stochastic_rounded_(weight, new_value, stochastic_generator)
+
+    def detach(self) -> None:
+        """Restore the module's own forward."""
+        self.module.forward = self._original_forward
+        del self.module._lsp_state
+
+
+def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
+    """Replacement ``forward`` bound onto a projected module."""
+    state: ProjectedWeight = self._lsp_state
+    return _ProjectedLinearFunction.apply(x, self.weight, self.bias, state)
+
+
+def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` would compute in here: the autocast dtype when autocast is on, else the weight's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight.dtype
+
+
+class _ProjectedLinearFunction(torch.autograd.Function):
+    """``y = x Wᵀ + b`` whose backward accumulates ``S = (Δ Aᵀ)ᵀ (X Bᵀ)`` instead of returning ``∂L/∂W``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, state: ProjectedWeight) -> Tensor:
+        dtype = _compute_dtype(x, weight)
+        # Autocast does not reach inside a custom Function's math the way it does for F.linear, so cast
+        # explicitly and compute with it off; backward then sees the same dtypes as forward.
+        with torch.autocast(x.device.type, enabled=False):
+            x_c = x.to(dtype)
+            w_c = weight.to(dtype)
+            w_math = w_c.t() if state.transposed else w_c  # o × i
+            b_c = bias.to(dtype) if bias is not None else None
+            out = F.linear(x_c, w_math, b_c)
+            # Keep only X Bᵀ for the weight gradient: d_i numbers per token instead of i.
+            x_proj = state.proj_in.compress(x_c.detach()) if weight.requires_grad else None
+        ctx.state = state
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(w_c, x_proj)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
+        w_c, x_proj = ctx.saved_tensors
+        state: ProjectedWeight = ctx.state
+        grad_out = grad_out.to(w_c.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w_math = w_c.t() if state.transposed else w_c
+            grad_x = grad_out @ w_math
+        if x_proj is not None:
+            # Flatten tokens; S = (Δ Aᵀ)ᵀ (X Bᵀ) with fp32 accumulation regardless of the compute dtype.
+            delta_proj = state.proj_out.compress(grad_out).reshape(-1, state.proj_out.dim_out)
+            x_flat = x_proj.reshape(-1, state.proj_in.dim_out)
+            state.accumulate(torch.matmul(delta_proj.t(), x_flat).float())
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        # No gradient for the weight: its .grad stays None; S is its gradient in the compressed space.
+        return grad_x, None, grad_bias, None

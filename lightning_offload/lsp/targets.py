@@ -1,0 +1,78 @@
+"""Which weights LSP-Offload projects: Linear and Hugging Face Conv1D layers chosen by size or name."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch import nn
+
+from lightning_offload.lsp.linear import ProjectedWeight, is_hf_conv1d
+
+
+def _is_projectable(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+
+
+def output_heads(model: nn.Module) -> set[int]:
+    """Identities of the modules that produce a model's output (LM heads), never projected by default.
+
+    Every submodule with Hugging Face's ``get_output_embeddings`` contributes its head, so a LightningModule that
+    holds a transformers model under any attribute name is covered.
+    """
+    heads: set[int] = set()
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if isinstance(head, nn.Module):
+            heads.add(id(head))
+    return heads
+
+
+def select_projected_modules(
+    model: nn.Module,
+    min_dim: int,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> dict[str, nn.Module]:
+    """Pick the modules whose weights are projected.
+
+    Args:
+        model: the model (a LightningModule or anything holding the layers).
+        min_dim: both weight dims must be at least this large (default selection only).
+        include: regular expressions; when given, exactly the Linear/Conv1D modules whose qualified name matches
+            one of them (``re.search``) are projected, whatever their size. Each pattern must match something.
+        exclude: regular expressions of names never projected (applied after ``include``).
+
+    Returns:
+        Qualified name → module, in ``named_modules`` order; trainable weights only; output head excluded by
+        default; a module already projected is skipped.
+
+    Raises:
+        ValueError: when a pattern matches no projectable module, naming the pattern and some candidates.
+    """
+    heads = output_heads(model)
+    candidates = {
+        name: module
+        for name, module in model.named_modules()
+        if _is_projectable(module) and module.weight.requires_grad and not isinstance(
+            getattr(module, "_lsp_state", None), ProjectedWeight
+        )
+    }
+    for pattern in list(include or ()) + list(exclude):
+        if not any(re.search(pattern, name) for name in candidates):
+            sample = ", ".join(list(candidates)[:5]) or "none"
+            raise ValueError(
+                f"Projection pattern {pattern!r} matches no trainable Linear/Conv1D module. Candidates look like: "
+                f"{sample}. Fix the pattern (it is a regular expression searched in the qualified name)."
+            )
+    selected: dict[str, nn.Module] = {}
+    for name, module in candidates.items():
+        if include is not None:
+            chosen = any(re.search(p, name) for p in include)
+        else:
+            out_features, in_features = ProjectedWeight.weight_shape(module)
+            chosen = min(out_features, in_features) >= min_dim and id(module) not in heads
+        if chosen and not any(re.search(p, name) for p in exclude):
+            selected[name] = module
+    return selected

@@ -1,0 +1,322 @@
+"""Lightning strategies that offload the optimizer to the host: ``lsp_offload`` and ``zero_offload``.
+
+``Trainer(strategy="lsp_offload")`` trains any LightningModule with LSP-Offload: at set-up the strategy rebinds the
+forward of every selected Linear/Conv1D so its backward yields a compressed gradient, and it replaces the Adam/AdamW
+from ``configure_optimizers`` by an :class:`~lightning_offload.offload_optimizer.OffloadOptimizer` whose state lives
+on the host. ``zero_offload`` is the same machinery with projection off: full gradients cross the link and a dense
+host Adam steps them (the ZeRO-Offload-style baseline).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.lsp.projector import ProjectorFactory, random_projector
+from lightning_offload.lsp.targets import select_projected_modules
+from lightning_offload.offload_optimizer import NonFinitePolicy, OffloadOptimizer, validate_user_optimizer
+
+_PRECISION_ADVICE = {
+    "16-mixed": (
+        "fp16 loss scaling only unscales param.grad, but projected weights deliver their gradient compressed and "
+        "never fill param.grad. Use precision='bf16-mixed' (bf16 needs no loss scaling) or 'bf16-true'."
+    ),
+    "16-true": "fp16 weights without loss scaling underflow. Use precision='bf16-true' or 'bf16-mixed'.",
+}
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else the CPU (which then plays the device's part)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class LSPOffloadStrategy(SingleDeviceStrategy):
+    """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
+
+    Args:
+        device: the training device; ``None`` picks CUDA when present, else CPU (following the Trainer's
+            ``accelerator`` when that names one).
+        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
+            full to a dense host Adam (ZeRO-Offload style).
+        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
+            dimension (``d = ceil(rank · dim)``), an int is an absolute size.
+        density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
+        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, the output head excepted.
+        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected.
+        exclude_modules: regular expressions of modules never projected.
+        projector_factory: builds each projector (default: seeded random); a learned fit plugs in here.
+        seed: seed of the projector draw and of stochastic rounding.
+        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step.
+    """
+
+    strategy_name = "lsp_offload"
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        projection: bool = True,
+        rank: int | float = 0.25,
+        density: int = 4,
+        min_dim: int = 128,
+        target_modules: Sequence[str] | None = None,
+        exclude_modules: Sequence[str] = (),
+        projector_factory: ProjectorFactory = random_projector,
+        seed: int = 0,
+        on_nonfinite: NonFinitePolicy = "skip",
+        log_telemetry: bool = True,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self._auto_device = device is None
+        super().__init__(
+            device=default_device() if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if isinstance(rank, bool) or not isinstance(rank, (int, float)):
+            raise TypeError(f"rank must be an int (absolute size) or a float fraction in (0, 1], got {rank!r}.")
+        if isinstance(rank, float) and not 0.0 < rank <= 1.0:
+            raise ValueError(f"rank={rank} as a fraction must lie in (0, 1]; pass an int for an absolute size.")
+        if isinstance(rank, int) and rank < 1:
+            raise ValueError(f"rank={rank} must be at least 1.")
+        if not isinstance(density, int) or isinstance(density, bool) or density < 1:
+            raise ValueError(f"density must be a positive int (nonzeros per projector column), got {density!r}.")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
+        self.projection = projection
+        self.rank = rank
+        self.density = density
+        self.min_dim = min_dim
+        self.target_modules = list(target_modules) if target_modules is not None else None
+        self.exclude_modules = list(exclude_modules)
+        self.projector_factory = projector_factory
+        self.seed = seed
+        self.on_nonfinite = on_nonfinite
+        self.log_telemetry = log_telemetry
+        self.offload_optimizer: OffloadOptimizer | None = None
+
+    # ---------------------------------------------------------------------------------------- device, precision
+    @property
+    @override
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        self._accelerator = accelerator
+        # A strategy built from its registered name gets no device: follow the accelerator the Trainer chose.
+        if self._auto_device and accelerator is not None:
+            kind = type(accelerator).__name__
+            if kind == "CPUAccelerator":
+                self._root_device = torch.device("cpu")
+            elif kind == "CUDAAccelerator" and torch.cuda.is_available():
+                self._root_device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # The accelerator connector replaces the plugin after __init__, so validation must live in this setter.
+        if plugin is not None:
+            name = str(getattr(plugin, "precision", "32-true"))
+            supported = type(plugin) is Precision or (
+                isinstance(plugin, (HalfPrecision, MixedPrecision)) and name in _SUPPORTED_PRECISION
+            )
+            if not supported or name not in _SUPPORTED_PRECISION:
+                advice = _PRECISION_ADVICE.get(
+                    name, f"Use one of {', '.join(_SUPPORTED_PRECISION)} (the host Adam and its state are fp32)."
+                )
+                raise ValueError(f"strategy {self.strategy_name!r} does not support precision={name!r}: {advice}")
+            # Clipping must see the compressed gradients too, which the plugin's parameter-based clipping cannot.
+            plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        self._precision_plugin = plugin
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        _as_offload_optimizer(optimizer).clip_grad_norm_(clip_val)
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        _as_offload_optimizer(optimizer).clip_grad_value_(clip_val)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Deliberately no `_optimizers_to_device`: Lightning would move every optimizer-state tensor to the device,
+        # and the whole point is that this state stays on the host.
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"strategy {self.strategy_name!r} takes over exactly one Adam/AdamW optimizer, but "
+                f"configure_optimizers returned {len(self.optimizers)}. Return a single optimizer; use param groups "
+                f"for different hyper-parameters."
+            )
+        user_optimizer = validate_user_optimizer(self.optimizers[0])
+        layers = self._attach_projections(user_optimizer) if self.projection else []
+        self.offload_optimizer = OffloadOptimizer(
+            user_optimizer, layers, self.root_device, on_nonfinite=self.on_nonfinite, rounding_seed=self.seed
+        )
+        self.optimizers = [self.offload_optimizer]
+
+    def _attach_projections(self, optimizer: torch.optim.Optimizer) -> list[ProjectedWeight]:
+        assert self.lightning_module is not None
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        modules = select_projected_modules(self.lightning_module, self.min_dim, self.target_modules,
+                                           self.exclude_modules)
+        modules = {name: m for name, m in modules.items() if id(m.weight) in in_optimizer}
+        if self.target_modules is not None and not modules:
+            raise ValueError(
+                f"target_modules={self.target_modules} matched no weight that the optimizer trains. Match modules "
+                f"whose weights are in configure_optimizers' param groups."
+            )
+        generator = torch.Generator().manual_seed(self.seed)
+        layers = []
+        for name, module in modules.items():
+            out_features, in_features = ProjectedWeight.weight_shape(module)
+            d_out = self._compressed_dim(name, "output", out_features)
+            d_in = self._compressed_dim(name, "input", in_features)
+            proj_out = self.projector_factory(out_features, d_out, self.density, generator, self.root_device)
+            proj_in = self.projector_factory(in_features, d_in, self.density, generator, self.root_device)
+            layers.append(ProjectedWeight(name, module, proj_out, proj_in))
+        return layers
+
+    def _compressed_dim(self, name: str, side: str, size: int) -> int:
+        if isinstance(self.rank, float):
+            dim = max(1, math.ceil(self.rank * size))
+        else:
+            dim = self.rank
+            if dim > size:
+                raise ValueError(
+                    f"rank={dim} is larger than the {side} dim {size} of {name} allows. Use rank ≤ {size}, a fraction "
+                    f"such as rank=0.25, or raise min_dim / exclude_modules to skip that layer."
+                )
+        if self.density > dim:
+            raise ValueError(
+                f"density={self.density} is larger than the compressed {side} size {dim} of {name} allows (each "
+                f"column needs {self.density} distinct rows). Use density ≤ {dim} or a larger rank."
+            )
+        return dim
+
+    @property
+    def projected_layers(self) -> dict[str, ProjectedWeight]:
+        """The projected weights of the current fit, by module name."""
+        if self.offload_optimizer is None:
+            return {}
+        return {layer.name: layer for layer in self.offload_optimizer.projected_layers}
+
+    # ---------------------------------------------------------------------------------------------- training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
+            telemetry = self.offload_optimizer.telemetry
+            telemetry.device_state_bytes = self.offload_optimizer.device_state_bytes()
+            if self.lightning_module._trainer is not None:
+                self.lightning_module.log_dict(telemetry.metrics(), on_step=True, on_epoch=False, batch_size=1)
+        return output
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The base class would load and then move the state to the device; this state stays on the host.
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"Checkpoint holds {len(states)} optimizer states, this run has {len(self.optimizers)}.")
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        path = str(filepath)
+        if "://" in path:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        # Write beside the target, then rename: an interrupted save never leaves a half-written checkpoint.
+        partial = f"{path}.partial"
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+
+    @override
+    def teardown(self) -> None:
+        # Give the user back plain modules: after fit, forward and autograd behave as without the strategy.
+        if self.offload_optimizer is not None:
+            for layer in self.offload_optimizer.projected_layers:
+                layer.detach()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+class ZeroOffloadStrategy(LSPOffloadStrategy):
+    """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
+
+    Same machinery as :class:`LSPOffloadStrategy` with ``projection=False``; takes the same arguments except the
+    projection ones.
+    """
+
+    strategy_name = "zero_offload"
+
+    def __init__(self, device: torch.device | str | None = None, **kwargs: Any) -> None:
+        kwargs["projection"] = False
+        super().__init__(device, **kwargs)
+
+
+def _as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(inner, OffloadOptimizer):
+        raise TypeError(f"Expected the strategy's OffloadOptimizer, got {type(inner).__name__}.")
+    return inner
+
+
+def register_strategies() -> None:
+    """Register ``lsp_offload`` and ``zero_offload`` with Lightning (idempotent)."""
+    for strategy in (LSPOffloadStrategy, ZeroOffloadStrategy):
+        strategy.register_strategies(StrategyRegistry)

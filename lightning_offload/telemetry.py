@@ -1,0 +1,62 @@
+"""Per-step figures the offload strategies keep and hand to the trainer's loggers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepTelemetry:
+    """What one optimizer step cost.
+
+    Attributes:
+        bytes_device_to_host: gradient bytes copied over the link to the host.
+        bytes_host_to_device: update / parameter bytes copied back.
+        host_optimizer_seconds: wall time of the host Adam work (all host optimizers of the step).
+        skipped: 1.0 when the step was skipped for non-finite gradients, else 0.0.
+    """
+
+    bytes_device_to_host: float = 0.0
+    bytes_host_to_device: float = 0.0
+    host_optimizer_seconds: float = 0.0
+    skipped: float = 0.0
+
+
+@dataclass
+class OffloadTelemetry:
+    """Running figures of an offload optimizer; ``last`` is the latest step, the rest are totals or sizes.
+
+    Attributes:
+        last: the latest step's figures.
+        steps: optimizer steps taken (skipped ones excluded).
+        skipped_steps: steps skipped because a gradient was non-finite.
+        host_state_bytes: bytes of optimizer state held on the host (moments, fp32 masters, update buffers).
+        device_state_bytes: bytes of optimizer state found on the device — measured, expected to be 0.
+    """
+
+    last: StepTelemetry = field(default_factory=StepTelemetry)
+    steps: int = 0
+    skipped_steps: int = 0
+    host_state_bytes: int = 0
+    device_state_bytes: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Flat scalars for a logger, named ``offload/<figure>``."""
+        flat = {f"offload/{key}": float(value) for key, value in asdict(self.last).items()}
+        flat.update(
+            {
+                "offload/skipped_steps": float(self.skipped_steps),
+                "offload/host_state_bytes": float(self.host_state_bytes),
+                "offload/device_state_bytes": float(self.device_state_bytes),
+            }
+        )
+        return flat
+
+    def state_dict(self) -> dict[str, int]:
+        """Counters that a resumed run continues from."""
+        return {"steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Inverse of :meth:`state_dict`."""
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -1,0 +1,107 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from lightning_offload import ProjectedWeight, SparseProjector
+
+
+def _projectors(out_features, in_features, d_out=5, d_in=4, r=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (SparseProjector.random(out_features, d_out, r, generator=g),
+            SparseProjector.random(in_features, d_in, r, generator=g))
+
+
+def _math_weight(module):
+    return module.weight.t() if isinstance(module, Conv1D) else module.weight
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(12, 10), lambda: Conv1D(10, 12)], ids=["linear", "conv1d"])
+def test_backward_yields_exact_compressed_gradient_and_no_weight_grad(make):
+    torch.manual_seed(0)
+    plain = make()
+    projected = copy.deepcopy(plain)
+    keys = list(projected.state_dict())
+    a, b = _projectors(10, 12)
+    layer = ProjectedWeight("layer", projected, a, b)
+    assert list(projected.state_dict()) == keys
+
+    x = torch.randn(3, 7, 12)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_plain, y_proj = plain(x1), projected(x2)
+    torch.testing.assert_close(y_proj, y_plain)
+    grad_out = torch.randn_like(y_plain)
+    y_plain.backward(grad_out)
+    y_proj.backward(grad_out)
+
+    assert projected.weight.grad is None
+    torch.testing.assert_close(x2.grad, x1.grad)
+    torch.testing.assert_close(projected.bias.grad, plain.bias.grad)
+    full = _math_weight(plain).grad if not isinstance(plain, Conv1D) else plain.weight.grad.t()
+    expected = a.to_dense() @ full @ b.to_dense().t()
+    torch.testing.assert_close(layer.grad_buffer, expected)
+
+
+def test_compressed_gradients_accumulate_across_backward_passes():
+    torch.manual_seed(1)
+    module = nn.Linear(8, 6, bias=False)
+    a, b = _projectors(6, 8, 3, 3, 1)
+    layer = ProjectedWeight("m", module, a, b)
+    x1, x2 = torch.randn(4, 8), torch.randn(5, 8)
+    module(x1).sum().backward()
+    module(x2).sum().backward()
+    g = torch.ones(9, 6).t() @ torch.cat([x1, x2])
+    torch.testing.assert_close(layer.grad_buffer, a.to_dense() @ g @ b.to_dense().t())
+
+
+def test_layer_without_trainable_input_still_produces_its_compressed_gradient():
+    module = nn.Linear(8, 6, bias=False)
+    layer = ProjectedWeight("m", module, *_projectors(6, 8))
+    module(torch.randn(2, 8)).sum().backward()  # input needs no grad, no bias: only the projection needs backward
+    assert layer.has_grad and layer.grad_buffer.abs().sum() > 0
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(12, 10), lambda: Conv1D(10, 12)], ids=["linear", "conv1d"])
+def test_apply_update_adds_the_expanded_update_with_decay(make):
+    module = make()
+    a, b = _projectors(10, 12)
+    layer = ProjectedWeight("m", module, a, b)
+    before = _math_weight(module).detach().clone()
+    u = torch.randn(5, 4)
+    layer.apply_update(u, decay=0.9, stochastic_generator=None)
+    expected = before * 0.9 + a.to_dense().t() @ u @ b.to_dense()
+    torch.testing.assert_close(_math_weight(module).detach(), expected)
+
+
+def test_bf16_weights_receive_small_updates_on_average():
+    torch.manual_seed(2)
+    module = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        module.weight.fill_(1.0)
+    layer = ProjectedWeight("m", module, SparseProjector.signed_permutation(64), SparseProjector.signed_permutation(64))
+    u = torch.full((64, 64), 1e-3)  # far below half a bf16 ulp of 1.0 (2^-8): nearest rounding keeps 1.0
+    expected_total = layer.proj_out.to_dense().t() @ u @ layer.proj_in.to_dense()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        layer.apply_update(u, 1.0, generator)
+    drift = module.weight.float() - 1.0
+    # Each element moved by ±0.02 in expectation (signs from the permutations); averages over the ~2048 elements
+    # of each sign have a standard error of ~3e-4.
+    for sign in (1.0, -1.0):
+        mask = torch.sign(expected_total) == sign
+        torch.testing.assert_close(drift[mask].mean(), torch.tensor(sign * 0.02), atol=2e-3, rtol=0)
+
+
+def test_detach_restores_plain_forward():
+    module = nn.Linear(4, 3)
+    layer = ProjectedWeight("m", module, *_projectors(3, 4, 2, 2, 1))
+    layer.detach()
+    module(torch.randn(2, 4)).sum().backward()
+    assert module.weight.grad is not None
+
+
+def test_mismatched_projectors_are_refused():
+    with pytest.raises(ValueError, match=r"must compress \(10, 12\)"):
+        ProjectedWeight("m", nn.Linear(12, 10), *_projectors(12, 10))

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from lightning_offload import SparseProjector
+
+
+def test_random_projector_has_r_distinct_rows_per_column_and_unit_columns():
+    g = torch.Generator().manual_seed(0)
+    p = SparseProjector.random(300, 40, 6, generator=g)
+    assert p.indices.shape == (300, 6)
+    assert all(len(set(row.tolist())) == 6 for row in p.indices)
+    dense = p.to_dense()
+    assert ((dense != 0).sum(0) == 6).all()
+    torch.testing.assert_close(dense.pow(2).sum(0), torch.ones(300))
+
+
+def test_compress_and_expand_equal_dense_products():
+    g = torch.Generator().manual_seed(1)
+    p = SparseProjector.random(50, 12, 3, generator=g)
+    dense = p.to_dense()  # 12 × 50
+    x = torch.randn(7, 5, 50)
+    u = torch.randn(7, 12)
+    torch.testing.assert_close(p.compress(x), x @ dense.t())
+    torch.testing.assert_close(p.expand(u), u @ dense)
+
+
+def test_signed_permutation_is_orthogonal():
+    p = SparseProjector.signed_permutation(20, generator=torch.Generator().manual_seed(2))
+    dense = p.to_dense()
+    torch.testing.assert_close(dense.t() @ dense, torch.eye(20))
+    assert set(dense.abs().sum(0).tolist()) == {1.0}
+
+
+def test_same_seed_same_projector_and_state_dict_round_trip():
+    a = SparseProjector.random(64, 16, 4, generator=torch.Generator().manual_seed(3))
+    b = SparseProjector.random(64, 16, 4, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    c = SparseProjector.from_state_dict(a.state_dict())
+    torch.testing.assert_close(c.to_dense(), a.to_dense())
+
+
+@pytest.mark.parametrize(
+    "indices, values, dim_out, message",
+    [
+        (torch.tensor([[0, 0]]), torch.ones(1, 2), 4, "collide"),
+        (torch.tensor([[5]]), torch.ones(1, 1), 4, r"\[0, 4\)"),
+        (torch.tensor([[0, 1, 2]]), torch.ones(1, 3), 2, "r=3"),
+        (torch.tensor([[0]]), torch.ones(1, 2), 4, "same"),
+    ],
+)
+def test_invalid_projectors_are_refused(indices, values, dim_out, message):
+    with pytest.raises(ValueError, match=message):
+        SparseProjector(indices, values, dim_out)
+
+
+def test_density_larger_than_compressed_size_is_refused():
+    with pytest.raises(ValueError, match="density r=9"):
+        SparseProjector.random(32, 8, 9)

@@ -1,0 +1,132 @@
+"""Small LightningModules and data shared by the strategy tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+def adamw_factory(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+class TinyClassifier(pl.LightningModule):
+    """Linear → GELU → LayerNorm → Linear → GELU → head, with biases: projected and dense parameters both.
+
+    Two param groups with different hyper-parameters: weights (rank ≥ 2) and the rest.
+    """
+
+    def __init__(
+        self,
+        optimizer_factory: OptimizerFactory = adamw_factory,
+        group_overrides: tuple[dict[str, Any], dict[str, Any]] = ({}, {"lr": 3e-3, "weight_decay": 0.0}),
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        seed: int = 0,
+        in_dim: int = 16,
+        hidden: int = 32,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Sequential(
+            nn.Linear(in_dim, hidden), nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, 24), nn.GELU()
+        )
+        self.head = nn.Linear(24, 8)
+        self.optimizer_factory = optimizer_factory
+        self.group_overrides = group_overrides
+        self.scheduler = scheduler
+        self.losses: list[float] = []
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).float(), y)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        weights = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": weights, **self.group_overrides[0]}, {"params": rest, **self.group_overrides[1]}]
+        optimizer = self.optimizer_factory(groups)
+        if self.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler(optimizer), "interval": "step"}}
+
+
+def classification_data(n: int = 64, in_dim: int = 16, batch_size: int = 8, seed: int = 1) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_dim, generator=generator)
+    y = torch.randint(0, 8, (n,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, **defaults)
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().clone() for name, p in module.named_parameters()}
+
+
+class TinyCausalLM(pl.LightningModule):
+    """Wraps a tiny Hugging Face causal LM with the usual AdamW; the tests' stand-in for a real fine-tune."""
+
+    def __init__(self, model: nn.Module, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def tiny_hf_model(kind: str, seed: int = 0) -> nn.Module:
+    """A randomly initialised 2-layer LLaMA or GPT-2 (GPT-2 uses Hugging Face's transposed Conv1D)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return LlamaForCausalLM(config)
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    return GPT2LMHeadModel(config)
+
+
+def token_data(n: int = 32, length: int = 16, batch_size: int = 4, seed: int = 0) -> DataLoader:
+    """Sequences with structure to learn: each is an arithmetic progression of tokens mod 64."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, 64, (n, 1), generator=generator)
+    stride = torch.randint(1, 4, (n, 1), generator=generator)
+    ids = (start + stride * torch.arange(length)) % 64
+    return DataLoader(TensorDataset(ids), batch_size=batch_size, shuffle=False)
