@@ -3,13 +3,8 @@
 import pytest
 import torch
 
-from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, signed_permutation_projector
-from tiny_modules import TinyClassifier, classification_data, params_of, trainer
-
-
-def lossless_lsp(**kwargs):
-    """Signed-permutation projectors: LSP must reproduce plain Adam exactly (Adam is elementwise)."""
-    return LSPOffloadStrategy(rank=1.0, density=1, min_dim=16, projector_factory=signed_permutation_projector, **kwargs)
+from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from tiny_modules import TinyClassifier, classification_data, lossless_lsp, params_of, trainer
 
 
 STRATEGIES = {"lsp": lossless_lsp, "zero": lambda: ZeroOffloadStrategy()}

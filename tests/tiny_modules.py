@@ -87,6 +87,13 @@ def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, **defaults)
 
 
+def lossless_lsp(**kwargs: Any) -> Any:
+    """LSP with signed-permutation projectors: it must reproduce plain Adam exactly (Adam is elementwise)."""
+    from lightning_offload import LSPOffloadStrategy, signed_permutation_projector
+
+    return LSPOffloadStrategy(rank=1.0, density=1, min_dim=16, projector_factory=signed_permutation_projector, **kwargs)
+
+
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().clone() for name, p in module.named_parameters()}
 

@@ -1,0 +1,74 @@
+"""Bad input gets a clear error naming the bad value and the fix."""
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_offload import LSPOffloadStrategy
+from tiny_modules import TinyClassifier, classification_data, trainer
+
+
+def _fit(strategy, module=None, **kwargs):
+    trainer(strategy, max_steps=1, **kwargs).fit(module or TinyClassifier(), classification_data())
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(rank=64, min_dim=16), r"rank=64 is larger than the output dim 32 of body.0"),
+        (dict(rank=4, density=8, min_dim=16), r"density=8 is larger than the compressed output size 4 of body.0"),
+        (dict(target_modules=["attention"]), r"'attention' matches no trainable Linear/Conv1D"),
+        (dict(exclude_modules=["nope"], min_dim=16), r"'nope' matches no trainable"),
+    ],
+)
+def test_projection_settings_that_do_not_fit_the_model(settings, message):
+    with pytest.raises(ValueError, match=message):
+        _fit(LSPOffloadStrategy(**settings))
+
+
+@pytest.mark.parametrize(
+    "settings, error, message",
+    [
+        (dict(rank=1.5), ValueError, r"rank=1.5 as a fraction"),
+        (dict(rank=0), ValueError, r"rank=0 must be at least 1"),
+        (dict(rank="big"), TypeError, r"rank must be an int"),
+        (dict(density=0), ValueError, r"density must be a positive int"),
+        (dict(on_nonfinite="ignore"), ValueError, r"on_nonfinite must be 'skip' or 'raise', got 'ignore'"),
+    ],
+)
+def test_invalid_strategy_arguments(settings, error, message):
+    with pytest.raises(error, match=message):
+        LSPOffloadStrategy(**settings)
+
+
+def test_several_optimizers_are_refused():
+    class TwoOptimizers(TinyClassifier):
+        # Lightning itself refuses several optimizers under automatic optimization; manual optimization reaches us.
+        automatic_optimization = False
+
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.body.parameters()), torch.optim.AdamW(self.head.parameters())]
+
+    with pytest.raises(ValueError, match="returned 2. Return a single optimizer"):
+        _fit("lsp_offload", TwoOptimizers())
+
+
+@pytest.mark.parametrize("strategy", ["lsp_offload", "zero_offload"])
+def test_unsupported_optimizer_class_is_refused(strategy):
+    module = TinyClassifier(optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=0.1))
+    with pytest.raises(TypeError, match=r"torch.optim.sgd.SGD. Return torch.optim.AdamW"):
+        _fit(strategy, module)
+
+
+@pytest.mark.parametrize("precision, message", [("16-true", "bf16-true"), ("64-true", "32-true, bf16-mixed, bf16-true")])
+def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision, message):
+    with pytest.raises(ValueError, match=rf"does not support precision='{precision}'.*{message}"):
+        trainer("lsp_offload", precision=precision)
+
+
+def test_fp16_mixed_precision_is_refused_with_the_reason():
+    # On a CPU the Trainer itself turns '16-mixed' into 'bf16-mixed', so hand the plugin over directly, as the
+    # accelerator connector does on a GPU.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"precision='16-mixed'.*param.grad.*Use precision='bf16-mixed'"):
+        LSPOffloadStrategy().precision_plugin = plugin
