@@ -18,10 +18,20 @@ def test_compress_and_expand_equal_dense_products():
     g = torch.Generator().manual_seed(1)
     p = SparseProjector.random(50, 12, 3, generator=g)
     dense = p.to_dense()  # 12 × 50
-    x = torch.randn(7, 5, 50)
-    u = torch.randn(7, 12)
-    torch.testing.assert_close(p.compress(x), x @ dense.t())
-    torch.testing.assert_close(p.expand(u), u @ dense)
+    x = torch.randn(50, 7)
+    u = torch.randn(12, 7)
+    torch.testing.assert_close(p.compress_rows(x), dense @ x)
+    torch.testing.assert_close(p.compress_rows(x.t().contiguous().t()), dense @ x)  # strided input
+    torch.testing.assert_close(p.compress_rows(x.bfloat16()), dense @ x.bfloat16().float())
+    torch.testing.assert_close(p.expand_rows(u), dense.t() @ u)
+
+
+def test_compress_follows_in_place_edits_of_the_values():
+    p = SparseProjector.random(30, 10, 2, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(30, 3)
+    p.compress_rows(x)
+    p.values.mul_(2.0)  # e.g. a fit editing the values in place
+    torch.testing.assert_close(p.compress_rows(x), p.to_dense() @ x)
 
 
 def test_signed_permutation_is_orthogonal():

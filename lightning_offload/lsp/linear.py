@@ -93,9 +93,10 @@ class ProjectedWeight:
 
     def compress_weight(self) -> Tensor:
         """``A W Bᵀ`` in fp32: the compressed image of the weight, for Adam's coupled (L2) weight decay."""
-        weight = self.weight.detach().float()
-        weight = weight.t() if self.transposed else weight
-        return self.proj_out.compress(self.proj_in.compress(weight).t()).t()
+        weight = self.weight.detach()
+        weight = weight.t() if self.transposed else weight  # o × i
+        out_compressed = self.proj_out.compress_rows(weight)  # d_o × i
+        return self.proj_in.compress_rows(out_compressed.t()).t()  # d_o × d_i
 
     @torch.no_grad()
     def apply_update(self, update: Tensor, decay: float, stochastic_generator: torch.Generator | None) -> None:
@@ -106,10 +107,10 @@ class ProjectedWeight:
             decay: the decoupled weight-decay factor ``1 − lr·wd`` (1.0 for none).
             stochastic_generator: generator for stochastic rounding of low-precision weights; ignored for fp32.
         """
-        # U B: expand the input side of every row of U (d_o × i), then Aᵀ (U B): expand the output side of every
-        # column; expanding along the last dim of the transpose gives the i × o layout Conv1D stores directly.
-        delta_t = self.proj_out.expand(self.proj_in.expand(update.float()).t())  # i × o
-        delta = delta_t if self.transposed else delta_t.t()
+        # (U B)ᵀ = Bᵀ Uᵀ and Aᵀ (U B) are both row gathers, the contiguous (fast) direction.
+        update_b_t = self.proj_in.expand_rows(update.float().t().contiguous())  # i × d_o
+        delta = self.proj_out.expand_rows(update_b_t.t().contiguous())  # o × i
+        delta = delta.t() if self.transposed else delta
         weight = self.weight
         if weight.dtype == torch.float32:
             if decay != 1.0:
@@ -144,7 +145,7 @@ def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
 
 
 class _ProjectedLinearFunction(torch.autograd.Function):
-    """``y = x Wᵀ + b`` whose backward accumulates ``S = (Δ Aᵀ)ᵀ (X Bᵀ)`` instead of returning ``∂L/∂W``."""
+    """``y = x Wᵀ + b`` whose backward accumulates ``S = (A Δᵀ)(B Xᵀ)ᵀ`` instead of returning ``∂L/∂W``."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, state: ProjectedWeight) -> Tensor:
@@ -157,8 +158,10 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             w_math = w_c.t() if state.transposed else w_c  # o × i
             b_c = bias.to(dtype) if bias is not None else None
             out = F.linear(x_c, w_math, b_c)
-            # Keep only X Bᵀ for the weight gradient: d_i numbers per token instead of i.
-            x_proj = state.proj_in.compress(x_c.detach()) if weight.requires_grad else None
+            # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i (fp32, d_i × tokens).
+            x_proj = None
+            if weight.requires_grad:
+                x_proj = state.proj_in.compress_rows(x_c.detach().reshape(-1, x_c.shape[-1]).t())
         ctx.state = state
         ctx.has_bias = bias is not None
         ctx.save_for_backward(w_c, x_proj)
@@ -174,10 +177,9 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             w_math = w_c.t() if state.transposed else w_c
             grad_x = grad_out @ w_math
         if x_proj is not None:
-            # Flatten tokens; S = (Δ Aᵀ)ᵀ (X Bᵀ) with fp32 accumulation regardless of the compute dtype.
-            delta_proj = state.proj_out.compress(grad_out).reshape(-1, state.proj_out.dim_out)
-            x_flat = x_proj.reshape(-1, state.proj_in.dim_out)
-            state.accumulate(torch.matmul(delta_proj.t(), x_flat).float())
+            # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype.
+            delta_proj = state.proj_out.compress_rows(grad_out.reshape(-1, grad_out.shape[-1]).t())  # d_o × T
+            state.accumulate(delta_proj @ x_proj.t())
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)

@@ -2,12 +2,14 @@
 
 A projector ``P`` maps a dimension of size ``n`` to a compressed dimension of size ``d`` (``P`` is ``d × n``).
 Column ``j`` of ``P`` holds ``r`` nonzeros at the distinct rows ``indices[j, :]`` with weights
-``values[j, :]``. It is never densified: :meth:`SparseProjector.compress` scatters (``x ↦ P x`` along the last
-dimension) and :meth:`SparseProjector.expand` gathers (``u ↦ Pᵀ u``), both in ``O(n · r)`` work per row.
+``values[j, :]``. It is never densified: :meth:`SparseProjector.compress_rows` (``M ↦ P M``) is a sparse CSR
+product and :meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) is ``r`` row gathers, both ``O(n · r)`` work per
+column of ``M``. Both act on rows, the contiguous direction, which is what makes them fast.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -117,22 +119,38 @@ class SparseProjector:
         """``r``, nonzeros per column."""
         return self.indices.shape[1]
 
-    def compress(self, x: Tensor) -> Tensor:
-        """Return ``x Pᵀ``: maps ``(..., n)`` to ``(..., d)`` by a scatter-add per nonzero slot."""
-        values = self.values.to(x.dtype)
-        out = x.new_zeros(*x.shape[:-1], self.dim_out)
-        # One index_add per slot keeps the transient at one copy of x instead of r copies.
-        for k in range(self.nnz_per_column):
-            out.index_add_(-1, self.indices[:, k], x * values[:, k])
+    def compress_rows(self, matrix: Tensor) -> Tensor:
+        """Return ``P · matrix``: maps ``(n, m)`` to ``(d, m)`` in fp32 by a sparse (CSR) matrix product.
+
+        The sparse product reads each input row ``r`` times and never materialises ``P`` densely; it runs in fp32
+        because CPU sparse kernels have no bf16 path (the result is small: ``d`` rows).
+        """
+        return torch.sparse.mm(self._csr(), matrix.float())
+
+    def expand_rows(self, matrix: Tensor) -> Tensor:
+        """Return ``Pᵀ · matrix``: maps ``(d, m)`` to ``(n, m)`` by ``r`` contiguous row gathers."""
+        values = self.values.to(matrix.dtype).unsqueeze(1)
+        out = matrix.index_select(0, self.indices[:, 0]) * values[:, :, 0]
+        for k in range(1, self.nnz_per_column):
+            out.add_(matrix.index_select(0, self.indices[:, k]) * values[:, :, k])
         return out
 
-    def expand(self, u: Tensor) -> Tensor:
-        """Return ``u P``: maps ``(..., d)`` to ``(..., n)`` by a gather per nonzero slot."""
-        values = self.values.to(u.dtype)
-        out = u.index_select(-1, self.indices[:, 0]) * values[:, 0]
-        for k in range(1, self.nnz_per_column):
-            out.add_(u.index_select(-1, self.indices[:, k]) * values[:, k])
-        return out
+    def _csr(self) -> Tensor:
+        # The CSR form is derived from (indices, values); rebuilt when either is replaced or edited in place.
+        key = (self.indices.data_ptr(), self.indices._version, self.values.data_ptr(), self.values._version)
+        if getattr(self, "_csr_key", None) != key:
+            n, r = self.indices.shape
+            columns = torch.arange(n, device=self.indices.device).repeat_interleave(r)
+            coo = torch.sparse_coo_tensor(
+                torch.stack([self.indices.reshape(-1), columns]),
+                self.values.detach().float().reshape(-1),
+                (self.dim_out, n),
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product used here is stable
+                self._csr_matrix = coo.coalesce().to_sparse_csr()
+            self._csr_key = key
+        return self._csr_matrix
 
     def to_dense(self) -> Tensor:
         """The ``d × n`` matrix; for tests and diagnostics only, never on the training path."""

