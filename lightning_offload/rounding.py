@@ -30,10 +30,12 @@ def stochastic_round_to_bf16(value: Tensor, generator: torch.Generator | None = 
         raise TypeError(f"stochastic_round_to_bf16 expects fp32 input, got {value.dtype}.")
     bits = value.contiguous().view(torch.int32)
     noise = torch.randint(0, _LOW_BITS, bits.shape, generator=generator, device=bits.device, dtype=torch.int32)
-    rounded = (bits + noise).bitwise_and_(_HIGH_MASK).view(torch.float32)
-    # Values at the top of the finite range can carry into inf; those and inf/nan take plain rounding instead.
-    rounded = torch.where(torch.isfinite(rounded) & torch.isfinite(value), rounded, value)
-    return rounded.to(torch.bfloat16)
+    noise.add_(bits).bitwise_and_(_HIGH_MASK)
+    rounded = noise.view(torch.float32)
+    # Values at the top of the finite range can carry into inf, and inf/nan inputs must keep their class: those
+    # take plain rounding instead. (Integer wrap-around only reaches NaN bit patterns, which isnan catches.)
+    keep = torch.isfinite(rounded).logical_and_(~torch.isnan(value))
+    return torch.where(keep, rounded, value).to(torch.bfloat16)
 
 
 def copy_stochastic_rounded_(target: Tensor, value: Tensor, generator: torch.Generator | None = None) -> None:

@@ -72,7 +72,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         *,
         projection: bool = True,
         rank: int | float = 0.25,
-        density: int = 4,
+        density: int = 8,
         min_dim: int = 128,
         target_modules: Sequence[str] | None = None,
         exclude_modules: Sequence[str] = (),

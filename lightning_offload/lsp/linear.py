@@ -107,9 +107,9 @@ class ProjectedWeight:
             decay: the decoupled weight-decay factor ``1 − lr·wd`` (1.0 for none).
             stochastic_generator: generator for stochastic rounding of low-precision weights; ignored for fp32.
         """
-        # (U B)ᵀ = Bᵀ Uᵀ and Aᵀ (U B) are both row gathers, the contiguous (fast) direction.
-        update_b_t = self.proj_in.expand_rows(update.float().t().contiguous())  # i × d_o
-        delta = self.proj_out.expand_rows(update_b_t.t().contiguous())  # o × i
+        # (U B)ᵀ = Bᵀ Uᵀ, then Aᵀ (U B): two sparse products, O((o + d_o)·i·r) work.
+        update_b_t = self.proj_in.expand_rows(update.float().t())  # i × d_o
+        delta = self.proj_out.expand_rows(update_b_t.t())  # o × i
         delta = delta.t() if self.transposed else delta
         weight = self.weight
         if weight.dtype == torch.float32:

@@ -2,9 +2,11 @@
 
 A projector ``P`` maps a dimension of size ``n`` to a compressed dimension of size ``d`` (``P`` is ``d × n``).
 Column ``j`` of ``P`` holds ``r`` nonzeros at the distinct rows ``indices[j, :]`` with weights
-``values[j, :]``. It is never densified: :meth:`SparseProjector.compress_rows` (``M ↦ P M``) is a sparse CSR
-product and :meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) is ``r`` row gathers, both ``O(n · r)`` work per
-column of ``M``. Both act on rows, the contiguous direction, which is what makes them fast.
+``values[j, :]``. It is never densified: :meth:`SparseProjector.compress_rows` (``M ↦ P M``) and
+:meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) are sparse CSR products, ``O(n · r)`` work per column of ``M``.
+On this project's 2-core CPU they beat per-slot scatter/gather kernels along the last dimension by 5–20× (row
+layouts are contiguous; MKL's sparse kernels are multi-threaded), and they equal a dense product up to
+summation order.
 """
 
 from __future__ import annotations
@@ -128,29 +130,30 @@ class SparseProjector:
         return torch.sparse.mm(self._csr(), matrix.float())
 
     def expand_rows(self, matrix: Tensor) -> Tensor:
-        """Return ``Pᵀ · matrix``: maps ``(d, m)`` to ``(n, m)`` by ``r`` contiguous row gathers."""
-        values = self.values.to(matrix.dtype).unsqueeze(1)
-        out = matrix.index_select(0, self.indices[:, 0]) * values[:, :, 0]
-        for k in range(1, self.nnz_per_column):
-            out.add_(matrix.index_select(0, self.indices[:, k]) * values[:, :, k])
-        return out
+        """Return ``Pᵀ · matrix``: maps ``(d, m)`` to ``(n, m)`` in fp32 by a sparse (CSR) matrix product."""
+        return torch.sparse.mm(self._csr(transposed=True), matrix.float())
 
-    def _csr(self) -> Tensor:
-        # The CSR form is derived from (indices, values); rebuilt when either is replaced or edited in place.
+    def _csr(self, transposed: bool = False) -> Tensor:
+        """``P`` (``d × n``) or ``Pᵀ`` (``n × d``) in CSR form, derived from (indices, values) and cached until
+        either is replaced or edited in place."""
         key = (self.indices.data_ptr(), self.indices._version, self.values.data_ptr(), self.values._version)
         if getattr(self, "_csr_key", None) != key:
             n, r = self.indices.shape
+            rows = self.indices.reshape(-1)
             columns = torch.arange(n, device=self.indices.device).repeat_interleave(r)
-            coo = torch.sparse_coo_tensor(
-                torch.stack([self.indices.reshape(-1), columns]),
-                self.values.detach().float().reshape(-1),
-                (self.dim_out, n),
-            )
+            values = self.values.detach().float().reshape(-1)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product used here is stable
-                self._csr_matrix = coo.coalesce().to_sparse_csr()
+                self._csr_forms = (
+                    torch.sparse_coo_tensor(torch.stack([rows, columns]), values, (self.dim_out, n))
+                    .coalesce()
+                    .to_sparse_csr(),
+                    torch.sparse_coo_tensor(torch.stack([columns, rows]), values, (n, self.dim_out))
+                    .coalesce()
+                    .to_sparse_csr(),
+                )
             self._csr_key = key
-        return self._csr_matrix
+        return self._csr_forms[1 if transposed else 0]
 
     def to_dense(self) -> Tensor:
         """The ``d × n`` matrix; for tests and diagnostics only, never on the training path."""

@@ -1,0 +1,207 @@
+"""The main job: fine-tune the embedded SmolLM2-135M on World English Bible text with an offload strategy.
+
+``python -m lightning_offload.finetune`` (or ``lightning-offload-finetune``) evaluates the held-out loss, trains a
+bounded number of steps with ``lsp_offload`` and evaluates again, printing a summary. The same function,
+:func:`run_finetune`, drives the side-by-side benchmark in ``scripts/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_offload  # noqa: F401  (registers the strategy names)
+from lightning_offload.data.bible import BibleLMDataModule
+from lightning_offload.models.smollm2 import load_smollm2
+from lightning_offload.module import CausalLMModule
+from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
+
+STRATEGIES = ("lsp_offload", "zero_offload", "none")
+
+
+@dataclass
+class FinetuneConfig:
+    """Settings of one fine-tuning run (defaults: the README's main job, ~10 minutes on a 2-core CPU)."""
+
+    strategy: str = "lsp_offload"
+    steps: int = 60
+    batch_size: int = 4
+    block_size: int = 128
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    precision: str = "bf16-mixed"
+    rank: float = 0.25
+    density: int = 8
+    eval_blocks: int = 32
+    seed: int = 0
+    log_every_n_steps: int = 10
+
+
+@dataclass
+class FinetuneResult:
+    """What a run measured."""
+
+    config: FinetuneConfig
+    eval_loss_before: float
+    eval_loss_after: float
+    step_seconds: list[float] = field(default_factory=list)
+    bytes_device_to_host_per_step: float = 0.0
+    bytes_host_to_device_per_step: float = 0.0
+    host_optimizer_seconds_per_step: float = 0.0
+    host_state_bytes: float = 0.0
+    device_state_bytes: float = 0.0
+    trainable_parameters: int = 0
+    projected_layers: int = 0
+
+    @property
+    def median_step_seconds(self) -> float:
+        """Median wall time of a training step, first two steps (warm-up) excluded."""
+        steps = self.step_seconds[2:] or self.step_seconds
+        return statistics.median(steps) if steps else float("nan")
+
+    def summary(self) -> str:
+        """Human-readable lines."""
+        mib = 1024**2
+        return "\n".join(
+            [
+                f"strategy            {self.config.strategy} (precision {self.config.precision})",
+                f"trainable params    {self.trainable_parameters:,} ({self.projected_layers} projected layers)",
+                f"eval loss           {self.eval_loss_before:.4f} -> {self.eval_loss_after:.4f}",
+                f"median step time    {self.median_step_seconds:.2f} s over {len(self.step_seconds)} steps",
+                f"link bytes / step   {self.bytes_device_to_host_per_step / mib:.1f} MiB to host, "
+                f"{self.bytes_host_to_device_per_step / mib:.1f} MiB to device",
+                f"host optimizer      {self.host_optimizer_seconds_per_step * 1e3:.0f} ms / step, state "
+                f"{self.host_state_bytes / mib:.0f} MiB on host, {self.device_state_bytes / mib:.0f} MiB on device",
+            ]
+        )
+
+
+class _StepTimer(pl.Callback):
+    """Wall time of every training batch, optimizer step included; and running telemetry sums."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.telemetry: list[dict[str, float]] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
+        if optimizer is not None:
+            self.telemetry.append(optimizer.telemetry.metrics())
+
+
+def build_strategy(config: FinetuneConfig) -> Any:
+    """The strategy object (or name) a config asks for."""
+    if config.strategy == "lsp_offload":
+        return LSPOffloadStrategy(rank=config.rank, density=config.density, seed=config.seed)
+    if config.strategy == "zero_offload":
+        return ZeroOffloadStrategy(seed=config.seed)
+    if config.strategy == "none":
+        return "auto"
+    raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
+
+
+def _trainer(config: FinetuneConfig, strategy: Any, steps: int, callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="auto",
+        devices=1,
+        precision=config.precision,
+        max_steps=steps,
+        limit_val_batches=config.eval_blocks // config.batch_size or 1,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=config.log_every_n_steps,
+        callbacks=list(callbacks),
+    )
+
+
+def _validate(config: FinetuneConfig, module: CausalLMModule, data: BibleLMDataModule) -> float:
+    (metrics,) = _trainer(config, "auto", 0).validate(module, datamodule=data, verbose=False)
+    return float(metrics["val/loss"])
+
+
+def run_finetune(config: FinetuneConfig) -> FinetuneResult:
+    """Evaluate, fine-tune ``config.steps`` steps, evaluate again; return the measurements."""
+    if config.strategy not in STRATEGIES:
+        raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
+    pl.seed_everything(config.seed, workers=True, verbose=False)
+    model, tokenizer = load_smollm2()
+    module = CausalLMModule(model, lr=config.lr, weight_decay=config.weight_decay)
+    data = BibleLMDataModule(
+        tokenizer,
+        block_size=config.block_size,
+        batch_size=config.batch_size,
+        max_val_blocks=config.eval_blocks,
+        seed=config.seed,
+    )
+    before = _validate(config, module, data)
+    timer = _StepTimer()
+    strategy = build_strategy(config)
+    _trainer(config, strategy, config.steps, [timer]).fit(module, datamodule=data)
+    after = _validate(config, module, data)
+
+    result = FinetuneResult(
+        config=config,
+        eval_loss_before=before,
+        eval_loss_after=after,
+        step_seconds=timer.seconds,
+        trainable_parameters=sum(p.numel() for p in module.parameters() if p.requires_grad),
+    )
+    if timer.telemetry:
+        def mean(key: str) -> float:
+            return statistics.fmean(t[f"offload/{key}"] for t in timer.telemetry)
+
+        result.bytes_device_to_host_per_step = mean("bytes_device_to_host")
+        result.bytes_host_to_device_per_step = mean("bytes_host_to_device")
+        result.host_optimizer_seconds_per_step = statistics.median(
+            t["offload/host_optimizer_seconds"] for t in timer.telemetry
+        )
+        result.host_state_bytes = timer.telemetry[-1]["offload/host_state_bytes"]
+        result.device_state_bytes = timer.telemetry[-1]["offload/device_state_bytes"]
+        result.projected_layers = len(strategy.offload_optimizer.projected_layers)
+    else:
+        # Plain AdamW: the whole model's gradients and Adam state stay on the device; nothing crosses a link.
+        result.device_state_bytes = float(
+            sum(t.numel() * t.element_size() for s in module.trainer.optimizers[0].state.values()
+                for t in s.values() if torch.is_tensor(t))
+        )
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> FinetuneConfig:
+    """Command-line flags for every :class:`FinetuneConfig` field."""
+    defaults = FinetuneConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
+    for name, value in asdict(defaults).items():
+        if name != "strategy":
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    return FinetuneConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv: Sequence[str] | None = None) -> FinetuneResult:
+    """Entry point of ``python -m lightning_offload.finetune``."""
+    config = parse_args(argv)
+    result = run_finetune(config)
+    print("\n" + result.summary())
+    return result
+
+
+if __name__ == "__main__":
+    main()
