@@ -153,6 +153,12 @@ class OffloadOptimizer(Optimizer):
             # Weight decay of projected weights is applied to W on the device (decoupled) or added to S on the device
             # (coupled L2), never to Z, whose value is only the step's update.
             projected_groups.append({"params": z_params, **hparams, "weight_decay": 0.0})
+        if by_param:
+            names = ", ".join(layer.name for layer in by_param.values())
+            raise ValueError(
+                f"Projected layers {names} have weights that the optimizer does not train; their compressed "
+                f"gradients would never be stepped. Add their weights to the optimizer or do not project them."
+            )
         self.projected_layers = [slot.layer for slot in self.projected_slots]
         self.host_dense = self._host_adam(dense_groups)
         self.host_projected = self._host_adam(projected_groups)

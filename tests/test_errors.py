@@ -72,3 +72,14 @@ def test_fp16_mixed_precision_is_refused_with_the_reason():
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match=r"precision='16-mixed'.*param.grad.*Use precision='bf16-mixed'"):
         LSPOffloadStrategy().precision_plugin = plugin
+
+
+def test_projected_weight_outside_the_optimizer_is_refused():
+    from torch import nn
+
+    from lightning_offload import OffloadOptimizer, ProjectedWeight, SparseProjector
+
+    layer = nn.Linear(8, 8)
+    projected = ProjectedWeight("layer", layer, SparseProjector.random(8, 4, 2), SparseProjector.random(8, 4, 2))
+    with pytest.raises(ValueError, match="Projected layers layer have weights that the optimizer does not train"):
+        OffloadOptimizer(torch.optim.AdamW([layer.bias]), [projected], torch.device("cpu"))

@@ -125,3 +125,14 @@ def test_non_finite_gradients_can_stop_training():
 
 def _host_state(optimizer):
     return [t.clone() for t in optimizer._state_tensors()]
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_and_accumulation_under_bf16_true(algorithm):
+    module = TinyCausalLM(tiny_hf_model("gpt2"))
+    strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
+    trainer(strategy, max_steps=12, precision="bf16-true", accumulate_grad_batches=2, gradient_clip_val=0.5,
+            gradient_clip_algorithm=algorithm).fit(module, token_data(n=96))
+    assert strategy.offload_optimizer.telemetry.steps == 12
+    assert sum(module.losses[-6:]) < sum(module.losses[:6])
+    assert all(torch.isfinite(p).all() for p in module.parameters())

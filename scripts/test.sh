@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: install, then run the whole test suite (CPU, ~2 minutes after installing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+. .venv/bin/activate
+python -m pytest -q -p no:cacheprovider "$@"
