@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -27,13 +28,15 @@ from torch.optim import Optimizer
 
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.pipeline import HostWorker, Job, Link, StepTimeline, TimelineRecorder
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 # Hyper-parameters copied from each user group into the host optimizers' groups before every step.
 _SYNCED_HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 NonFinitePolicy = Literal["skip", "raise"]
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2
+LINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -41,23 +44,36 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 @dataclass
-class _DenseSlot:
-    """A non-projected parameter and its fp32 host master."""
+class _Slot:
+    """One offloaded tensor: a projected weight (host variable ``Z``) or a dense parameter (host fp32 master).
 
+    The per-step fields track it through the pipeline: gradient sent (event), host job, update sent (event), applied.
+    """
+
+    name: str
     param: Tensor
-    master: Tensor
-    grad_buffer: Tensor
-
-
-@dataclass
-class _ProjectedSlot:
-    """A projected weight, its host optimisation variable ``Z`` (zeroed every step, so after a step ``Z = U``),
-    the host landing buffer for ``S``, and its param group."""
-
-    layer: ProjectedWeight
-    z: Tensor
-    grad_buffer: Tensor
     group: dict[str, Any]
+    host_param: Tensor
+    host_grad: Tensor
+    adam: torch.optim.Adam
+    layer: ProjectedWeight | None = None
+    device_update: Tensor | None = None
+    host_update: Tensor | None = None
+    host_l2: Tensor | None = None
+    generator: torch.Generator | None = None
+    # Per step:
+    sent_round: int = -1
+    sent_version: int = -1
+    to_host_event: Any = None
+    grad_ref: Tensor | None = None
+    job: Job | None = None
+    to_device_event: Any = None
+    decay: float = 1.0
+    pending: bool = False
+
+    @property
+    def projected(self) -> bool:
+        return self.layer is not None
 
 
 def _is_decoupled(optimizer: Optimizer, group: dict[str, Any]) -> bool:
@@ -87,22 +103,33 @@ def validate_user_optimizer(optimizer: Any) -> Optimizer:
     return inner
 
 
-def _pinned_zeros(shape: Sequence[int], pin: bool) -> Tensor:
+def _pinned_zeros(shape: Sequence[int], pin: bool, dtype: torch.dtype = torch.float32) -> Tensor:
     # Pinned host memory lets device↔host copies run by DMA (and asynchronously); pinned pages are only worth it
-    # when there is a CUDA device on the other end of the link.
-    return torch.zeros(tuple(shape), dtype=torch.float32, pin_memory=pin)
+    # when there is a CUDA device on the other end of the link. Preallocated once: a fresh host allocation costs
+    # several times a copy into an existing buffer.
+    return torch.zeros(tuple(shape), dtype=dtype, pin_memory=pin)
 
 
 class OffloadOptimizer(Optimizer):
-    """Adam/AdamW whose state and arithmetic live on the host.
+    """Adam/AdamW whose state and arithmetic live on the host, stepped tensor by tensor through a pipeline.
+
+    Each offloaded tensor's gradient goes device→host as soon as backward has produced it (last micro-batch
+    only), a host worker thread runs its Adam step, and its update comes back; the device applies it right before
+    the owning module's next forward (a forward pre-hook). With ``pipelined=False`` every update is applied before
+    :meth:`step` returns; both modes run the same arithmetic, so their results are identical.
 
     Args:
         optimizer: the user's ``torch.optim.Adam``/``AdamW``; its ``param_groups`` are shared, never copied.
         projected: the projected weights; each weight that appears in ``optimizer`` takes the compressed path.
         device: the training device (where parameters and ``S`` buffers live).
+        model: the module holding the parameters; needed for ``pipelined=True`` (its forward pre-hooks apply
+            updates just in time).
+        pipelined: defer each update to its module's next forward (``True``) or apply all in :meth:`step`.
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients crossing to the host and compressed updates crossing
+            back (dense parameters always come back in their own dtype, exactly).
         on_nonfinite: ``"skip"`` skips a step whose gradients hold inf/nan (counted in telemetry); ``"raise"``
             raises :class:`NonFiniteGradientError`. Either way the host state is untouched.
-        rounding_seed: seed of the generator used for stochastic rounding of low-precision projected weights.
+        rounding_seed: seed of the per-tensor generators used for stochastic rounding of low-precision weights.
     """
 
     def __init__(
@@ -110,71 +137,129 @@ class OffloadOptimizer(Optimizer):
         optimizer: Optimizer,
         projected: Iterable[ProjectedWeight],
         device: torch.device,
+        model: torch.nn.Module | None = None,
+        pipelined: bool = False,
+        link_dtype: str = "fp32",
         on_nonfinite: NonFinitePolicy = "skip",
         rounding_seed: int = 0,
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
+        if link_dtype not in LINK_DTYPES:
+            raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {link_dtype!r}.")
+        if pipelined and model is None:
+            raise ValueError("pipelined=True needs the model, whose forward pre-hooks apply the updates.")
         # Optimizer.__init__ appends the very dicts it is given, so the groups are shared with the user's optimizer
         # (and with any scheduler attached to it); the list itself is shared below as well.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.wrapped = optimizer
         self.device = torch.device(device)
+        self.pipelined = pipelined
+        self.link_dtype = LINK_DTYPES[link_dtype]
         self.on_nonfinite = on_nonfinite
         self.telemetry = OffloadTelemetry()
-        self._rounding_generator = torch.Generator(device=self.device)
-        self._rounding_generator.manual_seed(rounding_seed)
-        self._last_grad_norm: Tensor | None = None
+        self.timelines = TimelineRecorder()
+        self.link = Link(self.device)
+        self.worker = HostWorker()
+        self._collecting = False
+        self._round = 0  # counts launched steps: tells gradients sent for this step from stale ones
+        self._clip: tuple[str, Tensor | float] | None = None
+        self._last_norm: Tensor | None = None
+        self._step_start = time.perf_counter()
+        self._timeline = StepTimeline()
+        self._pending_telemetry: StepTelemetry | None = None
 
+        self._hooks: list[Any] = []
+        self._slots_by_module: dict[int, list[_Slot]] = {}
+        self.slots = self._build_slots(list(projected), rounding_seed)
+        self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
+        self._eager_slots = list(self.slots) if model is None else self._attach_hooks(model)
+        self.telemetry.host_state_bytes = self.host_state_bytes()
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def _build_slots(self, projected: list[ProjectedWeight], rounding_seed: int) -> list[_Slot]:
         pin = self.device.type == "cuda"
         by_param = {id(layer.weight): layer for layer in projected}
-        self.dense_slots: list[_DenseSlot] = []
-        self.projected_slots: list[_ProjectedSlot] = []
-        dense_groups, projected_groups = [], []
+        slots: list[_Slot] = []
         for group in self.param_groups:
             hparams = {key: group[key] for key in _SYNCED_HPARAMS if key in group}
-            dense_params, z_params = [], []
+            decoupled = _is_decoupled(self.wrapped, group)
             for param in group["params"]:
                 layer = by_param.pop(id(param), None)
                 if layer is None:
                     master = _pinned_zeros(param.shape, pin)
                     master.copy_(param.detach())
-                    slot = _DenseSlot(param, master, _pinned_zeros(param.shape, pin))
-                    self.dense_slots.append(slot)
-                    dense_params.append(master)
-                else:
-                    z = _pinned_zeros(layer.compressed_shape, pin)
-                    self.projected_slots.append(_ProjectedSlot(layer, z, _pinned_zeros(z.shape, pin), group))
-                    z_params.append(z)
-            decoupled = _is_decoupled(optimizer, group)
-            dense_groups.append({"params": dense_params, **hparams, "decoupled_weight_decay": decoupled})
-            # Weight decay of projected weights is applied to W on the device (decoupled) or added to S on the device
-            # (coupled L2), never to Z, whose value is only the step's update.
-            projected_groups.append({"params": z_params, **hparams, "weight_decay": 0.0})
+                    adam = _host_adam(master, {**hparams, "decoupled_weight_decay": decoupled})
+                    grad = _pinned_zeros(param.shape, pin, self.link_dtype)
+                    slots.append(_Slot(f"param{len(slots)}", param, group, master, grad, adam))
+                    continue
+                shape = layer.compressed_shape
+                z = _pinned_zeros(shape, pin)
+                # Weight decay of projected weights is applied to W on the device (decoupled) or added to S as
+                # λ·A W Bᵀ (coupled L2), never to Z, whose value is only the step's update.
+                adam = _host_adam(z, {**hparams, "weight_decay": 0.0})
+                generator = torch.Generator(device=self.device).manual_seed(rounding_seed * 100_003 + len(slots))
+                slots.append(
+                    _Slot(
+                        layer.name, param, group, z, _pinned_zeros(shape, pin, self.link_dtype), adam, layer=layer,
+                        device_update=torch.zeros(shape, dtype=self.link_dtype, device=self.device),
+                        host_update=_pinned_zeros(shape, pin, self.link_dtype) if self.link_dtype != z.dtype else None,
+                        host_l2=_pinned_zeros(shape, pin) if group.get("weight_decay") and not decoupled else None,
+                        generator=generator,
+                    )
+                )
         if by_param:
             names = ", ".join(layer.name for layer in by_param.values())
             raise ValueError(
                 f"Projected layers {names} have weights that the optimizer does not train; their compressed "
                 f"gradients would never be stepped. Add their weights to the optimizer or do not project them."
             )
-        self.projected_layers = [slot.layer for slot in self.projected_slots]
-        self.host_dense = self._host_adam(dense_groups)
-        self.host_projected = self._host_adam(projected_groups)
-        self.telemetry.host_state_bytes = self.host_state_bytes()
+        for slot in slots:
+            if slot.layer is not None:
+                slot.layer.on_grad_ready = lambda layer, slot=slot: self._gradient_ready(slot)
+            else:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    lambda param, slot=slot: self._gradient_ready(slot)))
+        return slots
 
-    @staticmethod
-    def _host_adam(groups: list[dict[str, Any]]) -> torch.optim.Adam | None:
-        if not any(group["params"] for group in groups):
-            return None
-        # fused=True: the CPU fused kernel is ~2.6x faster than foreach here (DESIGN.md §8).
-        return torch.optim.Adam(groups, fused=True)
+    def _attach_hooks(self, model: torch.nn.Module) -> list[_Slot]:
+        """Forward pre-hooks on every module holding an offloaded tensor; returns the slots no hook can serve."""
+        by_param = {id(slot.param): slot for slot in self.slots}
+        served: set[int] = set()
+        for module in model.modules():
+            if module is model:
+                continue  # the root's forward need not run in training_step (Lightning calls training_step)
+            slots = [by_param[id(p)] for p in module._parameters.values() if p is not None and id(p) in by_param]
+            if slots:
+                self._slots_by_module[id(module)] = slots
+                self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+                served.update(id(slot) for slot in slots)
+        return [slot for slot in self.slots if id(slot) not in served]
+
+    def close(self) -> None:
+        """Apply what is pending, then remove hooks and stop the worker (idempotent)."""
+        try:
+            if self.worker._thread.is_alive():
+                self.synchronize()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            for layer in self.projected_layers:
+                layer.on_grad_ready = None
+            self.worker.close()
 
     # ------------------------------------------------------------------------------------------------ gradients
     def _gradients(self) -> list[Tensor]:
-        grads = [slot.layer.grad_buffer for slot in self.projected_slots if slot.layer.has_grad]
-        grads += [slot.param.grad for slot in self.dense_slots if slot.param.grad is not None]
+        grads = []
+        for slot in self.slots:
+            if slot.layer is not None:
+                if slot.layer.has_grad:
+                    grads.append(slot.layer.grad_buffer)
+            elif slot.param.grad is not None:
+                grads.append(slot.param.grad)
         return grads
 
     @torch.no_grad()
@@ -192,24 +277,22 @@ class OffloadOptimizer(Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Scale all gradients so their global norm (see :meth:`grad_norm`) is at most ``max_norm``.
+        """Clip all gradients to global norm ``max_norm`` (see :meth:`grad_norm`); returns the norm before clipping.
 
-        Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
+        Same rule as ``torch.nn.utils.clip_grad_norm_``, ``coef = min(1, max_norm / (norm + 1e-6))``; the
+        coefficient is applied on the host to the gradients as they arrive (bit-identical to scaling them on the
+        device, and it does not have to wait for copies already under way).
         """
         total = self.grad_norm()
-        self._last_grad_norm = total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = self._gradients()
-        if grads:
-            torch._foreach_mul_(grads, coef)
+        self._clip = ("norm", coef)
+        self._last_norm = total
         return total
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every gradient element (compressed and dense) to ``[-clip_value, clip_value]``."""
-        for grad in self._gradients():
-            grad.clamp_(-clip_value, clip_value)
-        self._last_grad_norm = None
+        """Clamp every gradient element (compressed and dense) to ``[-clip_value, clip_value]`` (on the host)."""
+        self._clip = ("value", float(clip_value))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear dense gradients (via the user's optimizer) and the ``S`` accumulators."""
@@ -217,109 +300,193 @@ class OffloadOptimizer(Optimizer):
         for layer in self.projected_layers:
             layer.zero_grad()
 
+    def _gradient_ready(self, slot: _Slot) -> None:
+        # Called from autograd during backward: on the last micro-batch, start this gradient's trip at once.
+        if self._collecting:
+            self._send_gradient(slot)
+
+    def _send_gradient(self, slot: _Slot) -> None:
+        start = time.perf_counter()
+        grad = slot.layer.grad_buffer if slot.layer is not None else slot.param.grad
+        if grad.dtype != self.link_dtype:
+            grad = grad.to(self.link_dtype)  # narrow on the device: half the bytes cross the link
+        # Keep the source alive until the copy landed: autograd or zero_grad may drop the last reference.
+        slot.grad_ref = grad
+        slot.to_host_event = self.link.to_host(grad, slot.host_grad)
+        slot.sent_round = self._round
+        slot.sent_version = slot.layer.grad_version if slot.layer is not None else 0
+        self._timeline.add("link_to_host", slot.name, start, time.perf_counter())
+
+    def _is_sent(self, slot: _Slot) -> bool:
+        """Whether this step's final gradient is already on its way (sent during backward, not changed since)."""
+        if slot.sent_round != self._round:
+            return False
+        return slot.layer is None or slot.sent_version == slot.layer.grad_version
+
     # ------------------------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` (forward, backward, clipping hooks), then one host Adam step on its gradients."""
+        """Run ``closure`` (forward, backward, clipping hooks), then launch one host Adam step per tensor."""
+        self.synchronize()
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        norm = self._last_grad_norm if self._last_grad_norm is not None else self.grad_norm()
-        self._last_grad_norm = None
+            self._collecting = True
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._collecting = False
+        backward_end = time.perf_counter()
+        self._timeline.add("device", "forward+backward", self._step_start, backward_end)
+        norm = self._last_norm if self._last_norm is not None else self.grad_norm()
         if not bool(torch.isfinite(norm)):
             self._skip_step(norm)
             return loss
+
         step = StepTelemetry()
-        self._sync_hyperparameters()
-        self._gradients_to_host(step)
-        start = time.perf_counter()
-        for host in (self.host_dense, self.host_projected):
-            if host is not None:
-                host.step()
-        step.host_optimizer_seconds = time.perf_counter() - start
-        self._updates_to_device(step)
-        for layer in self.projected_layers:
-            layer.zero_grad()
-        for slot in self.dense_slots:
-            slot.master.grad = None
-        self.telemetry.last = step
-        self.telemetry.steps += 1
-        # Adam allocates its moments lazily at the first step, so the size is re-measured after each.
-        self.telemetry.host_state_bytes = self.host_state_bytes()
+        # Consumed here; set again by the next clipping call (inside the next closure, or before a manual step).
+        clip, self._clip, self._last_norm = self._clip, None, None
+        if clip is not None and clip[0] == "norm":
+            clip = ("norm", clip[1].to("cpu", torch.float32))
+        compute_done = self.link.compute_event()
+        for slot in self.slots:
+            has_grad = slot.layer.has_grad if slot.layer is not None else slot.param.grad is not None
+            if not has_grad:
+                continue
+            if not self._is_sent(slot):
+                self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
+            step.bytes_device_to_host += slot.host_grad.numel() * slot.host_grad.element_size()
+            self._prepare(slot, step)
+            slot.job = self.worker.submit(partial(self._host_job, slot, clip, compute_done), slot.name)
+            slot.pending = True
+            if slot.layer is not None:
+                # S may only be cleared once its copy has read it.
+                self.link.device_wait(slot.to_host_event)
+                slot.layer.zero_grad()
+        self._pending_telemetry = step
+        self._round += 1
         # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
         # scheduler's order check does not warn (the user's optimizer never steps itself).
         self.wrapped._opt_called = True  # type: ignore[attr-defined]
+        for slot in self._eager_slots:
+            self._finish(slot)
+        if not self.pipelined:
+            self.synchronize()
+        self._step_start = time.perf_counter()
         return loss
 
+    def _prepare(self, slot: _Slot, step: StepTelemetry) -> None:
+        """Main-thread work before a tensor's host job: hyper-parameters, decay factor, L2 term."""
+        host_group = slot.adam.param_groups[0]
+        for key in _SYNCED_HPARAMS:
+            if key in slot.group and not (slot.layer is not None and key == "weight_decay"):
+                host_group[key] = slot.group[key]
+        if slot.layer is None:
+            step.bytes_host_to_device += slot.param.numel() * slot.param.element_size()
+            return
+        slot.decay = 1.0
+        weight_decay = slot.group.get("weight_decay", 0.0)
+        if _is_decoupled(self.wrapped, slot.group):
+            # Captured now: a scheduler may change lr before the update is applied.
+            slot.decay = 1.0 - slot.group["lr"] * weight_decay
+        elif weight_decay:
+            # Adam's coupled L2 term in the compressed space, A (G + λW) Bᵀ = S + λ·A W Bᵀ, from W before the update.
+            slot.host_l2.copy_(slot.layer.compress_weight())
+            step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
+        step.bytes_host_to_device += slot.device_update.numel() * slot.device_update.element_size()
+
+    def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any) -> None:
+        """Worker thread: wait for the gradient, step Adam, send the update back."""
+        start = time.perf_counter()
+        self.link.host_wait(slot.to_host_event)
+        landed = time.perf_counter()
+        grad = slot.host_grad if slot.host_grad.dtype == torch.float32 else slot.host_grad.float()
+        if slot.host_l2 is not None:
+            grad = grad + slot.group["weight_decay"] * slot.host_l2
+        if clip is not None:
+            if clip[0] == "norm":
+                grad.mul_(clip[1])
+            else:
+                grad.clamp_(-clip[1], clip[1])
+        if slot.layer is not None:
+            slot.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
+        slot.host_param.grad = grad
+        slot.adam.step()
+        slot.host_param.grad = None
+        stepped = time.perf_counter()
+        if slot.layer is not None:
+            source = slot.host_param
+            if slot.host_update is not None:
+                slot.host_update.copy_(source)
+                source = slot.host_update
+            slot.to_device_event = self.link.to_device(source, slot.device_update, after=compute_done)
+        else:
+            slot.to_device_event = self.link.to_device(slot.host_param, slot.param.data, after=compute_done)
+        # The host buffers are rewritten next step: wait until this copy has read them.
+        self.link.host_wait(slot.to_device_event)
+        sent = time.perf_counter()
+        self._timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
+        self._timeline.add("host", slot.name, landed, stepped)
+        self._timeline.add("link_to_device", slot.name, stepped, sent)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        for slot in self._slots_by_module.get(id(module), ()):
+            if slot.pending:
+                self._finish(slot)
+
+    def _finish(self, slot: _Slot) -> None:
+        """Main thread: wait for a tensor's update and apply it on the device."""
+        if not slot.pending:
+            return
+        start = time.perf_counter()
+        self.worker.wait(slot.job)
+        self.link.device_wait(slot.to_device_event)
+        self._timeline.add("device_wait", slot.name, start, time.perf_counter())
+        if slot.layer is not None:
+            slot.layer.apply_update(slot.device_update, slot.decay, slot.generator)
+        slot.pending = False
+        slot.job = None
+        slot.grad_ref = None
+
+    def synchronize(self) -> None:
+        """Apply every pending update now (before reading weights outside training, saving, or evaluating)."""
+        for slot in self.slots:
+            self._finish(slot)
+        self.worker.check()
+        if self._pending_telemetry is not None:
+            step = self._pending_telemetry
+            self._pending_telemetry = None
+            timeline, self._timeline = self._timeline, StepTimeline()
+            step.host_optimizer_seconds = timeline.busy("host")
+            self.telemetry.last = step
+            self.telemetry.last_timeline = timeline
+            self.telemetry.steps += 1
+            # Adam allocates its moments lazily at the first step, so the size is re-measured after each.
+            self.telemetry.host_state_bytes = self.host_state_bytes()
+            self.timelines.record(self.telemetry.steps, timeline)
+
     def _skip_step(self, norm: Tensor) -> None:
+        self._clip, self._last_norm = None, None
         if self.on_nonfinite == "raise":
             raise NonFiniteGradientError(
                 f"Non-finite gradient (global norm {float(norm)}) at optimizer step {self.telemetry.steps}. The host "
                 f"state was not touched. Pass on_nonfinite='skip' to the strategy to skip such steps instead."
             )
+        for slot in self.slots:
+            self.link.host_wait(slot.to_host_event)  # copies already under way must land before S is cleared
+            slot.to_host_event = None
+            slot.grad_ref = None
         for layer in self.projected_layers:
             layer.zero_grad()
+        self._timeline = StepTimeline()
+        self._round += 1
         self.telemetry.skipped_steps += 1
         self.telemetry.last = StepTelemetry(skipped=1.0)
-
-    def _sync_hyperparameters(self) -> None:
-        # Schedulers and users write the shared user groups; the host optimizers read their own groups.
-        for host in (self.host_dense, self.host_projected):
-            if host is None:
-                continue
-            for user_group, host_group in zip(self.param_groups, host.param_groups):
-                for key in _SYNCED_HPARAMS:
-                    if key in user_group and not (host is self.host_projected and key == "weight_decay"):
-                        host_group[key] = user_group[key]
-
-    def _gradients_to_host(self, step: StepTelemetry) -> None:
-        for slot in self.projected_slots:
-            if not slot.layer.has_grad:
-                slot.z.grad = None
-                continue
-            grad = slot.layer.grad_buffer
-            weight_decay = slot.group.get("weight_decay", 0.0)
-            if weight_decay and not _is_decoupled(self.wrapped, slot.group):
-                # Adam's coupled L2 term, in the compressed space: A (G + λW) Bᵀ = S + λ A W Bᵀ.
-                grad = grad + weight_decay * slot.layer.compress_weight()
-            slot.grad_buffer.copy_(grad)
-            slot.z.grad = slot.grad_buffer
-            step.bytes_device_to_host += grad.numel() * grad.element_size()
-        for slot in self.dense_slots:
-            grad = slot.param.grad
-            if grad is None:
-                slot.master.grad = None
-                continue
-            slot.grad_buffer.copy_(grad)
-            slot.master.grad = slot.grad_buffer
-            step.bytes_device_to_host += grad.numel() * grad.element_size()
-
-    def _updates_to_device(self, step: StepTelemetry) -> None:
-        for slot in self.projected_slots:
-            if slot.z.grad is None:
-                continue
-            # Blocking copy: Z is zeroed right below, so the host must not touch it while a copy could still read it.
-            # (The layer-wise pipeline replaces these copies with stream-ordered ones and events.)
-            update = slot.z.to(self.device)
-            step.bytes_host_to_device += update.numel() * update.element_size()
-            group = slot.group
-            decay = 1.0
-            if _is_decoupled(self.wrapped, group):
-                decay = 1.0 - group["lr"] * group.get("weight_decay", 0.0)
-            slot.layer.apply_update(update, decay, self._rounding_generator)
-            slot.z.zero_()
-            slot.z.grad = None
-        for slot in self.dense_slots:
-            if slot.master.grad is None:
-                continue
-            # Blocking copy: the next host step rewrites the master in place.
-            slot.param.data.copy_(slot.master)
-            step.bytes_host_to_device += slot.param.numel() * slot.param.element_size()
+        self._step_start = time.perf_counter()
 
     # ----------------------------------------------------------------------------------------------- accounting
     def host_state_bytes(self) -> int:
-        """Bytes of optimizer state on the host: Adam moments, fp32 masters, ``Z``/landing buffers."""
+        """Bytes of optimizer state on the host: Adam moments, fp32 masters, ``Z`` and landing/staging buffers."""
         return sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device.type == "cpu")
 
     def device_state_bytes(self) -> int:
@@ -327,31 +494,36 @@ class OffloadOptimizer(Optimizer):
         return sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device.type != "cpu")
 
     def _state_tensors(self) -> list[Tensor]:
-        tensors = [slot.master for slot in self.dense_slots] + [slot.grad_buffer for slot in self.dense_slots]
-        tensors += [slot.z for slot in self.projected_slots] + [slot.grad_buffer for slot in self.projected_slots]
-        for host in (self.host_dense, self.host_projected):
-            if host is not None:
-                tensors += [v for state in host.state.values() for v in state.values() if torch.is_tensor(v)]
+        tensors: list[Tensor] = []
+        for slot in self.slots:
+            tensors += [t for t in (slot.host_param, slot.host_grad, slot.host_update, slot.host_l2) if t is not None]
+            tensors += [v for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
         return tensors
 
     # ----------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Everything needed to resume exactly: group hyper-parameters, host moments and step counts, projector
-        indices and values, fp32 masters of low-precision dense parameters, the rounding generator, counters."""
+        indices and values, fp32 masters of low-precision dense parameters, rounding generators, counters."""
+        self.synchronize()
         return {
             "format": _STATE_FORMAT,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "host_dense": self.host_dense.state_dict() if self.host_dense is not None else None,
-            "host_projected": self.host_projected.state_dict() if self.host_projected is not None else None,
+            "slots": [slot.name for slot in self.slots],
+            "host_adam": [slot.adam.state_dict() for slot in self.slots],
             "projectors": {
-                slot.layer.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict()}
-                for slot in self.projected_slots
+                slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict()}
+                for slot in self.slots
+                if slot.layer is not None
             },
             # fp32 params equal their masters (restored with the model); lower-precision ones don't.
-            "dense_masters": [
-                slot.master.clone() if slot.param.dtype != torch.float32 else None for slot in self.dense_slots
-            ],
-            "rounding_generator": self._rounding_generator.get_state(),
+            "dense_masters": {
+                slot.name: slot.host_param.clone()
+                for slot in self.slots
+                if slot.layer is None and slot.param.dtype != torch.float32
+            },
+            "rounding_generators": {
+                slot.name: slot.generator.get_state() for slot in self.slots if slot.generator is not None
+            },
             "telemetry": self.telemetry.state_dict(),
         }
 
@@ -365,30 +537,36 @@ class OffloadOptimizer(Optimizer):
         """
         if state_dict.get("format") != _STATE_FORMAT:
             raise ValueError(
-                "This optimizer state was not written by lightning_offload's OffloadOptimizer (or by another format "
-                "version); resume with the strategy that wrote the checkpoint."
+                "This optimizer state was not written by this version of lightning_offload's OffloadOptimizer; "
+                "resume with the version and strategy that wrote the checkpoint."
             )
-        saved_names = list(state_dict["projectors"])
-        names = [slot.layer.name for slot in self.projected_slots]
-        if saved_names != names or len(state_dict["dense_masters"]) != len(self.dense_slots):
+        names = [slot.name for slot in self.slots]
+        if state_dict["slots"] != names:
             raise ValueError(
-                f"Checkpoint has projected layers {saved_names[:3]}… and {len(state_dict['dense_masters'])} dense "
-                f"params, but this run has {names[:3]}… and {len(self.dense_slots)}: resume with the same model, "
-                f"strategy settings (rank, density, patterns) and optimizer groups."
+                f"Checkpoint has offloaded tensors {state_dict['slots'][:3]}… ({len(state_dict['slots'])}), but this "
+                f"run has {names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, "
+                f"patterns) and optimizer groups."
             )
+        self.synchronize()
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
-        for host, key in ((self.host_dense, "host_dense"), (self.host_projected, "host_projected")):
-            if host is not None:
-                host.load_state_dict(state_dict[key])
-        for slot in self.projected_slots:
-            saved = state_dict["projectors"][slot.layer.name]
-            slot.layer.set_projectors(
-                SparseProjector.from_state_dict(saved["out"], self.device),
-                SparseProjector.from_state_dict(saved["in"], self.device),
-            )
-        for slot, master in zip(self.dense_slots, state_dict["dense_masters"]):
-            slot.master.copy_(master if master is not None else slot.param.detach())
-        self._rounding_generator.set_state(state_dict["rounding_generator"])
+        for slot, adam_state in zip(self.slots, state_dict["host_adam"]):
+            slot.adam.load_state_dict(adam_state)
+            if slot.layer is not None:
+                saved = state_dict["projectors"][slot.name]
+                slot.layer.set_projectors(
+                    SparseProjector.from_state_dict(saved["out"], self.device),
+                    SparseProjector.from_state_dict(saved["in"], self.device),
+                )
+                slot.generator.set_state(state_dict["rounding_generators"][slot.name])
+            else:
+                master = state_dict["dense_masters"].get(slot.name)
+                slot.host_param.copy_(master if master is not None else slot.param.detach())
         self.telemetry.load_state_dict(state_dict["telemetry"])
         self.telemetry.host_state_bytes = self.host_state_bytes()
+
+
+def _host_adam(tensor: Tensor, hparams: dict[str, Any]) -> torch.optim.Adam:
+    # One fused Adam per tensor, so each tensor steps on its own as soon as its gradient arrives; the CPU fused
+    # kernel is ~2.6x faster than foreach here (DESIGN.md §8).
+    return torch.optim.Adam([{"params": [tensor], **hparams}], fused=True)

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.lsp.targets import select_projected_modules
-from lightning_offload.offload_optimizer import NonFinitePolicy, OffloadOptimizer, validate_user_optimizer
+from lightning_offload.offload_optimizer import LINK_DTYPES, NonFinitePolicy, OffloadOptimizer, validate_user_optimizer
 
 _PRECISION_ADVICE = {
     "16-mixed": (
@@ -61,7 +61,11 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         projector_factory: builds each projector (default: seeded random); a learned fit plugs in here.
         seed: seed of the projector draw and of stochastic rounding.
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
+            the figures of the latest *completed* step, i.e. one step behind).
+        pipelined: overlap the host work with device compute: each update is applied right before its module's
+            next forward. ``False`` applies every update before the optimizer step returns (same results).
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.
     """
 
     strategy_name = "lsp_offload"
@@ -80,6 +84,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         seed: int = 0,
         on_nonfinite: NonFinitePolicy = "skip",
         log_telemetry: bool = True,
+        pipelined: bool = True,
+        link_dtype: str = "fp32",
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -110,7 +116,11 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         self.projector_factory = projector_factory
         self.seed = seed
         self.on_nonfinite = on_nonfinite
+        if link_dtype not in LINK_DTYPES:
+            raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {link_dtype!r}.")
         self.log_telemetry = log_telemetry
+        self.pipelined = pipelined
+        self.link_dtype = link_dtype
         self.offload_optimizer: OffloadOptimizer | None = None
 
     # ---------------------------------------------------------------------------------------- device, precision
@@ -188,7 +198,14 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         user_optimizer = validate_user_optimizer(self.optimizers[0])
         layers = self._attach_projections(user_optimizer) if self.projection else []
         self.offload_optimizer = OffloadOptimizer(
-            user_optimizer, layers, self.root_device, on_nonfinite=self.on_nonfinite, rounding_seed=self.seed
+            user_optimizer,
+            layers,
+            self.root_device,
+            model=self.lightning_module,
+            pipelined=self.pipelined,
+            link_dtype=self.link_dtype,
+            on_nonfinite=self.on_nonfinite,
+            rounding_seed=self.seed,
         )
         self.optimizers = [self.offload_optimizer]
 
@@ -255,7 +272,36 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
                 self.lightning_module.log_dict(telemetry.metrics(), on_step=True, on_epoch=False, batch_size=1)
         return output
 
+    def synchronize(self) -> None:
+        """Apply every pending update now. The strategy does this itself before evaluation, checkpoints and at the
+        end of fit; call it before reading weights from a callback in the middle of a pipelined step."""
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.synchronize()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.synchronize()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.synchronize()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Ctrl-C or a failure: stop the worker without applying half a step; the process must exit cleanly.
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.worker.close(timeout=1.0)
+        super().on_exception(exception)
+
     # -------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The weights saved must include every update already stepped on the host.
+        self.synchronize()
+        return super().lightning_module_state_dict()
+
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The base class would load and then move the state to the device; this state stays on the host.
@@ -284,6 +330,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         # Give the user back plain modules: after fit, forward and autograd behave as without the strategy.
         if self.offload_optimizer is not None:
+            self.offload_optimizer.close()
             for layer in self.offload_optimizer.projected_layers:
                 layer.detach()
         super().teardown()

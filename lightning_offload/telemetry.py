@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -32,6 +33,8 @@ class OffloadTelemetry:
         skipped_steps: steps skipped because a gradient was non-finite.
         host_state_bytes: bytes of optimizer state held on the host (moments, fp32 masters, update buffers).
         device_state_bytes: bytes of optimizer state found on the device — measured, expected to be 0.
+        last_timeline: the latest completed step's :class:`~lightning_offload.pipeline.StepTimeline` (busy seconds
+            per lane: device compute, link each way, host Adam, device waiting for updates).
     """
 
     last: StepTelemetry = field(default_factory=StepTelemetry)
@@ -39,10 +42,14 @@ class OffloadTelemetry:
     skipped_steps: int = 0
     host_state_bytes: int = 0
     device_state_bytes: int = 0
+    last_timeline: Any = None
 
     def metrics(self) -> dict[str, float]:
         """Flat scalars for a logger, named ``offload/<figure>``."""
         flat = {f"offload/{key}": float(value) for key, value in asdict(self.last).items()}
+        if self.last_timeline is not None:
+            for lane in ("device", "link_to_host", "host", "link_to_device", "device_wait"):
+                flat[f"offload/timeline/{lane}_seconds"] = self.last_timeline.busy(lane)
         flat.update(
             {
                 "offload/skipped_steps": float(self.skipped_steps),

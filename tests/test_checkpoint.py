@@ -49,10 +49,11 @@ def test_checkpoint_holds_projectors_moments_and_step_counts(tmp_path):
     assert set(state["projectors"]) == {"body.0", "body.3"}
     layer = strategy.projected_layers["body.0"]
     assert torch.equal(state["projectors"]["body.0"]["in"]["indices"], layer.proj_in.indices.cpu())
-    moments = state["host_projected"]["state"]
-    assert len(moments) == 2 and all(float(s["step"]) == 2 for s in moments.values())
-    shapes = {tuple(s["exp_avg"].shape) for s in moments.values()}
-    assert shapes == {layer.compressed_shape, strategy.projected_layers["body.3"].compressed_shape}
+    assert state["slots"][:2] == ["body.0", "body.3"]
+    moments = dict(zip(state["slots"], [s["state"][0] for s in state["host_adam"]]))
+    assert all(float(m["step"]) == 2 for m in moments.values())
+    assert tuple(moments["body.0"]["exp_avg"].shape) == layer.compressed_shape
+    assert tuple(moments["body.3"]["exp_avg"].shape) == strategy.projected_layers["body.3"].compressed_shape
     assert list(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == list(TinyClassifier().state_dict())
 
 

@@ -29,8 +29,9 @@ def test_bf16_precisions_train(precision):
     weight_dtype = module.model.model.layers[0].mlp.up_proj.weight.dtype
     assert weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     optimizer = strategy.offload_optimizer
-    assert all(slot.master.dtype == torch.float32 for slot in optimizer.dense_slots)
-    assert all(state["exp_avg"].dtype == torch.float32 for state in optimizer.host_projected.state.values())
+    assert all(slot.host_param.dtype == torch.float32 for slot in optimizer.slots)
+    moments = [state["exp_avg"] for slot in optimizer.slots for state in slot.adam.state.values()]
+    assert len(moments) == len(optimizer.slots) and all(m.dtype == torch.float32 for m in moments)
 
 
 def _logged(tmp_path, strategy):
@@ -99,10 +100,12 @@ def test_non_finite_gradients_skip_the_step_without_touching_host_state(kind):
     class Snapshot(PoisonedStep):
         def on_train_batch_start(self, batch, batch_idx):
             if batch_idx == 2:
+                self.trainer.strategy.synchronize()  # the previous step's updates may still be in flight
                 snapshots["before"] = _host_state(self.trainer.strategy.offload_optimizer), params_of(self)
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             if batch_idx == 2:
+                self.trainer.strategy.synchronize()
                 snapshots["after"] = _host_state(self.trainer.strategy.offload_optimizer), params_of(self)
 
     strategy = make()
@@ -124,7 +127,12 @@ def test_non_finite_gradients_can_stop_training():
 
 
 def _host_state(optimizer):
-    return [t.clone() for t in optimizer._state_tensors()]
+    """Masters / Z and Adam moments and step counts (not the landing buffers the gradients were copied into)."""
+    tensors = []
+    for slot in optimizer.slots:
+        tensors.append(slot.host_param.clone())
+        tensors += [v.clone() for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
+    return tensors
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])

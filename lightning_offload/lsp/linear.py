@@ -10,6 +10,7 @@ its ``forward`` is rebound, so a checkpoint loads into the plain model.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,11 @@ class ProjectedWeight:
         # compressing the accumulated gradient exactly.
         self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=module.weight.device)
         self.has_grad = False
+        # Called once this layer's gradient of the current backward is complete (all its uses in forward have
+        # had their backward): the pipeline starts the device→host copy right then, overlapping the rest of backward.
+        self.on_grad_ready: Callable[[ProjectedWeight], None] | None = None
+        self.open_backwards = 0
+        self.grad_version = 0  # bumped by every accumulation: tells whether a copy already sent is still current
         self._original_forward = module.forward
         module.forward = types.MethodType(_projected_forward, module)
         module._lsp_state = self
@@ -84,12 +90,17 @@ class ProjectedWeight:
         """Add one backward pass's ``S`` (called from autograd)."""
         self.grad_buffer.add_(compressed_grad)
         self.has_grad = True
+        self.grad_version += 1
+        self.open_backwards = max(self.open_backwards - 1, 0)
+        if self.open_backwards == 0 and self.on_grad_ready is not None:
+            self.on_grad_ready(self)
 
     def zero_grad(self) -> None:
         """Clear ``S`` after it has been consumed by an optimizer step (or skipped)."""
         if self.has_grad:
             self.grad_buffer.zero_()
             self.has_grad = False
+        self.open_backwards = 0
 
     def compress_weight(self) -> Tensor:
         """``A W Bᵀ`` in fp32: the compressed image of the weight, for Adam's coupled (L2) weight decay."""
@@ -134,6 +145,8 @@ class ProjectedWeight:
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     """Replacement ``forward`` bound onto a projected module."""
     state: ProjectedWeight = self._lsp_state
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        state.open_backwards += 1  # a layer called twice in one forward is complete only after both backwards
     return _ProjectedLinearFunction.apply(x, self.weight, self.bias, state)
 
 

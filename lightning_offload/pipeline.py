@@ -1,0 +1,219 @@
+"""The device↔host pipeline: copy streams, events, a host worker thread, and a timeline of who was busy when.
+
+Per offloaded tensor, in three hops: its gradient is copied device→host on a copy stream into a preallocated
+(pinned) buffer; the host worker thread steps Adam on it; the update is copied host→device on a second copy
+stream. Events order the hops; the device waits for an update only right before the layer that owns it runs
+forward again. On a machine without a GPU the same code runs with the CPU as the device: copies become plain
+memcpy, streams and events become no-ops, and the worker thread still overlaps host work with "device" compute.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# How often a waiting main thread looks at the worker's health: a worker failure surfaces within this delay.
+_POLL_SECONDS = 0.05
+
+
+class HostWorkerError(RuntimeError):
+    """The host worker thread failed; the original exception is chained as ``__cause__``."""
+
+
+class Job:
+    """One unit of host work; ``wait`` blocks until it ran (or the worker died)."""
+
+    def __init__(self, fn: Callable[[], None], label: str) -> None:
+        self.fn = fn
+        self.label = label
+        self.done = threading.Event()
+
+
+class HostWorker:
+    """A daemon thread that runs :class:`Job` s in submission order and reports failures to the main thread.
+
+    A failure is re-raised, with the worker's original traceback, by the next :meth:`wait` or :meth:`check` on the
+    main thread; the worker stops taking jobs after a failure so nothing runs on half-updated state.
+    """
+
+    def __init__(self, name: str = "lightning_offload-host") -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._error is None:
+                try:
+                    job.fn()
+                except BaseException as error:  # noqa: BLE001 - handed to the main thread, not swallowed
+                    self._error = error
+            job.done.set()
+
+    def submit(self, fn: Callable[[], None], label: str = "") -> Job:
+        """Queue ``fn``; returns its job."""
+        self.check()
+        job = Job(fn, label)
+        self._jobs.put(job)
+        return job
+
+    def check(self) -> None:
+        """Raise the worker's failure, if any, in the calling (main) thread."""
+        if self._error is not None:
+            raise HostWorkerError(f"The host optimizer worker failed: {self._error!r}") from self._error
+
+    def wait(self, job: Job) -> None:
+        """Block until ``job`` ran; raise promptly if the worker failed meanwhile."""
+        while not job.done.wait(_POLL_SECONDS):
+            self.check()
+            if not self._thread.is_alive():
+                raise HostWorkerError("The host optimizer worker stopped while a job was pending.")
+        self.check()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the queued jobs; never blocks longer than ``timeout``."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+
+
+class Link:
+    """Copies between the device and host memory, ordered by streams and events where the device has them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            # Two copy streams so device→host gradient copies and host→device update copies run concurrently
+            # with each other and with compute on the default stream.
+            self.to_host_stream = torch.cuda.Stream(device)
+            self.to_device_stream = torch.cuda.Stream(device)
+
+    def to_host(self, source: Tensor, destination: Tensor) -> Any:
+        """Start copying a device tensor into a host buffer; returns an event (``None`` when already done).
+
+        The caller must keep ``source`` alive and unmodified until the event completed (see :meth:`device_wait`).
+        """
+        if not self.is_cuda:
+            destination.copy_(source)
+            return None
+        produced = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.to_host_stream):
+            # The copy stream must not read the gradient before the compute stream finished writing it.
+            self.to_host_stream.wait_event(produced)
+            destination.copy_(source, non_blocking=True)
+            return self.to_host_stream.record_event()
+
+    def to_device(self, source: Tensor, destination: Tensor, after: Any = None) -> Any:
+        """Start copying a host buffer to the device (from the worker thread); returns an event or ``None``.
+
+        Args:
+            after: a device event the copy must wait for (the last compute use of ``destination``).
+        """
+        if not self.is_cuda:
+            destination.copy_(source)
+            return None
+        with torch.cuda.stream(self.to_device_stream):
+            if after is not None:
+                self.to_device_stream.wait_event(after)
+            destination.copy_(source, non_blocking=True)
+            return self.to_device_stream.record_event()
+
+    def compute_event(self) -> Any:
+        """An event marking everything queued so far on the compute stream (``None`` on CPU)."""
+        return torch.cuda.current_stream(self.device).record_event() if self.is_cuda else None
+
+    def host_wait(self, event: Any) -> None:
+        """Block the calling host thread until ``event`` completed (a copy into host memory landed)."""
+        if event is not None:
+            event.synchronize()
+
+    def device_wait(self, event: Any) -> None:
+        """Make the compute stream wait for ``event`` without blocking the host."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+@dataclass
+class Span:
+    """One interval of activity on a lane of the timeline."""
+
+    lane: str
+    name: str
+    start: float
+    end: float
+
+
+@dataclass
+class StepTimeline:
+    """Who was busy when during one optimizer step (host clock, seconds).
+
+    Lanes: ``device`` (compute as seen from the main thread), ``link_to_host``, ``host`` (Adam), ``link_to_device``,
+    ``device_wait`` (the main thread blocked for an update or the worker).
+    """
+
+    spans: list[Span] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, lane: str, name: str, start: float, end: float) -> None:
+        """Record a span (thread-safe: the worker and the main thread both record)."""
+        with self._lock:
+            self.spans.append(Span(lane, name, start, end))
+
+    def busy(self, lane: str) -> float:
+        """Total seconds recorded on ``lane``."""
+        return sum(span.end - span.start for span in self.spans if span.lane == lane)
+
+    def chrome_events(self, step: int, origin: float) -> list[dict[str, Any]]:
+        """The spans as Chrome-trace "complete" events (microseconds), one thread row per lane."""
+        lanes = ["device", "device_wait", "link_to_host", "host", "link_to_device"]
+        return [
+            {
+                "name": span.name,
+                "cat": span.lane,
+                "ph": "X",
+                "ts": (span.start - origin) * 1e6,
+                "dur": max(span.end - span.start, 0.0) * 1e6,
+                "pid": 0,
+                "tid": lanes.index(span.lane) if span.lane in lanes else len(lanes),
+                "args": {"step": step},
+            }
+            for span in self.spans
+        ]
+
+
+class TimelineRecorder:
+    """Keeps the last ``keep`` step timelines and writes them as a Chrome trace (open in chrome://tracing or Perfetto)."""
+
+    def __init__(self, keep: int = 50) -> None:
+        self.keep = keep
+        self.steps: list[tuple[int, StepTimeline]] = []
+        self.origin = time.perf_counter()
+
+    def record(self, step: int, timeline: StepTimeline) -> None:
+        """Store a finished step's timeline."""
+        self.steps.append((step, timeline))
+        del self.steps[: -self.keep]
+
+    def export_chrome_trace(self, path: str) -> None:
+        """Write the kept timelines as Chrome-trace JSON."""
+        lanes = ["device", "device_wait", "link_to_host", "host", "link_to_device"]
+        events: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for i, lane in enumerate(lanes)
+        ]
+        for step, timeline in self.steps:
+            events += timeline.chrome_events(step, self.origin)
+        with open(path, "w") as handle:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, handle)
