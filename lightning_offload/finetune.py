@@ -43,6 +43,8 @@ class FinetuneConfig:
     seed: int = 0
     log_every_n_steps: int = 10
     fused_adam: bool = True  # plain AdamW's fastest kernel on CPU; the offload strategies always use it on the host
+    pipelined: bool = True
+    link_dtype: str = "fp32"
 
 
 @dataclass
@@ -60,6 +62,7 @@ class FinetuneResult:
     device_state_bytes: float = 0.0
     trainable_parameters: int = 0
     projected_layers: int = 0
+    timeline_seconds_per_step: dict[str, float] = field(default_factory=dict)
 
     @property
     def median_step_seconds(self) -> float:
@@ -105,9 +108,12 @@ class _StepTimer(pl.Callback):
 def build_strategy(config: FinetuneConfig) -> Any:
     """The strategy object (or name) a config asks for."""
     if config.strategy == "lsp_offload":
-        return LSPOffloadStrategy(rank=config.rank, density=config.density, seed=config.seed)
+        return LSPOffloadStrategy(
+            rank=config.rank, density=config.density, seed=config.seed, pipelined=config.pipelined,
+            link_dtype=config.link_dtype,
+        )
     if config.strategy == "zero_offload":
-        return ZeroOffloadStrategy(seed=config.seed)
+        return ZeroOffloadStrategy(seed=config.seed, pipelined=config.pipelined, link_dtype=config.link_dtype)
     if config.strategy == "none":
         return "auto"
     raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
@@ -175,6 +181,11 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
             t["offload/host_optimizer_seconds"] for t in timer.telemetry
         )
         result.host_state_bytes = timer.telemetry[-1]["offload/host_state_bytes"]
+        lanes = [key for key in timer.telemetry[-1] if key.startswith("offload/timeline/")]
+        result.timeline_seconds_per_step = {
+            key.removeprefix("offload/timeline/"): statistics.median(t[key] for t in timer.telemetry[2:] or timer.telemetry)
+            for key in lanes
+        }
         result.device_state_bytes = timer.telemetry[-1]["offload/device_state_bytes"]
         result.projected_layers = len(strategy.offload_optimizer.projected_layers)
     else:

@@ -173,15 +173,18 @@ class OffloadOptimizer(Optimizer):
 
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[_Slot]] = {}
-        self.slots = self._build_slots(list(projected), rounding_seed)
+        self.slots = self._build_slots(list(projected), rounding_seed, model)
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
         self._eager_slots = list(self.slots) if model is None else self._attach_hooks(model)
         self.telemetry.host_state_bytes = self.host_state_bytes()
 
     # ----------------------------------------------------------------------------------------------- set-up
-    def _build_slots(self, projected: list[ProjectedWeight], rounding_seed: int) -> list[_Slot]:
+    def _build_slots(
+        self, projected: list[ProjectedWeight], rounding_seed: int, model: torch.nn.Module | None
+    ) -> list[_Slot]:
         pin = self.device.type == "cuda"
         by_param = {id(layer.weight): layer for layer in projected}
+        names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         slots: list[_Slot] = []
         for group in self.param_groups:
             hparams = {key: group[key] for key in _SYNCED_HPARAMS if key in group}
@@ -193,7 +196,8 @@ class OffloadOptimizer(Optimizer):
                     master.copy_(param.detach())
                     adam = _host_adam(master, {**hparams, "decoupled_weight_decay": decoupled})
                     grad = _pinned_zeros(param.shape, pin, self.link_dtype)
-                    slots.append(_Slot(f"param{len(slots)}", param, group, master, grad, adam))
+                    name = names.get(id(param), f"param{len(slots)}")
+                    slots.append(_Slot(name, param, group, master, grad, adam))
                     continue
                 shape = layer.compressed_shape
                 z = _pinned_zeros(shape, pin)
@@ -216,6 +220,11 @@ class OffloadOptimizer(Optimizer):
                 f"Projected layers {names} have weights that the optimizer does not train; their compressed "
                 f"gradients would never be stepped. Add their weights to the optimizer or do not project them."
             )
+        if model is not None:
+            # Host jobs run in slot order: registration order approximates forward order, so the update the next
+            # forward needs first is computed first (param-group order would put every norm after every weight).
+            order = {id(p): i for i, p in enumerate(model.parameters())}
+            slots.sort(key=lambda slot: order.get(id(slot.param), len(order)))
         for slot in slots:
             if slot.layer is not None:
                 slot.layer.on_grad_ready = lambda layer, slot=slot: self._gradient_ready(slot)

@@ -49,7 +49,9 @@ def test_checkpoint_holds_projectors_moments_and_step_counts(tmp_path):
     assert set(state["projectors"]) == {"body.0", "body.3"}
     layer = strategy.projected_layers["body.0"]
     assert torch.equal(state["projectors"]["body.0"]["in"]["indices"], layer.proj_in.indices.cpu())
-    assert state["slots"][:2] == ["body.0", "body.3"]
+    # Forward order, named by module (projected) or parameter (dense).
+    assert state["slots"] == ["body.0", "body.0.bias", "body.2.weight", "body.2.bias", "body.3", "body.3.bias",
+                              "head.weight", "head.bias"]
     moments = dict(zip(state["slots"], [s["state"][0] for s in state["host_adam"]]))
     assert all(float(m["step"]) == 2 for m in moments.values())
     assert tuple(moments["body.0"]["exp_avg"].shape) == layer.compressed_shape
