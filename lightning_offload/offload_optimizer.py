@@ -336,15 +336,18 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (forward, backward, clipping hooks), then launch one host Adam step per tensor."""
-        self.synchronize()
         loss = None
         if closure is not None:
+            # No synchronize before the closure: its forward applies the previous step's updates module by module
+            # (forward pre-hooks), which is where the host work of that step gets hidden.
             self._collecting = True
             try:
                 with torch.enable_grad():
                     loss = closure()
             finally:
                 self._collecting = False
+        # Updates of modules this forward did not run, and last step's telemetry, are settled before the next launch.
+        self.synchronize()
         backward_end = time.perf_counter()
         self._timeline.add("device", "forward+backward", self._step_start, backward_end)
         norm = self._last_norm if self._last_norm is not None else self.grad_norm()

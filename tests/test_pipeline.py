@@ -29,7 +29,7 @@ def _fit_llm(kind, model_kind, pipelined, precision="32-true", link_dtype="fp32"
 
 @pytest.mark.parametrize("model_kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("kind", ["lsp", "zero"])
-@pytest.mark.parametrize("precision, link_dtype", [("32-true", "fp32"), ("bf16-true", "bf16")])
+@pytest.mark.parametrize("precision, link_dtype", [("32-true", "fp32"), ("bf16-mixed", "fp32"), ("bf16-true", "bf16")])
 def test_pipelined_equals_synchronous_exactly(kind, model_kind, precision, link_dtype):
     synchronous, _ = _fit_llm(kind, model_kind, False, precision, link_dtype)
     pipelined, strategy = _fit_llm(kind, model_kind, True, precision, link_dtype)

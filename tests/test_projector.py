@@ -66,3 +66,14 @@ def test_invalid_projectors_are_refused(indices, values, dim_out, message):
 def test_density_larger_than_compressed_size_is_refused():
     with pytest.raises(ValueError, match="density r=9"):
         SparseProjector.random(32, 8, 9)
+
+
+def test_products_stay_fp32_under_autocast():
+    # Updates are applied in forward pre-hooks, i.e. inside the autocast region of bf16-mixed training.
+    p = SparseProjector.random(30, 10, 2, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(30, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compressed = p.compress_rows(x)
+        expanded = p.expand_rows(compressed)
+    assert compressed.dtype == expanded.dtype == torch.float32
+    torch.testing.assert_close(compressed, p.to_dense() @ x)

@@ -127,11 +127,14 @@ class SparseProjector:
         The sparse product reads each input row ``r`` times and never materialises ``P`` densely; it runs in fp32
         because CPU sparse kernels have no bf16 path (the result is small: ``d`` rows).
         """
-        return torch.sparse.mm(self._csr(), matrix.float())
+        # Autocast would send the product to bf16, which CPU sparse kernels lack; these products are fp32 by design.
+        with torch.autocast(matrix.device.type, enabled=False):
+            return torch.sparse.mm(self._csr(), matrix.float())
 
     def expand_rows(self, matrix: Tensor) -> Tensor:
         """Return ``Pᵀ · matrix``: maps ``(d, m)`` to ``(n, m)`` in fp32 by a sparse (CSR) matrix product."""
-        return torch.sparse.mm(self._csr(transposed=True), matrix.float())
+        with torch.autocast(matrix.device.type, enabled=False):
+            return torch.sparse.mm(self._csr(transposed=True), matrix.float())
 
     def _csr(self, transposed: bool = False) -> Tensor:
         """``P`` (``d × n``) or ``Pᵀ`` (``n × d``) in CSR form, derived from (indices, values) and cached until
