@@ -101,7 +101,8 @@ class _StepTimer(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seconds.append(time.perf_counter() - self._start)
         optimizer = getattr(trainer.strategy, "offload_optimizer", None)
-        if optimizer is not None:
+        # Pipelined figures complete one step late: record each completed step once.
+        if optimizer is not None and optimizer.telemetry.steps > len(self.telemetry):
             self.telemetry.append(optimizer.telemetry.metrics())
 
 
