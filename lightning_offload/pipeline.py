@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+#: Timeline lanes, in the order a trace viewer shows them.
+LANES = ("device", "device_wait", "link_to_host", "host", "link_to_device")
+
 # How often a waiting main thread looks at the worker's health: a worker failure surfaces within this delay.
 _POLL_SECONDS = 0.05
 
@@ -178,7 +181,6 @@ class StepTimeline:
 
     def chrome_events(self, step: int, origin: float) -> list[dict[str, Any]]:
         """The spans as Chrome-trace "complete" events (microseconds), one thread row per lane."""
-        lanes = ["device", "device_wait", "link_to_host", "host", "link_to_device"]
         return [
             {
                 "name": span.name,
@@ -187,7 +189,7 @@ class StepTimeline:
                 "ts": (span.start - origin) * 1e6,
                 "dur": max(span.end - span.start, 0.0) * 1e6,
                 "pid": 0,
-                "tid": lanes.index(span.lane) if span.lane in lanes else len(lanes),
+                "tid": LANES.index(span.lane) if span.lane in LANES else len(LANES),
                 "args": {"step": step},
             }
             for span in self.spans
@@ -209,9 +211,8 @@ class TimelineRecorder:
 
     def export_chrome_trace(self, path: str) -> None:
         """Write the kept timelines as Chrome-trace JSON."""
-        lanes = ["device", "device_wait", "link_to_host", "host", "link_to_device"]
         events: list[dict[str, Any]] = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for i, lane in enumerate(lanes)
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for i, lane in enumerate(LANES)
         ]
         for step, timeline in self.steps:
             events += timeline.chrome_events(step, self.origin)

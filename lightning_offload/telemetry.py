@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_offload.pipeline import LANES
+
 
 @dataclass
 class StepTelemetry:
@@ -48,7 +50,7 @@ class OffloadTelemetry:
         """Flat scalars for a logger, named ``offload/<figure>``."""
         flat = {f"offload/{key}": float(value) for key, value in asdict(self.last).items()}
         if self.last_timeline is not None:
-            for lane in ("device", "link_to_host", "host", "link_to_device", "device_wait"):
+            for lane in LANES:
                 flat[f"offload/timeline/{lane}_seconds"] = self.last_timeline.busy(lane)
         flat.update(
             {
