@@ -119,15 +119,12 @@ class TinyCausalLM(pl.LightningModule):
 
 def tiny_hf_model(kind: str, seed: int = 0) -> nn.Module:
     """A randomly initialised 2-layer LLaMA or GPT-2 (GPT-2 uses Hugging Face's transposed Conv1D)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from lightning_offload.models.tiny import tiny_gpt2, tiny_llama
 
-    torch.manual_seed(seed)
     if kind == "llama":
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        return LlamaForCausalLM(config)
-    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    return GPT2LMHeadModel(config)
+        return tiny_llama(vocab_size=64, hidden=32, intermediate=64, heads=4, kv_heads=2, seed=seed,
+                          tie_word_embeddings=False, max_positions=64)
+    return tiny_gpt2(vocab_size=64, hidden=32, intermediate=128, heads=4, seed=seed, max_positions=64)
 
 
 def token_data(n: int = 32, length: int = 16, batch_size: int = 4, seed: int = 0) -> DataLoader:
