@@ -6,6 +6,8 @@ Importing the package registers the Lightning strategy names ``lsp_offload`` and
     trainer = L.Trainer(strategy="lsp_offload")
 """
 
+from lightning_offload.callbacks import ProjectorRefit, RefitRecord
+from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
 from lightning_offload.offload_optimizer import NonFiniteGradientError, OffloadOptimizer
@@ -21,11 +23,15 @@ __all__ = [
     "NonFiniteGradientError",
     "OffloadOptimizer",
     "OffloadTelemetry",
+    "FitSettings",
     "ProjectedWeight",
+    "ProjectorRefit",
+    "RefitRecord",
     "SparseProjector",
     "StepTelemetry",
     "ZeroOffloadStrategy",
     "random_projector",
+    "reconstruction_error",
     "register_strategies",
     "signed_permutation_projector",
     "stochastic_round_to_bf16",

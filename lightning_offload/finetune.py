@@ -18,12 +18,16 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
+from lightning_offload.baselines import add_lora, freeze_projectable, galore_optimizer, layer_param_groups
+from lightning_offload.callbacks import ProjectorRefit
 from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload.models.smollm2 import load_smollm2
 from lightning_offload.module import CausalLMModule
 from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
 
 STRATEGIES = ("lsp_offload", "zero_offload", "none")
+# What is trained on the projectable layers (see lightning_offload.baselines); "full" trains them with the strategy.
+METHODS = ("full", "frozen", "lora", "galore")
 
 
 @dataclass
@@ -35,6 +39,7 @@ class FinetuneConfig:
     batch_size: int = 4
     block_size: int = 128
     lr: float = 1e-4
+    projected_lr: float | None = None  # learning rate of the projectable layers (default: lr)
     weight_decay: float = 0.0
     precision: str = "bf16-mixed"
     rank: float = 0.25
@@ -45,6 +50,13 @@ class FinetuneConfig:
     fused_adam: bool = True  # plain AdamW's fastest kernel on CPU; the offload strategies always use it on the host
     pipelined: bool = True
     link_dtype: str = "fp32"
+    projectors: str = "learned"
+    refit_every: int = 500
+    method: str = "full"
+    lora_rank: int = 12
+    galore_rank: int = 36
+    galore_scale: float = 0.25
+    galore_update_proj_gap: int = 200
 
 
 @dataclass
@@ -63,6 +75,10 @@ class FinetuneResult:
     trainable_parameters: int = 0
     projected_layers: int = 0
     timeline_seconds_per_step: dict[str, float] = field(default_factory=dict)
+    initial_fit_seconds: float = 0.0
+    initial_fit_error: float = float("nan")
+    initial_fitted_error: float = float("nan")
+    train_seconds: float = 0.0
 
     @property
     def median_step_seconds(self) -> float:
@@ -73,6 +89,10 @@ class FinetuneResult:
     def summary(self) -> str:
         """Human-readable lines."""
         mib = 1024**2
+        fit = []
+        if self.initial_fit_seconds:
+            fit = [f"projector fit       {self.initial_fit_seconds:.1f} s, mean error {self.initial_fit_error:.3f} -> "
+                   f"{self.initial_fitted_error:.3f} (held-out)"]
         return "\n".join(
             [
                 f"strategy            {self.config.strategy} (precision {self.config.precision})",
@@ -83,6 +103,7 @@ class FinetuneResult:
                 f"{self.bytes_host_to_device_per_step / mib:.1f} MiB to device",
                 f"host optimizer      {self.host_optimizer_seconds_per_step * 1e3:.0f} ms / step, state "
                 f"{self.host_state_bytes / mib:.0f} MiB on host, {self.device_state_bytes / mib:.0f} MiB on device",
+                *fit,
             ]
         )
 
@@ -111,13 +132,36 @@ def build_strategy(config: FinetuneConfig) -> Any:
     if config.strategy == "lsp_offload":
         return LSPOffloadStrategy(
             rank=config.rank, density=config.density, seed=config.seed, pipelined=config.pipelined,
-            link_dtype=config.link_dtype,
+            link_dtype=config.link_dtype, projectors=config.projectors,
         )
     if config.strategy == "zero_offload":
         return ZeroOffloadStrategy(seed=config.seed, pipelined=config.pipelined, link_dtype=config.link_dtype)
     if config.strategy == "none":
         return "auto"
     raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
+
+
+def build_module(config: FinetuneConfig, model: torch.nn.Module) -> CausalLMModule:
+    """The LightningModule for ``config.method``: full fine-tuning, frozen projectable layers, LoRA or GaLore."""
+    if config.method not in METHODS:
+        raise ValueError(f"method={config.method!r} is not one of {METHODS}.")
+    if config.method != "full" and config.strategy == "lsp_offload":
+        raise ValueError(f"method={config.method!r} trains the projectable layers itself; use strategy='none' or "
+                         f"'zero_offload' with it, not 'lsp_offload'.")
+    if config.method == "frozen":
+        freeze_projectable(model)
+    elif config.method == "lora":
+        model = add_lora(model, config.lora_rank)
+
+    def factory(m: torch.nn.Module) -> torch.optim.Optimizer:
+        if config.method == "galore":
+            return galore_optimizer(m, lr=config.lr, projected_lr=config.projected_lr, rank=config.galore_rank,
+                                    scale=config.galore_scale, update_proj_gap=config.galore_update_proj_gap,
+                                    weight_decay=config.weight_decay)
+        groups = layer_param_groups(m, config.lr, config.projected_lr, config.weight_decay)
+        return torch.optim.AdamW(groups, lr=config.lr, fused=config.fused_adam)
+
+    return CausalLMModule(model, lr=config.lr, weight_decay=config.weight_decay, optimizer_factory=factory)
 
 
 def _trainer(config: FinetuneConfig, strategy: Any, steps: int, callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
@@ -150,7 +194,7 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
         raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
     pl.seed_everything(config.seed, workers=True, verbose=False)
     model, tokenizer = load_smollm2()
-    module = CausalLMModule(model, lr=config.lr, weight_decay=config.weight_decay, fused=config.fused_adam)
+    module = build_module(config, model)
     data = BibleLMDataModule(
         tokenizer,
         block_size=config.block_size,
@@ -161,8 +205,13 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
     before = _validate(config, module, data)
     timer = _StepTimer()
     strategy = build_strategy(config)
-    fit_trainer = _trainer(config, strategy, config.steps, [timer])
+    callbacks: list[pl.Callback] = [timer]
+    if config.strategy == "lsp_offload" and config.projectors == "learned":
+        callbacks.append(ProjectorRefit(every_n_steps=config.refit_every, seed=config.seed))
+    fit_trainer = _trainer(config, strategy, config.steps, callbacks)
+    start = time.perf_counter()
     fit_trainer.fit(module, datamodule=data)
+    train_seconds = time.perf_counter() - start
     after = _validate(config, module, data)
 
     result = FinetuneResult(
@@ -171,7 +220,14 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
         eval_loss_after=after,
         step_seconds=timer.seconds,
         trainable_parameters=sum(p.numel() for p in module.parameters() if p.requires_grad),
+        train_seconds=train_seconds,
     )
+    refits = [cb for cb in callbacks if isinstance(cb, ProjectorRefit)]
+    if refits and refits[0].history:
+        first = refits[0].history[0]
+        result.initial_fit_seconds = first.seconds
+        result.initial_fit_error = statistics.fmean(first.errors.values())
+        result.initial_fitted_error = statistics.fmean(first.fitted_errors.values())
     if timer.telemetry:
         def mean(key: str) -> float:
             return statistics.fmean(t[f"offload/{key}"] for t in timer.telemetry)
@@ -203,12 +259,14 @@ def parse_args(argv: Sequence[str] | None = None) -> FinetuneConfig:
     defaults = FinetuneConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy)
+    parser.add_argument("--method", choices=METHODS, default=defaults.method)
+    parser.add_argument("--projectors", choices=("learned", "random"), default=defaults.projectors)
     for name, value in asdict(defaults).items():
         flag = f"--{name.replace('_', '-')}"
         if isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        elif name != "strategy":
-            parser.add_argument(flag, type=type(value), default=value)
+        elif name not in ("strategy", "method", "projectors"):
+            parser.add_argument(flag, type=float if value is None else type(value), default=value)
     return FinetuneConfig(**vars(parser.parse_args(argv)))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import lightning as L
@@ -73,6 +73,9 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: Linear warmup length in optimizer steps; 0 disables the scheduler.
         optimizer: ``"adamw"`` (decoupled decay) or ``"adam"`` (L2 penalty), both from ``torch.optim``.
         fused: Passed to the torch optimizer (``None`` lets torch choose; fused is fastest on CPU).
+        optimizer_factory: builds the optimizer from the model instead (e.g. GaLore from
+            :func:`lightning_offload.baselines.galore_optimizer`); ``optimizer``, ``betas``, ``eps`` and ``fused``
+            are then unused.
     """
 
     def __init__(
@@ -85,14 +88,16 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: int = 0,
         optimizer: str = "adamw",
         fused: bool | None = None,
+        optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "adam"):
             raise ValueError(f"optimizer must be 'adamw' or 'adam', got {optimizer!r}")
         # The model is a constructor argument, not a hyperparameter: pickling it into hparams would
         # duplicate every weight in checkpoints and loggers.
-        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters(ignore=["model", "optimizer_factory"])
         self.model = model
+        self.optimizer_factory = optimizer_factory
         self.val_loss = MeanMetric()
 
     def forward(self, **batch: torch.Tensor) -> Any:
@@ -124,11 +129,14 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         """Builds the torch Adam/AdamW over two parameter groups, plus a per-step warmup if requested."""
         hp = self.hparams
-        cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
-        kwargs: dict[str, Any] = {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps}
-        if hp.fused is not None:
-            kwargs["fused"] = hp.fused
-        opt = cls(param_groups(self.model, hp.weight_decay), **kwargs)
+        if self.optimizer_factory is not None:
+            opt = self.optimizer_factory(self.model)
+        else:
+            cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam
+            kwargs: dict[str, Any] = {"lr": hp.lr, "betas": tuple(hp.betas), "eps": hp.eps}
+            if hp.fused is not None:
+                kwargs["fused"] = hp.fused
+            opt = cls(param_groups(self.model, hp.weight_decay), **kwargs)
         if hp.warmup_steps <= 0:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, LinearWarmup(hp.warmup_steps))

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
 from lightning_offload.pipeline import HostWorker, Job, Link, StepTimeline, TimelineRecorder
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
 
@@ -495,6 +496,33 @@ class OffloadOptimizer(Optimizer):
         self.telemetry.skipped_steps += 1
         self.telemetry.last = StepTelemetry(skipped=1.0)
         self._step_start = time.perf_counter()
+
+    # ------------------------------------------------------------------------------------------------------ refit
+    @torch.no_grad()
+    def replace_projectors(self, layer: ProjectedWeight, proj_out: SparseProjector, proj_in: SparseProjector) -> None:
+        """Install new projectors for ``layer`` and carry its host Adam moments into the new subspace.
+
+        Pending updates are applied first (they belong to the old subspace). The moments are mapped on the host
+        (:func:`~lightning_offload.lsp.rotation.rotate_adam_state`); only ``d × d`` maps cross the link.
+
+        Raises:
+            ValueError: if ``layer`` is not offloaded here or the compressed sizes change.
+        """
+        slot = next((s for s in self.slots if s.layer is layer), None)
+        if slot is None:
+            raise ValueError(f"Layer {layer.name} is not one of this optimizer's projected layers.")
+        if (proj_out.dim_out, proj_in.dim_out) != layer.compressed_shape:
+            raise ValueError(
+                f"A refit must keep {layer.name}'s compressed shape {layer.compressed_shape}; got "
+                f"({proj_out.dim_out}, {proj_in.dim_out})."
+            )
+        self.synchronize()
+        state = slot.adam.state.get(slot.host_param)
+        if state:
+            rotate_adam_state(
+                state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in)
+            )
+        layer.set_projectors(proj_out.to(self.device), proj_in.to(self.device))
 
     # ----------------------------------------------------------------------------------------------- accounting
     def host_state_bytes(self) -> int:

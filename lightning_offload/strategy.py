@@ -37,6 +37,7 @@ _PRECISION_ADVICE = {
     "16-true": "fp16 weights without loss scaling underflow. Use precision='bf16-true' or 'bf16-mixed'.",
 }
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+PROJECTOR_KINDS = ("learned", "random")
 
 
 def default_device() -> torch.device:
@@ -58,7 +59,10 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, the output head excepted.
         target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected.
         exclude_modules: regular expressions of modules never projected.
-        projector_factory: builds each projector (default: seeded random); a learned fit plugs in here.
+        projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
+            stale ones on a schedule (a :class:`~lightning_offload.callbacks.ProjectorRefit` with its defaults is
+            added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
+        projector_factory: draws each projector at set-up (default: seeded random); a learned fit starts from it.
         seed: seed of the projector draw and of stochastic rounding.
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
         log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
@@ -80,6 +84,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         min_dim: int = 128,
         target_modules: Sequence[str] | None = None,
         exclude_modules: Sequence[str] = (),
+        projectors: str = "learned",
         projector_factory: ProjectorFactory = random_projector,
         seed: int = 0,
         on_nonfinite: NonFinitePolicy = "skip",
@@ -107,12 +112,15 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             raise ValueError(f"density must be a positive int (nonzeros per projector column), got {density!r}.")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
+        if projectors not in PROJECTOR_KINDS:
+            raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {projectors!r}.")
         self.projection = projection
         self.rank = rank
         self.density = density
         self.min_dim = min_dim
         self.target_modules = list(target_modules) if target_modules is not None else None
         self.exclude_modules = list(exclude_modules)
+        self.projectors = projectors
         self.projector_factory = projector_factory
         self.seed = seed
         self.on_nonfinite = on_nonfinite
@@ -172,6 +180,19 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         _as_offload_optimizer(optimizer).clip_grad_value_(clip_val)
 
     # ------------------------------------------------------------------------------------------------ set-up
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
+        # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if self.projection and self.projectors == "learned" and trainer is not None:
+            from lightning_offload.callbacks import ProjectorRefit
+
+            if not any(isinstance(callback, ProjectorRefit) for callback in trainer.callbacks):
+                trainer.callbacks.append(ProjectorRefit(seed=self.seed))
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None

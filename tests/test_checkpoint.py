@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload import LSPOffloadStrategy, ProjectorRefit, ZeroOffloadStrategy
 from tiny_modules import TinyClassifier, classification_data, params_of, trainer
 
 # 24 samples in batches of 8: three steps per epoch, so the interruption falls on an epoch boundary.
@@ -14,29 +14,44 @@ DATA = dict(n=24, batch_size=8)
 def _strategy(kind):
     if kind == "zero":
         return ZeroOffloadStrategy()
-    return LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, seed=3)
+    return LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, seed=3,
+                              projectors="learned" if kind == "lsp_learned" else "random")
+
+
+def _callbacks(kind):
+    # Learned projectors refit every 2 steps whatever their error: steps 2, 4, 6 and 8 straddle the resume at 3.
+    return [ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=4)] if kind == "lsp_learned" else []
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-@pytest.mark.parametrize("kind", ["lsp", "zero"])
+@pytest.mark.parametrize("kind", ["lsp", "lsp_learned", "zero"])
 def test_resume_reproduces_the_uninterrupted_run(kind, precision, tmp_path):
     # The uninterrupted run writes a checkpoint every 3 steps (an epoch boundary: Lightning itself does not
     # fast-forward a plain DataLoader when resuming mid-epoch).
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     straight = TinyClassifier()
+    refit = _callbacks(kind)
     trainer(_strategy(kind), max_steps=9, precision=precision, enable_checkpointing=True,
-            callbacks=[saver]).fit(straight, classification_data(**DATA))
+            callbacks=[saver, *refit]).fit(straight, classification_data(**DATA))
     (path,) = tmp_path.glob("*step=3.ckpt")
 
     resumed = TinyClassifier(seed=7)  # different init: everything must come from the checkpoint
     strategy = _strategy(kind)
-    trainer(strategy, max_steps=9, precision=precision).fit(resumed, classification_data(**DATA), ckpt_path=path)
+    resumed_refit = _callbacks(kind)
+    trainer(strategy, max_steps=9, precision=precision, callbacks=resumed_refit).fit(
+        resumed, classification_data(**DATA), ckpt_path=path)
 
     a, b = params_of(straight), params_of(resumed)
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
-    assert resumed.losses == straight.losses[3:]
     assert strategy.offload_optimizer.telemetry.steps == 9
+    if kind == "lsp_learned":
+        # The initial fit ran once, before step 0; the resumed run refit at 4, 6 and 8 as the straight one did.
+        assert [r.step for r in refit[0].history] == [0, 2, 4, 6, 8]
+        assert [r.step for r in resumed_refit[0].history] == [4, 6, 8]
+        assert resumed_refit[0].fits_done == 5
+    else:
+        assert resumed.losses == straight.losses[3:]
 
 
 def test_checkpoint_holds_projectors_moments_and_step_counts(tmp_path):

@@ -50,7 +50,7 @@ def test_several_optimizers_are_refused():
             return [torch.optim.AdamW(self.body.parameters()), torch.optim.AdamW(self.head.parameters())]
 
     with pytest.raises(ValueError, match="returned 2. Return a single optimizer"):
-        _fit("lsp_offload", TwoOptimizers())
+        _fit(LSPOffloadStrategy(projectors="random"), TwoOptimizers())
 
 
 @pytest.mark.parametrize("strategy", ["lsp_offload", "zero_offload"])

@@ -58,7 +58,7 @@ def test_gradient_accumulation_equals_one_large_batch(strategy):
     def make():
         if strategy == "zero":
             return ZeroOffloadStrategy()
-        return LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
+        return LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="random")
 
     accumulated = TinyClassifier()
     trainer(make(), max_steps=4, accumulate_grad_batches=4).fit(accumulated, classification_data(batch_size=2))

@@ -91,7 +91,8 @@ def lossless_lsp(**kwargs: Any) -> Any:
     """LSP with signed-permutation projectors: it must reproduce plain Adam exactly (Adam is elementwise)."""
     from lightning_offload import LSPOffloadStrategy, signed_permutation_projector
 
-    return LSPOffloadStrategy(rank=1.0, density=1, min_dim=16, projector_factory=signed_permutation_projector, **kwargs)
+    return LSPOffloadStrategy(rank=1.0, density=1, min_dim=16, projectors="random",
+                              projector_factory=signed_permutation_projector, **kwargs)
 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -57,6 +57,9 @@ class ProjectedWeight:
         self.on_grad_ready: Callable[[ProjectedWeight], None] | None = None
         self.open_backwards = 0
         self.grad_version = 0  # bumped by every accumulation: tells whether a copy already sent is still current
+        # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
+        # autograd produces W.grad, one layer at a time; nothing accumulates into S.
+        self.sampling = False
         self._original_forward = module.forward
         module.forward = types.MethodType(_projected_forward, module)
         module._lsp_state = self
@@ -145,6 +148,8 @@ class ProjectedWeight:
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     """Replacement ``forward`` bound onto a projected module."""
     state: ProjectedWeight = self._lsp_state
+    if state.sampling:
+        return state._original_forward(x)
     if torch.is_grad_enabled() and self.weight.requires_grad:
         state.open_backwards += 1  # a layer called twice in one forward is complete only after both backwards
     return _ProjectedLinearFunction.apply(x, self.weight, self.bias, state)

@@ -1,0 +1,53 @@
+"""Carrying Adam's moments from an old projected subspace into a new one after a refit.
+
+The host variable ``Z`` parameterises the weight change ``Aᵀ Z B``. When ``A, B`` are replaced by ``A', B'``, the
+coordinates ``Z'`` that best express the same weight-space matrix (least squares in the Frobenius norm) are
+
+    Z' = M_A Z M_Bᵀ,   M_A = (A' A'ᵀ)⁺ A' Aᵀ,   M_B = (B' B'ᵀ)⁺ B' Bᵀ
+
+so ``A'ᵀ Z' B'`` is the orthogonal projection of ``Aᵀ Z B`` onto the new subspace, and an unchanged projector maps
+to the identity. The first moment is mapped this way; the second moment, a per-coordinate variance, by the
+element-squared maps ``v' = (M_A∘M_A) v (M_B∘M_B)ᵀ``, which keeps it non-negative. When projectors have
+orthonormal rows (``A Aᵀ = I``) these are DESIGN.md's ``M_A = A' Aᵀ`` formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.lsp.fit import cross_gram
+from lightning_offload.lsp.projector import SparseProjector
+
+
+def coordinate_map(old: SparseProjector, new: SparseProjector) -> Tensor:
+    """``M = (N Nᵀ)⁺ N Oᵀ`` (``d_new × d_old``) on the host, in fp32: new coordinates of old ones.
+
+    Only ``d × d`` matrices are formed (from ``O(n·r²)`` products); the pseudo-inverse is taken in fp64 because
+    ``N Nᵀ`` of a sparse projector can be poorly conditioned.
+    """
+    if old.dim_in != new.dim_in:
+        raise ValueError(f"Cannot map between projectors of dims {old.dim_in} and {new.dim_in}.")
+    gram_new = cross_gram(new, new).to("cpu", torch.float64)
+    overlap = cross_gram(new, old).to("cpu", torch.float64)
+    return (torch.linalg.pinv(gram_new, hermitian=True) @ overlap).float()
+
+
+@torch.no_grad()
+def rotate_adam_state(state: dict[str, Any], map_out: Tensor, map_in: Tensor) -> None:
+    """Map one compressed tensor's Adam state in place into new coordinates (host tensors stay on the host).
+
+    Args:
+        state: ``torch.optim.Adam``'s per-parameter state (``exp_avg``, ``exp_avg_sq``, optional
+            ``max_exp_avg_sq``); the step counter is kept: the moments stay warm, so their bias correction holds.
+        map_out: ``M_A`` (``d_o' × d_o``).
+        map_in: ``M_B`` (``d_i' × d_i``).
+    """
+    if "exp_avg" in state:
+        state["exp_avg"].copy_(map_out @ state["exp_avg"] @ map_in.t())
+    squared_out, squared_in = map_out.square(), map_in.square()
+    for key in ("exp_avg_sq", "max_exp_avg_sq"):
+        if key in state:
+            state[key].copy_(squared_out @ state[key] @ squared_in.t())
