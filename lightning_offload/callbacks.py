@@ -136,6 +136,9 @@ class ProjectorRefit(Callback):
 
         if stage != "fit":
             return
+        # Each fit draws new projectors; a checkpoint being resumed restores this flag after `setup`.
+        self._initial_fit_done = False
+        self._last_checked_step = -1
         strategy = trainer.strategy
         if not isinstance(strategy, LSPOffloadStrategy) or not strategy.projection:
             raise ValueError(

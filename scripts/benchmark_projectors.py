@@ -40,9 +40,9 @@ SMOLLM2_LAYERS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (
 SWEEP = {
     "adamw": [3e-5, 1e-4, 3e-4],
     "frozen": [1e-4],  # projected layers do not train: their learning rate is irrelevant
-    "lsp_learned": [3e-4, 1e-3, 3e-3],  # fitted projectors shrink the update (≈ rank × U's RMS): higher rates
-    "lsp_random": [1e-4, 3e-4],  # ±1/√r values keep the update's scale: AdamW's range
-    "galore": [1e-3, 3e-3],  # scale 0.25 and a low-rank update: higher rates
+    "lsp_learned": [1e-4, 3e-4, 1e-3],  # fitted projectors shrink the update (≈ rank × U's RMS): higher rates
+    "lsp_random": [3e-5, 1e-4, 3e-4],  # ±1/√r values keep the update's scale: AdamW's range
+    "galore": [3e-4, 1e-3, 3e-3],  # scale 0.25 and a low-rank update: higher rates
     "lora": [1e-3, 3e-3],
 }
 

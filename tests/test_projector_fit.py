@@ -256,6 +256,10 @@ def test_learned_projectors_are_fitted_before_the_first_update_by_default():
         assert not torch.equal(layer.proj_in.values, drawn[name])  # fitted values replaced the draw
         assert record.fitted_errors[name] < record.errors[name]
 
+    # The same callback in a second fit (new projectors drawn) fits them again.
+    _lm_fit(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0), callbacks=[refit])
+    assert [r.initial for r in refit.history] == [True, True]
+
     # Without a callback the strategy adds one with the default schedule; with projectors="random" it does not.
     _, default_run = _lm_fit(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16))
     (added,) = [cb for cb in default_run.callbacks if isinstance(cb, ProjectorRefit)]
