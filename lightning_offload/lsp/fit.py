@@ -20,14 +20,13 @@ intermediates with their gradients, and the ``d × d`` Gram matrices: at most
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.projector import SparseProjector, SparsityPattern
 
 
 @dataclass(frozen=True)
@@ -57,41 +56,11 @@ class FitSettings:
             raise ValueError(f"l2={self.l2} must be ≥ 0.")
 
 
-class _Pattern:
-    """The CSR structure of ``P`` (``d × n``) and ``Pᵀ`` for fixed indices; values are supplied per call.
-
-    ``order`` / ``order_t`` map CSR value positions to positions in the flattened ``(n, r)`` values.
-    """
-
-    def __init__(self, indices: Tensor, dim_out: int) -> None:
-        n, r = indices.shape
-        device = indices.device
-        rows = indices.reshape(-1)
-        cols = torch.arange(n, device=device).repeat_interleave(r)
-        self.shape = (dim_out, n)
-        self.order = torch.argsort(rows * n + cols)  # row-major over P: sorted by compressed row, then column
-        self.crow = torch.cat([rows.new_zeros(1), torch.bincount(rows, minlength=dim_out).cumsum(0)])
-        self.col = cols[self.order]
-        self.order_t = torch.argsort(cols * dim_out + rows)  # row-major over Pᵀ: by column j, then row
-        self.crow_t = torch.arange(0, n * r + 1, r, device=device)
-        self.col_t = rows[self.order_t]
-
-    def matrix(self, values: Tensor) -> Tensor:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the products used here are stable
-            return torch.sparse_csr_tensor(self.crow, self.col, values[self.order], self.shape)
-
-    def transposed(self, values: Tensor) -> Tensor:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.order_t], self.shape[::-1])
-
-
 class _SparseProduct(torch.autograd.Function):
     """``P · M`` for ``P`` given by a fixed pattern and variable values; differentiable in both."""
 
     @staticmethod
-    def forward(ctx: Any, values: Tensor, pattern: _Pattern, matrix: Tensor) -> Tensor:
+    def forward(ctx: Any, values: Tensor, pattern: SparsityPattern, matrix: Tensor) -> Tensor:
         ctx.pattern = pattern
         ctx.save_for_backward(values, matrix)
         return torch.sparse.mm(pattern.matrix(values), matrix)
@@ -99,7 +68,7 @@ class _SparseProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         values, matrix = ctx.saved_tensors
-        pattern: _Pattern = ctx.pattern
+        pattern: SparsityPattern = ctx.pattern
         grad_values = grad_matrix = None
         if ctx.needs_input_grad[0]:
             # ∂/∂P[a, j] = Σ_m grad[a, m]·M[j, m], wanted only on P's pattern: a sampled product (SDDMM).
@@ -132,7 +101,7 @@ def _gram(
 
 
 def _error_squared(
-    a: Tensor, pattern_a: _Pattern, idx_a: Tensor, b: Tensor, pattern_b: _Pattern, idx_b: Tensor,
+    a: Tensor, pattern_a: SparsityPattern, idx_a: Tensor, b: Tensor, pattern_b: SparsityPattern, idx_b: Tensor,
     grad: Tensor, grad_sq: Tensor,
 ) -> Tensor:
     """``err(G)²`` for projectors with flat values ``a``, ``b`` (see the module docstring)."""
@@ -162,8 +131,8 @@ def reconstruction_error(proj_out: SparseProjector, proj_in: SparseProjector, gr
         if not bool(torch.isfinite(grad_sq)) or float(grad_sq) == 0.0:
             return math.nan  # no subspace to measure against
         err_sq = _error_squared(
-            proj_out.values.float(), _Pattern(proj_out.indices, proj_out.dim_out), proj_out.indices,
-            proj_in.values.float(), _Pattern(proj_in.indices, proj_in.dim_out), proj_in.indices, grad, grad_sq,
+            proj_out.values.float(), proj_out.pattern(), proj_out.indices,
+            proj_in.values.float(), proj_in.pattern(), proj_in.indices, grad, grad_sq,
         )
     return float(err_sq.clamp_min(0.0).sqrt())
 
@@ -191,8 +160,8 @@ class LayerFit:
     def __init__(self, proj_out: SparseProjector, proj_in: SparseProjector, settings: FitSettings) -> None:
         self.settings = settings
         self.idx_a, self.idx_b = proj_out.indices, proj_in.indices
-        self.pattern_a = _Pattern(proj_out.indices, proj_out.dim_out)
-        self.pattern_b = _Pattern(proj_in.indices, proj_in.dim_out)
+        self.pattern_a = proj_out.pattern()
+        self.pattern_b = proj_in.pattern()
         self.a = proj_out.values.detach().float().clone().requires_grad_(True)
         self.b = proj_in.values.detach().float().clone().requires_grad_(True)
         self.adam = torch.optim.Adam([self.a, self.b], lr=settings.lr)
@@ -200,10 +169,6 @@ class LayerFit:
         self.iterations = 0
         self.samples_seen = 0
         self.converged = False
-
-    def error(self, grad: Tensor) -> float:
-        """The current values' ``err(G)`` on a gradient."""
-        return reconstruction_error(*self.projectors(), grad)
 
     def fit(self, grad: Tensor, iterations: int) -> tuple[float, float]:
         """Run up to ``iterations`` Adam steps on one gradient, stopping once ``err ≤ target_error``.

@@ -22,6 +22,39 @@ from torch import Tensor
 _INDEX_CHUNK = 1024
 
 
+class SparsityPattern:
+    """The CSR structure of ``P`` (``d × n``) and ``Pᵀ`` for fixed indices; values are supplied per call.
+
+    Shared by the training products (:meth:`SparseProjector.compress_rows`) and the fit, whose value gradients
+    come back in CSR order and are mapped to the ``(n, r)`` layout through ``order``.
+
+    ``order`` / ``order_t`` map CSR value positions to positions in the flattened ``(n, r)`` values.
+    """
+
+    def __init__(self, indices: Tensor, dim_out: int) -> None:
+        n, r = indices.shape
+        device = indices.device
+        rows = indices.reshape(-1)
+        cols = torch.arange(n, device=device).repeat_interleave(r)
+        self.shape = (dim_out, n)
+        self.order = torch.argsort(rows * n + cols)  # row-major over P: sorted by compressed row, then column
+        self.crow = torch.cat([rows.new_zeros(1), torch.bincount(rows, minlength=dim_out).cumsum(0)])
+        self.col = cols[self.order]
+        self.order_t = torch.argsort(cols * dim_out + rows)  # row-major over Pᵀ: by column j, then row
+        self.crow_t = torch.arange(0, n * r + 1, r, device=device)
+        self.col_t = rows[self.order_t]
+
+    def matrix(self, values: Tensor) -> Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the products used here are stable
+            return torch.sparse_csr_tensor(self.crow, self.col, values[self.order], self.shape)
+
+    def transposed(self, values: Tensor) -> Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.order_t], self.shape[::-1])
+
+
 class SparseProjector:
     """A ``d × n`` matrix with exactly ``r`` distinct nonzero rows in every column.
 
@@ -141,22 +174,19 @@ class SparseProjector:
         either is replaced or edited in place."""
         key = (self.indices.data_ptr(), self.indices._version, self.values.data_ptr(), self.values._version)
         if getattr(self, "_csr_key", None) != key:
-            n, r = self.indices.shape
-            rows = self.indices.reshape(-1)
-            columns = torch.arange(n, device=self.indices.device).repeat_interleave(r)
             values = self.values.detach().float().reshape(-1)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the product used here is stable
-                self._csr_forms = (
-                    torch.sparse_coo_tensor(torch.stack([rows, columns]), values, (self.dim_out, n))
-                    .coalesce()
-                    .to_sparse_csr(),
-                    torch.sparse_coo_tensor(torch.stack([columns, rows]), values, (n, self.dim_out))
-                    .coalesce()
-                    .to_sparse_csr(),
-                )
+            pattern = self.pattern()
+            self._csr_forms = (pattern.matrix(values), pattern.transposed(values))
             self._csr_key = key
         return self._csr_forms[1 if transposed else 0]
+
+    def pattern(self) -> SparsityPattern:
+        """The CSR structure of this projector's indices (cached until the indices change)."""
+        key = (self.indices.data_ptr(), self.indices._version)
+        if getattr(self, "_pattern_key", None) != key:
+            self._pattern = SparsityPattern(self.indices, self.dim_out)
+            self._pattern_key = key
+        return self._pattern
 
     def to_dense(self) -> Tensor:
         """The ``d × n`` matrix; for tests and diagnostics only, never on the training path."""

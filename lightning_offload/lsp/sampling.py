@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
 from lightning_offload.lsp.linear import ProjectedWeight
