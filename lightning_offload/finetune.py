@@ -18,16 +18,15 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
-from lightning_offload.baselines import add_lora, freeze_projectable, galore_optimizer, layer_param_groups
 from lightning_offload.callbacks import ProjectorRefit
 from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload.models.smollm2 import load_smollm2
 from lightning_offload.module import CausalLMModule
+from lightning_offload.policies import METHODS, OffloadPolicy
+from lightning_offload.run_record import RunRecorder
 from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
 
 STRATEGIES = ("lsp_offload", "zero_offload", "none")
-# What is trained on the projectable layers (see lightning_offload.baselines); "full" trains them with the strategy.
-METHODS = ("full", "frozen", "lora", "galore")
 
 
 @dataclass
@@ -108,25 +107,6 @@ class FinetuneResult:
         )
 
 
-class _StepTimer(pl.Callback):
-    """Wall time of every training batch, optimizer step included; and running telemetry sums."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self.telemetry: list[dict[str, float]] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
-        # Pipelined figures complete one step late: record each completed step once.
-        if optimizer is not None and optimizer.telemetry.steps > len(self.telemetry):
-            self.telemetry.append(optimizer.telemetry.metrics())
-
-
 def build_strategy(config: FinetuneConfig) -> Any:
     """The strategy object (or name) a config asks for."""
     if config.strategy == "lsp_offload":
@@ -141,27 +121,22 @@ def build_strategy(config: FinetuneConfig) -> Any:
     raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
 
 
-def build_module(config: FinetuneConfig, model: torch.nn.Module) -> CausalLMModule:
+def build_policy(config: FinetuneConfig) -> OffloadPolicy:
+    """The :class:`~lightning_offload.policies.OffloadPolicy` a config describes (strategy + method)."""
+    return OffloadPolicy(
+        name=config.strategy, strategy=build_strategy(config), method=config.method,
+        projected_lr=config.projected_lr, lora_rank=config.lora_rank, galore_rank=config.galore_rank,
+        galore_scale=config.galore_scale, galore_update_proj_gap=config.galore_update_proj_gap,
+        fused_adam=config.fused_adam, refit=ProjectorRefit(every_n_steps=config.refit_every, seed=config.seed),
+    )
+
+
+def build_module(config: FinetuneConfig, model: torch.nn.Module, policy: OffloadPolicy | None = None
+                 ) -> CausalLMModule:
     """The LightningModule for ``config.method``: full fine-tuning, frozen projectable layers, LoRA or GaLore."""
-    if config.method not in METHODS:
-        raise ValueError(f"method={config.method!r} is not one of {METHODS}.")
-    if config.method != "full" and config.strategy == "lsp_offload":
-        raise ValueError(f"method={config.method!r} trains the projectable layers itself; use strategy='none' or "
-                         f"'zero_offload' with it, not 'lsp_offload'.")
-    if config.method == "frozen":
-        freeze_projectable(model)
-    elif config.method == "lora":
-        model = add_lora(model, config.lora_rank)
-
-    def factory(m: torch.nn.Module) -> torch.optim.Optimizer:
-        if config.method == "galore":
-            return galore_optimizer(m, lr=config.lr, projected_lr=config.projected_lr, rank=config.galore_rank,
-                                    scale=config.galore_scale, update_proj_gap=config.galore_update_proj_gap,
-                                    weight_decay=config.weight_decay)
-        groups = layer_param_groups(m, config.lr, config.projected_lr, config.weight_decay)
-        return torch.optim.AdamW(groups, lr=config.lr, fused=config.fused_adam)
-
-    return CausalLMModule(model, lr=config.lr, weight_decay=config.weight_decay, optimizer_factory=factory)
+    policy = policy or build_policy(config)
+    return CausalLMModule(policy.prepare(model), lr=config.lr, weight_decay=config.weight_decay,
+                          optimizer_factory=policy.optimizer_factory(config.lr, config.weight_decay))
 
 
 def _trainer(config: FinetuneConfig, strategy: Any, steps: int, callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
@@ -194,7 +169,8 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
         raise ValueError(f"strategy={config.strategy!r} is not one of {STRATEGIES}.")
     pl.seed_everything(config.seed, workers=True, verbose=False)
     model, tokenizer = load_smollm2()
-    module = build_module(config, model)
+    policy = build_policy(config)
+    module = build_module(config, model, policy)
     data = BibleLMDataModule(
         tokenizer,
         block_size=config.block_size,
@@ -203,11 +179,9 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
         seed=config.seed,
     )
     before = _validate(config, module, data)
-    timer = _StepTimer()
-    strategy = build_strategy(config)
-    callbacks: list[pl.Callback] = [timer]
-    if config.strategy == "lsp_offload" and config.projectors == "learned":
-        callbacks.append(ProjectorRefit(every_n_steps=config.refit_every, seed=config.seed))
+    timer = RunRecorder(None)
+    strategy = policy.strategy
+    callbacks: list[pl.Callback] = [timer, *policy.callbacks()]
     fit_trainer = _trainer(config, strategy, config.steps, callbacks)
     start = time.perf_counter()
     fit_trainer.fit(module, datamodule=data)
@@ -218,7 +192,7 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
         config=config,
         eval_loss_before=before,
         eval_loss_after=after,
-        step_seconds=timer.seconds,
+        step_seconds=timer.step_seconds,
         trainable_parameters=sum(p.numel() for p in module.parameters() if p.requires_grad),
         train_seconds=train_seconds,
     )

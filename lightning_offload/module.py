@@ -62,7 +62,9 @@ class CausalLMModule(L.LightningModule):
     """Trains an HF causal LM on batches of ``{"input_ids", "attention_mask", "labels"}``.
 
     Logs ``train/loss`` every step and, per validation epoch, ``val/loss`` (mean over target tokens, not
-    over batches, so a short last batch is not over-weighted) and ``val/ppl = exp(val/loss)``.
+    over batches, so a short last batch is not over-weighted), ``val/ppl = exp(val/loss)``, ``val/token_acc`` (share
+    of target tokens whose argmax prediction is right) and, with ``exact_match=True``, ``val/exact_match``: the share
+    of sequences whose every target token is predicted right, i.e. that greedy decoding from the prompt reproduces.
 
     Args:
         model: Any HF model whose forward returns ``.loss`` when given ``labels``.
@@ -76,6 +78,7 @@ class CausalLMModule(L.LightningModule):
         optimizer_factory: builds the optimizer from the model instead (e.g. GaLore from
             :func:`lightning_offload.baselines.galore_optimizer`); ``optimizer``, ``betas``, ``eps`` and ``fused``
             are then unused.
+        exact_match: Also log ``val/exact_match`` (meaningful for prompt → answer data such as ``bible_qa``).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class CausalLMModule(L.LightningModule):
         optimizer: str = "adamw",
         fused: bool | None = None,
         optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+        exact_match: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "adam"):
@@ -99,6 +103,8 @@ class CausalLMModule(L.LightningModule):
         self.model = model
         self.optimizer_factory = optimizer_factory
         self.val_loss = MeanMetric()
+        self.val_token_acc = MeanMetric()
+        self.val_exact_match = MeanMetric()
 
     def forward(self, **batch: torch.Tensor) -> Any:
         """Runs the wrapped model."""
@@ -112,12 +118,23 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Accumulates the batch's mean loss weighted by its number of target tokens."""
-        loss = self.model(**_lm_inputs(batch)).loss.detach()
+        out = self.model(**_lm_inputs(batch))
+        loss = out.loss.detach()
         self.val_loss.update(loss.float(), weight=count_target_tokens(batch).to(loss.device, torch.float32))
+        # Position t predicts label t+1 (HF shifts inside the model); compare the argmax there with the target.
+        targets = batch["labels"][:, 1:].to(out.logits.device)
+        is_target = targets != IGNORE_INDEX
+        correct = (out.logits[:, :-1].argmax(-1) == targets) & is_target
+        if is_target.any():
+            self.val_token_acc.update(correct.sum() / is_target.sum(), weight=is_target.sum().float())
+        if self.hparams.exact_match:
+            has_target = is_target.any(dim=1)
+            all_right = (correct | ~is_target).all(dim=1)
+            self.val_exact_match.update(all_right[has_target].float())
         return loss
 
     def on_validation_epoch_end(self) -> None:
-        """Logs the epoch's token-weighted ``val/loss`` and ``val/ppl``, then resets the accumulator."""
+        """Logs the epoch's token-weighted ``val/loss``, ``val/ppl`` and accuracies, then resets the accumulators."""
         if not self.val_loss.update_called:
             return
         # compute() all-reduces across processes, so every rank logs the same global value.
@@ -125,6 +142,12 @@ class CausalLMModule(L.LightningModule):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss))
+        if self.val_token_acc.update_called:
+            self.log("val/token_acc", self.val_token_acc.compute())
+        if self.hparams.exact_match and self.val_exact_match.update_called:
+            self.log("val/exact_match", self.val_exact_match.compute(), prog_bar=True)
+        self.val_token_acc.reset()
+        self.val_exact_match.reset()
 
     def configure_optimizers(self) -> Any:
         """Builds the torch Adam/AdamW over two parameter groups, plus a per-step warmup if requested."""

@@ -257,6 +257,8 @@ class BibleLMDataModule(L.LightningDataModule):
         num_workers: DataLoader workers; 0 because batches are slices of an in-memory tensor.
     """
 
+    task = "bible_lm"
+
     def __init__(
         self,
         tokenizer: Any,

@@ -1,0 +1,95 @@
+"""Offload policies: what the Hydra ``offload`` group chooses — the strategy, and what trains the large layers.
+
+A policy bundles the three things that differ between the methods compared side by side (DESIGN.md §5):
+
+- the Lightning strategy (``lsp_offload``, ``zero_offload`` or Lightning's own ``"auto"`` for on-device AdamW);
+- the *method* applied to the projectable layers: ``full`` (train them, however the strategy does it), ``frozen``,
+  ``lora`` (``peft`` adapters) or ``galore`` (``galore-torch``'s low-rank-gradient AdamW);
+- the ``ProjectorRefit`` settings used when the strategy learns its projectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_offload.baselines import add_lora, freeze_projectable, galore_optimizer, layer_param_groups
+
+METHODS = ("full", "frozen", "lora", "galore")
+
+
+@dataclass
+class OffloadPolicy:
+    """One row of a side-by-side comparison.
+
+    Attributes:
+        name: Short label used in run names, logs and plots (``lsp``, ``zero``, ``none``, ``galore``, ``lora``).
+        strategy: A strategy instance or a registered name (``"auto"``: Lightning's single-device strategy).
+        method: ``full``, ``frozen``, ``lora`` or ``galore`` (see the module docstring).
+        projected_lr: Learning rate of the projectable layers (and LoRA adapters); ``None``: the run's lr.
+        lora_rank: LoRA rank.
+        lora_alpha: LoRA scaling numerator (``None``: ``2·rank``).
+        galore_rank: GaLore rank.
+        galore_scale: GaLore update scale.
+        galore_update_proj_gap: Steps between GaLore's projection refreshes.
+        fused_adam: Use torch's fused AdamW for on-device optimizers (the fastest CPU kernel).
+        refit: The ``ProjectorRefit`` callback to use when the strategy's projectors are learned (``None``: the
+            strategy adds one with the default schedule); ignored otherwise.
+    """
+
+    name: str
+    strategy: Any = "auto"
+    method: str = "full"
+    projected_lr: float | None = None
+    lora_rank: int = 12
+    lora_alpha: float | None = None
+    galore_rank: int = 36
+    galore_scale: float = 0.25
+    galore_update_proj_gap: int = 200
+    fused_adam: bool = True
+    refit: pl.Callback | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"offload.method={self.method!r} is not one of {METHODS}.")
+        if self.method in ("lora", "galore") and getattr(self.strategy, "projection", False):
+            raise ValueError(f"offload.method={self.method!r} trains the projectable layers itself; combine it with "
+                             f"offload.strategy=auto or zero_offload, not a projecting lsp_offload strategy.")
+        for key in ("lora_rank", "galore_rank", "galore_update_proj_gap"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"offload.{key}={getattr(self, key)} must be a positive integer.")
+
+    @property
+    def learns_projectors(self) -> bool:
+        """Whether the strategy projects gradients with learned projectors (so ``refit`` applies)."""
+        return bool(getattr(self.strategy, "projection", False)) and getattr(self.strategy, "projectors", "") == "learned"
+
+    def callbacks(self) -> list[pl.Callback]:
+        """The callbacks this policy adds to a run."""
+        return [self.refit] if self.refit is not None and self.learns_projectors else []
+
+    def prepare(self, network: nn.Module) -> nn.Module:
+        """Applies the method to the network to be trained (freezes layers or wraps it with LoRA); returns it."""
+        if self.method == "frozen":
+            freeze_projectable(network)
+        elif self.method == "lora":
+            network = add_lora(network, self.lora_rank, alpha=self.lora_alpha)
+        return network
+
+    def optimizer_factory(self, lr: float, weight_decay: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
+        """Builds the run's optimizer from the network: AdamW with the layer lr split, or GaLore-AdamW."""
+
+        def build(network: nn.Module) -> torch.optim.Optimizer:
+            if self.method == "galore":
+                return galore_optimizer(network, lr=lr, projected_lr=self.projected_lr, rank=self.galore_rank,
+                                        scale=self.galore_scale, update_proj_gap=self.galore_update_proj_gap,
+                                        weight_decay=weight_decay)
+            groups = layer_param_groups(network, lr, self.projected_lr, weight_decay)
+            return torch.optim.AdamW(groups, lr=lr, fused=self.fused_adam)
+
+        return build

@@ -1,0 +1,281 @@
+"""``train(cfg)``: one run from a composed Hydra config, and the ``lightning-offload-train`` command around it.
+
+The config (``conf/train.yaml`` and its groups) names every object by ``_target_``; this file only wires them:
+model → data (which needs the model's tokenizer) → offload policy → LightningModule for the data's task → Trainer,
+then evaluates, trains, evaluates, and prints and writes a summary. See the README for the command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_offload  # noqa: F401  (registers the strategy names)
+from lightning_offload.callbacks import ProjectorRefit
+from lightning_offload.classifier import SequenceClassifierModule, decoder_of
+from lightning_offload.models.builders import LanguageModel
+from lightning_offload.module import CausalLMModule
+from lightning_offload.policies import OffloadPolicy
+from lightning_offload.run_record import RunRecorder, device_peak_bytes, host_peak_rss_bytes, write_summary
+
+log = logging.getLogger(__name__)
+
+#: The repository's ``conf/`` directory (the package is installed editable from a checkout; see the README).
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: OffloadPolicy,
+                 optim: DictConfig) -> pl.LightningModule:
+    """The LightningModule for the data's task: a classifier for labelled data, else a causal LM.
+
+    The policy's method (frozen layers, LoRA) is applied to the network that trains, and its optimizer factory
+    (AdamW with the projected-layer lr, or GaLore) builds the optimizer.
+    """
+    factory = policy.optimizer_factory(optim.lr, optim.weight_decay)
+    num_classes = getattr(datamodule, "num_classes", None)
+    if num_classes is not None:
+        decoder = policy.prepare(decoder_of(lm.network))
+        return SequenceClassifierModule(decoder, hidden_size=lm.network.config.hidden_size, num_classes=num_classes,
+                                        lr=optim.lr, weight_decay=optim.weight_decay,
+                                        warmup_steps=optim.warmup_steps, optimizer_factory=factory)
+    return CausalLMModule(policy.prepare(lm.network), lr=optim.lr, weight_decay=optim.weight_decay,
+                          warmup_steps=optim.warmup_steps, optimizer_factory=factory,
+                          exact_match=getattr(datamodule, "task", "") == "bible_qa")
+
+
+def primary_metric(module: pl.LightningModule) -> str:
+    """The evaluation metric the summary reports for ``module``'s task."""
+    if isinstance(module, SequenceClassifierModule):
+        return "val/acc"
+    if isinstance(module, CausalLMModule) and module.hparams.exact_match:
+        return "val/exact_match"
+    return "val/loss"
+
+
+def _instantiate_dict(node: DictConfig | None, what: str) -> list[Any]:
+    """Instantiates every ``_target_`` entry of a ``name: {...}`` group (callbacks, loggers)."""
+    if not node:
+        return []
+    if not isinstance(node, DictConfig):
+        raise TypeError(f"{what} must be a mapping of name -> {{_target_: ...}}, got {node!r}.")
+    objects = []
+    for name, entry in node.items():
+        if isinstance(entry, DictConfig) and "_target_" in entry:
+            objects.append(hydra.utils.instantiate(entry, _convert_="all"))
+        elif entry is not None:
+            raise TypeError(f"{what}.{name} has no _target_; every entry must name the class to build.")
+    return objects
+
+
+def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.LightningDataModule) -> dict[str, float]:
+    # A plain single-device trainer: evaluation needs no offload machinery, and logs nothing by itself (the
+    # recorder writes the result into the run's history and train() logs it). No inference mode: metric states reset
+    # under it would become inference tensors that the fit loop's own validations could no longer update.
+    fast = bool(cfg.trainer.get("fast_dev_run"))
+    trainer = pl.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                         limit_val_batches=1 if fast else cfg.trainer.get("limit_val_batches"), logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                         inference_mode=False)
+    (metrics,) = trainer.validate(module, datamodule=datamodule, verbose=False)
+    return {key: float(value) for key, value in metrics.items()}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _optimizer_state_bytes(trainer: pl.Trainer) -> float:
+    # Without an offload strategy the optimizer's whole state sits beside the parameters, on the device.
+    return float(sum(t.numel() * t.element_size() for optimizer in trainer.optimizers
+                     for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)))
+
+
+def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataModule, module: pl.LightningModule,
+              trainer: pl.Trainer, recorder: RunRecorder, before: dict[str, float], after: dict[str, float],
+              train_seconds: float) -> dict[str, Any]:
+    """The figures printed at the end of a run and written to ``summary.json``."""
+    metric = primary_metric(module)
+    telemetry = recorder.telemetry
+    steady = telemetry[2:] or telemetry  # the first steps include warm-up
+
+    def tele(key: str) -> float | None:
+        return _median([t[f"offload/{key}"] for t in steady if f"offload/{key}" in t])
+
+    summary: dict[str, Any] = {
+        "model": lm.name,
+        "task": getattr(datamodule, "task", None) or type(datamodule).__name__,
+        "offload": cfg.offload.name,
+        "strategy": type(trainer.strategy).__name__,
+        "precision": str(trainer.precision),
+        "steps": trainer.global_step,
+        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "device": str(trainer.strategy.root_device),
+        "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
+        "host_peak_rss_bytes": host_peak_rss_bytes(),
+        "link_bytes_to_host_per_step": tele("bytes_device_to_host") or 0.0,
+        "link_bytes_to_device_per_step": tele("bytes_host_to_device") or 0.0,
+        "host_optimizer_seconds_per_step": tele("host_optimizer_seconds") or 0.0,
+        "host_state_bytes": telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0,
+        "device_state_bytes": telemetry[-1]["offload/device_state_bytes"] if telemetry else _optimizer_state_bytes(trainer),
+        "median_step_seconds": _median(recorder.step_seconds[2:] or recorder.step_seconds),
+        "train_seconds": train_seconds,
+        "loss_before": before.get("val/loss"),
+        "loss_after": after.get("val/loss"),
+        "metric": metric,
+        "metric_before": before.get(metric),
+        "metric_after": after.get(metric),
+    }
+    refits = [c for c in trainer.callbacks if isinstance(c, ProjectorRefit) and c.history]
+    if refits:
+        first = refits[0].history[0]
+        summary["projector_fit_seconds"] = first.seconds
+        summary["projector_error_drawn"] = statistics.fmean(first.errors.values())
+        summary["projector_error_fitted"] = statistics.fmean(first.fitted_errors.values())
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as aligned lines for the terminal."""
+    mib = 1024**2
+
+    def num(value: Any, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    peak = summary["device_peak_bytes"]
+    device_memory = (f"{peak / mib:.0f} MiB peak on {summary['device']}" if peak is not None else
+                     f"n/a on {summary['device']} (host peak RSS {summary['host_peak_rss_bytes'] / mib:.0f} MiB)")
+    step = summary["median_step_seconds"]
+    lines = [
+        f"model               {summary['model']}  ({summary['task']})",
+        f"offload             {summary['offload']} ({summary['strategy']}, {summary['precision']})",
+        f"trainable params    {summary['trainable_parameters']:,}",
+        f"device memory       {device_memory}",
+        f"link bytes / step   {summary['link_bytes_to_host_per_step'] / mib:.1f} MiB to host, "
+        f"{summary['link_bytes_to_device_per_step'] / mib:.1f} MiB to device",
+        f"host optimizer      {summary['host_optimizer_seconds_per_step'] * 1e3:.0f} ms / step, "
+        f"state {summary['host_state_bytes'] / mib:.0f} MiB on host, {summary['device_state_bytes'] / mib:.0f} MiB on "
+        f"device",
+        f"steps               {summary['steps']} in {summary['train_seconds']:.1f} s "
+        f"(median {num(step, '.2f')} s / step)",
+        f"eval loss           {num(summary['loss_before'], '.4f')} -> {num(summary['loss_after'], '.4f')}",
+    ]
+    if summary["metric"] != "val/loss":
+        lines.append(f"{summary['metric']:<20}{num(summary['metric_before'], '.4f')} -> "
+                     f"{num(summary['metric_after'], '.4f')}")
+    if "projector_fit_seconds" in summary:
+        lines.append(f"projector fit       {summary['projector_fit_seconds']:.1f} s, mean error "
+                     f"{summary['projector_error_drawn']:.3f} -> {summary['projector_error_fitted']:.3f} (held-out)")
+    return "\n".join(lines)
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    path = cfg.paths.get("output_dir") if "paths" in cfg else None
+    if path is None:
+        path = HydraConfig.get().runtime.output_dir
+    return Path(path)
+
+
+def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs one experiment: evaluate, fit, evaluate; prints, logs and writes the summary.
+
+    Args:
+        cfg: The composed config (``conf/train.yaml`` with overrides).
+
+    Returns:
+        ``(metrics, objects)``: the final metrics (the trainer's callback metrics plus ``summary/*``), and the
+        objects built (``cfg``, ``model``, ``datamodule``, ``policy``, ``module``, ``trainer``, ``callbacks``,
+        ``loggers``, ``recorder``).
+    """
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    run_dir = _output_dir(cfg)
+    log.info("Run directory: %s", run_dir)
+
+    lm: LanguageModel = hydra.utils.instantiate(cfg.model)
+    datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data, tokenizer=lm.tokenizer)
+    policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
+    module = build_module(lm, datamodule, policy, cfg.optim)
+
+    recorder = RunRecorder(run_dir)
+    callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks") + policy.callbacks() + [recorder]
+    loggers = _instantiate_dict(cfg.get("logger"), "logger")
+    if not loggers:
+        # Lightning refuses a LearningRateMonitor without a logger; with `logger=null` there is nothing to monitor into.
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
+    has_checkpoints = any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks)
+    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, strategy=policy.strategy, callbacks=callbacks,
+                                                  logger=loggers or False, enable_checkpointing=has_checkpoints)
+    for logger in loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+
+    before: dict[str, float] = {}
+    if cfg.get("eval_before", True) and cfg.get("ckpt_path") is None:
+        before = _evaluate(cfg, module, datamodule)
+        recorder.record_validation(step=0, metrics=before)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    train_seconds = time.perf_counter() - start
+    last = recorder.last_validation()
+    if last is not None and last["step"] == trainer.global_step:
+        after = {k: v for k, v in last.items() if k.startswith("val/")}
+    else:
+        after = _evaluate(cfg, module, datamodule)
+        recorder.record_validation(step=trainer.global_step, metrics=after)
+
+    summary = summarize(cfg, lm, datamodule, module, trainer, recorder, before, after, train_seconds)
+    write_summary(run_dir, summary)
+    print("\n" + format_summary(summary))
+    scalars = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
+    for logger in loggers:
+        logger.log_metrics(scalars, step=trainer.global_step)
+        logger.save()
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics.update({f"val_before/{k.removeprefix('val/')}": v for k, v in before.items()})
+    metrics.update(after)
+    metrics.update(scalars)
+    objects = {"cfg": cfg, "model": lm, "datamodule": datamodule, "policy": policy, "module": module,
+               "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder}
+    return metrics, objects
+
+
+def _finish_wandb() -> None:
+    # Lightning leaves the wandb run open after fit; in a multirun the next job must start a new one.
+    import sys
+
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
+    """The value a sweeper optimises, with a clear error when the run did not produce it."""
+    if not name:
+        return None
+    if name not in metrics:
+        raise KeyError(f"optimized_metric={name!r} was not produced by this run; available: {sorted(metrics)}.")
+    return float(metrics[name])
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """The ``lightning-offload-train`` command (and ``python scripts/train.py``)."""
+    try:
+        metrics, _ = train(cfg)
+    finally:
+        _finish_wandb()
+    return metric_value(metrics, cfg.get("optimized_metric"))
+
+
+if __name__ == "__main__":
+    main()

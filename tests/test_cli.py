@@ -1,0 +1,110 @@
+"""The command line end to end: a three-policy sweep turned into plots, wandb offline runs, Optuna, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.core.global_hydra import GlobalHydra
+
+from lightning_offload.plots import find_runs, main as plots_main
+from lightning_offload.run_record import read_history, read_summary
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
+TINY = ["model=tiny_llama", "trainer=cpu", "trainer.max_steps=4", "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=2", "data.max_val_blocks=8"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture()
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    # The subprocesses inherit conftest's temp WANDB_* dirs; tokenised-data caches go to a temp dir too.
+    return {**os.environ, "LIGHTNING_OFFLOAD_CACHE": str(tmp_path_factory.getbasetemp() / "cache"),
+            "HYDRA_FULL_ERROR": "0"}
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict[str, str]) -> None:
+    sweep = tmp_path / "sweep"
+    done = run_cli(["-m", "offload=lsp,zero,none", "logger=csv", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    runs = find_runs([sweep])
+    assert sorted(run.label for run in runs) == ["offload=lsp", "offload=none", "offload=zero"]
+    for run in runs:
+        summary = read_summary(run.path)
+        assert summary is not None and summary["steps"] == 4 and summary["offload"] == run.label.split("=")[1]
+        evaluations = [r["step"] for r in read_history(run.path) if r["kind"] == "val"]
+        assert evaluations == [0, 2, 4]  # before training, then every 2 steps
+        assert (run.path / "csv" / "version_0" / "metrics.csv").is_file()
+    by_name = {run.label: read_summary(run.path) for run in runs}
+    # Offloading moves bytes over the link, plain AdamW moves none; lsp moves fewer than zero.
+    assert by_name["offload=none"]["link_bytes_to_host_per_step"] == 0
+    assert 0 < by_name["offload=lsp"]["link_bytes_to_host_per_step"] < by_name["offload=zero"][
+        "link_bytes_to_host_per_step"]
+
+    out = tmp_path / "plots"
+    plots_main([str(sweep), "--out", str(out)])
+    written = sorted(p.name for p in out.glob("*.png"))
+    assert written == ["eval_vs_step.png", "eval_vs_time.png", "link_bytes.png", "memory.png", "step_time.png"]
+    for name in written:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_plots_of_a_missing_directory_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        plots_main([str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2
+    assert "nowhere does not exist" in capsys.readouterr().err
+
+
+def test_wandb_offline_run_is_written_inside_the_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_configs import compose_cfg
+
+    from lightning_offload.train import _finish_wandb, train
+
+    monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    GlobalHydra.instance().clear()
+    run_dir = tmp_path / "run"
+    try:
+        train(compose_cfg(["logger=wandb", *TINY], run_dir))
+    finally:
+        _finish_wandb()
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # nothing written beside it
+    (events,) = wandb_run.glob("run-*.wandb")
+    data = events.read_bytes()  # protobuf records: keys and config values are stored as plain strings
+    for key in (b"lightning_offload.strategy.LSPOffloadStrategy", b"tiny_causal_lm",  # the config
+                b"offload/bytes_device_to_host", b"val/loss", b"train/loss", b"summary/loss_after"):
+        assert key in data, key
+
+
+def test_optuna_search_runs_trials(tmp_path: Path, env: dict[str, str]) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "optuna"
+    done = run_cli(["-m", "hparams_search=lsp_optuna", "hydra.sweeper.n_trials=2", "logger=csv", *TINY,
+                    "trainer.val_check_interval=4", f"hydra.sweep.dir={sweep}"], tmp_path, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert set(result["best_params"]) == {"optim.lr", "offload.projected_lr", "offload.strategy.rank"}
+    losses = [json.loads((d / "summary.json").read_text())["loss_after"] for d in sweep.iterdir() if d.is_dir()
+              and (d / "summary.json").is_file()]
+    assert len(losses) == 2 and result["best_value"] == pytest.approx(min(losses), rel=1e-5)
+
+
+def test_unknown_option_on_the_command_line_lists_the_choices(tmp_path: Path, env: dict[str, str]) -> None:
+    done = run_cli(["offload=zero_offload"], tmp_path, env, timeout=120)
+    assert done.returncode != 0
+    assert "Could not find 'offload/zero_offload'" in done.stderr
+    assert "Available options in 'offload'" in done.stderr and "zero" in done.stderr
