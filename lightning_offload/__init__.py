@@ -1,14 +1,20 @@
 """lightning_offload: fine-tune language models on one commodity GPU by offloading optimizer work to the host.
 
-Importing the package registers the Lightning strategy names ``lsp_offload`` and ``zero_offload``::
+Importing the package registers the Lightning strategy names ``lsp_offload``, ``zero_offload`` and ``meft_offload``::
 
     import lightning_offload
     trainer = L.Trainer(strategy="lsp_offload")
 """
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_offload.callbacks import ProjectorRefit, RefitRecord
 from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
+from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.lazy_adam import LazyRowAdam
+from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
 from lightning_offload.offload_optimizer import NonFiniteGradientError, OffloadOptimizer
 from lightning_offload.rounding import stochastic_round_to_bf16
@@ -16,10 +22,15 @@ from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy, 
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
 
 register_strategies()
+MEFTOffloadStrategy.register_strategies(StrategyRegistry)  # here: meft.strategy imports strategy, not the reverse
 
 __version__ = "0.1.0"
 __all__ = [
     "LSPOffloadStrategy",
+    "LazyRowAdam",
+    "MEFTAdapter",
+    "MEFTConfig",
+    "MEFTOffloadStrategy",
     "NonFiniteGradientError",
     "OffloadOptimizer",
     "OffloadTelemetry",
@@ -30,6 +41,8 @@ __all__ = [
     "SparseProjector",
     "StepTelemetry",
     "ZeroOffloadStrategy",
+    "inject_meft",
+    "meft_adapters",
     "random_projector",
     "reconstruction_error",
     "register_strategies",

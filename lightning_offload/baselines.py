@@ -1,6 +1,7 @@
-"""The comparison methods run beside LSP-Offload in the same harness: frozen, LoRA (``peft``), GaLore (``galore-torch``).
+"""The comparison methods run beside the offload strategies in the same harness: frozen, LoRA (``peft``), GaLore
+(``galore-torch``), and a dense parallel adapter (MEFT's on-device counterpart).
 
-All three act on the layers ``lsp_offload`` would project (same selection rule, :func:`projectable_layers`) and leave
+Frozen, LoRA and GaLore act on the layers ``lsp_offload`` would project (same selection rule, :func:`projectable_layers`) and leave
 every other trainable parameter (embeddings, norms, head) trained, so "gain over the frozen run" measures exactly
 what each method earns on those layers. ``peft`` and ``galore-torch`` are optional (``pip install
 lightning_offload[baselines]``); the functions that need them say so when they are missing.
@@ -30,7 +31,7 @@ def freeze_projectable(model: nn.Module, min_dim: int = 128) -> list[str]:
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, min_dim: int = 128,
-             dropout: float = 0.0) -> nn.Module:
+             dropout: float = 0.0, train_others: bool = True) -> nn.Module:
     """Wrap ``model`` with LoRA adapters on the projectable layers; the other parameters stay trainable.
 
     Args:
@@ -39,6 +40,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, min_dim: i
         alpha: LoRA scaling numerator (default ``2·rank``, the common choice).
         min_dim: the projection rule's size threshold.
         dropout: LoRA dropout.
+        train_others: keep training the non-projectable parameters (embeddings, norms, head), as the frozen
+            reference run does; ``False`` trains the adapters only (plain PEFT).
 
     Returns:
         The ``peft`` model (same forward signature).
@@ -57,7 +60,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, min_dim: i
     peft_model = get_peft_model(model, config)
     # peft freezes the whole base model; the comparison keeps training what the frozen run trains.
     for name, param in peft_model.base_model.model.named_parameters():
-        if name in trainable and name not in projected_weights and "lora_" not in name:
+        if train_others and name in trainable and name not in projected_weights and "lora_" not in name:
             param.requires_grad_(True)
     return peft_model
 
@@ -113,3 +116,41 @@ def galore_optimizer(model: nn.Module, lr: float, rank: int, update_proj_gap: in
     if groups and groups[0]["params"] and any(p.ndim >= 2 for p in groups[0]["params"]):
         groups[0].update(rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type="std")
     return GaLoreAdamW(groups, lr=lr, **adam_kwargs)
+
+
+class ParallelAdapter(nn.Module):
+    """A dense adapter beside an FFN, ``ffn(h) + ReLU(h Kᵀ) V`` with ``K, V`` of ``width × h`` on the device.
+
+    The same function as a MEFT adapter with every neuron active and no routing: the reference MEFT is compared with
+    at equal device memory. ``V`` starts at zero, so the wrapped model is unchanged until trained.
+    """
+
+    def __init__(self, ffn: nn.Module, hidden_size: int, width: int, generator: torch.Generator) -> None:
+        super().__init__()
+        self.ffn = ffn
+        self.keys = nn.Parameter(torch.randn(width, hidden_size, generator=generator) * hidden_size**-0.5)
+        self.values = nn.Parameter(torch.zeros(width, hidden_size))
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The FFN's output plus the adapter's."""
+        adapter = torch.relu(hidden @ self.keys.T.to(hidden.dtype)) @ self.values.to(hidden.dtype)
+        return self.ffn(hidden, *args, **kwargs) + adapter
+
+
+def add_parallel_adapters(model: nn.Module, width: int, target_modules: str = r"(^|\.)mlp$", seed: int = 0) -> int:
+    """Freezes ``model`` and puts a dense :class:`ParallelAdapter` of ``width`` neurons beside every matching FFN.
+
+    Returns:
+        The number of adapters added.
+    """
+    from lightning_offload.meft.adapter import ffn_hidden_size, find_ffns, replace_submodule
+
+    if width < 1:
+        raise ValueError(f"Parallel adapter width={width} must be a positive integer.")
+    targets = find_ffns(model, target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    for name, ffn in targets:
+        replace_submodule(model, name, ParallelAdapter(ffn, ffn_hidden_size(ffn), width, generator))
+    return len(targets)

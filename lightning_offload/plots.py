@@ -7,7 +7,8 @@ and its ``summary.json`` when the run finished) and writes PNGs:
   against optimizer steps and against wall time since the start of ``fit`` (projector fits included);
 - ``link_bytes.png``: bytes over the link per step, each way;
 - ``memory.png``: optimizer state on the device and on the host, and the device's peak memory on a GPU run;
-- ``step_time.png``: median seconds per step.
+- ``step_time.png``: median seconds per step;
+- ``summary.md``: one table row per finished run (the figures of its ``summary.json``), also printed.
 
 Runs are labelled by the overrides that differ between them (``offload=zero``, ``offload.strategy.rank=0.125``),
 so a sweep's legend says what was swept.
@@ -137,6 +138,33 @@ def _summary_value(run: Run, key: str) -> float:
     return float(value) if value is not None else 0.0
 
 
+def _mib(value: float | None) -> float | None:
+    return None if value is None else value / MIB
+
+
+def summary_table(runs: list[Run]) -> str:
+    """A Markdown table of the finished runs' summaries."""
+    header = ("| run | steps | eval loss | metric | s / step | link MiB / step (to host, to device) | "
+              "device training state MiB | host state MiB |")
+    lines = [header, "|---" * (header.count("|") - 1) + "|"]
+
+    def num(value: Any, fmt: str) -> str:
+        return "–" if value is None else format(value, fmt)
+
+    for run in runs:
+        s = run.summary
+        if s is None:
+            continue
+        metric = "" if s["metric"] == "val/loss" else (f"{s['metric']} {num(s['metric_before'], '.4f')} → "
+                                                       f"{num(s['metric_after'], '.4f')}")
+        lines.append(
+            f"| {run.label} | {s['steps']} | {num(s['loss_before'], '.4f')} → {num(s['loss_after'], '.4f')} | "
+            f"{metric} | {num(s['median_step_seconds'], '.2f')} | "
+            f"{s['link_bytes_to_host_per_step'] / MIB:.1f}, {s['link_bytes_to_device_per_step'] / MIB:.1f} | "
+            f"{num(_mib(s.get('device_trainable_bytes')), '.1f')} | {s['host_state_bytes'] / MIB:.1f} |")
+    return "\n".join(lines)
+
+
 def plot_runs(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str]) -> list[Path]:
     """Writes the comparison figures for the runs under ``paths`` into ``out_dir``; returns the files written."""
     try:
@@ -169,6 +197,9 @@ def plot_runs(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLik
         written.append(_bars(finished, {
             "median step": [_summary_value(r, "median_step_seconds") for r in finished],
         }, "seconds", "Median time per optimizer step", out / "step_time.png"))
+        table = out / "summary.md"
+        table.write_text(summary_table(finished) + "\n", encoding="utf-8")
+        written.append(table)
     return written
 
 
@@ -185,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"lightning-offload-plots: error: {error}\n")
     for f in files:
         print(f)
+    table = Path(out) / "summary.md"
+    if table.is_file():
+        print("\n" + table.read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":

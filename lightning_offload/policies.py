@@ -4,7 +4,9 @@ A policy bundles the three things that differ between the methods compared side 
 
 - the Lightning strategy (``lsp_offload``, ``zero_offload`` or Lightning's own ``"auto"`` for on-device AdamW);
 - the *method* applied to the projectable layers: ``full`` (train them, however the strategy does it), ``frozen``,
-  ``lora`` (``peft`` adapters) or ``galore`` (``galore-torch``'s low-rank-gradient AdamW);
+  ``lora`` (``peft`` adapters), ``galore`` (``galore-torch``'s low-rank-gradient AdamW) or ``meft`` (wide sparse
+  adapters beside each FFN, base frozen, trained by ``meft_offload``) or ``adapter`` (a dense parallel adapter beside
+  each FFN, base frozen, on the device);
 - the ``ProjectorRefit`` settings used when the strategy learns its projectors.
 """
 
@@ -18,9 +20,18 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_offload.baselines import add_lora, freeze_projectable, galore_optimizer, layer_param_groups
+from lightning_offload.baselines import (
+    add_lora,
+    add_parallel_adapters,
+    freeze_projectable,
+    galore_optimizer,
+    layer_param_groups,
+)
+from lightning_offload.meft.adapter import inject_meft
+from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.strategy import MEFTOffloadStrategy
 
-METHODS = ("full", "frozen", "lora", "galore")
+METHODS = ("full", "frozen", "lora", "galore", "meft", "adapter")
 
 
 @dataclass
@@ -34,10 +45,13 @@ class OffloadPolicy:
         projected_lr: Learning rate of the projectable layers (and LoRA adapters); ``None``: the run's lr.
         lora_rank: LoRA rank.
         lora_alpha: LoRA scaling numerator (``None``: ``2·rank``).
+        lora_train_others: With LoRA, keep training embeddings, norms and head (``False``: adapters only).
         galore_rank: GaLore rank.
         galore_scale: GaLore update scale.
         galore_update_proj_gap: Steps between GaLore's projection refreshes.
         fused_adam: Use torch's fused AdamW for on-device optimizers (the fastest CPU kernel).
+        adapter_width: Neurons of each dense parallel adapter (``method="adapter"``).
+        meft: The :class:`~lightning_offload.meft.config.MEFTConfig` of ``method="meft"``.
         refit: The ``ProjectorRefit`` callback to use when the strategy's projectors are learned (``None``: the
             strategy adds one with the default schedule); ignored otherwise.
     """
@@ -48,10 +62,13 @@ class OffloadPolicy:
     projected_lr: float | None = None
     lora_rank: int = 12
     lora_alpha: float | None = None
+    lora_train_others: bool = True
     galore_rank: int = 36
     galore_scale: float = 0.25
     galore_update_proj_gap: int = 200
     fused_adam: bool = True
+    adapter_width: int = 512
+    meft: MEFTConfig | None = None
     refit: pl.Callback | None = None
 
     def __post_init__(self) -> None:
@@ -60,7 +77,12 @@ class OffloadPolicy:
         if self.method in ("lora", "galore") and getattr(self.strategy, "projection", False):
             raise ValueError(f"offload.method={self.method!r} trains the projectable layers itself; combine it with "
                              f"offload.strategy=auto or zero_offload, not a projecting lsp_offload strategy.")
-        for key in ("lora_rank", "galore_rank", "galore_update_proj_gap"):
+        if self.method == "meft" and not isinstance(self.strategy, MEFTOffloadStrategy):
+            raise ValueError("offload.method='meft' keeps the adapter rows on the host and needs "
+                             "offload.strategy=meft_offload (offload=meft configures both).")
+        if self.method == "meft" and self.meft is None:
+            self.meft = MEFTConfig()
+        for key in ("lora_rank", "galore_rank", "galore_update_proj_gap", "adapter_width"):
             if getattr(self, key) < 1:
                 raise ValueError(f"offload.{key}={getattr(self, key)} must be a positive integer.")
 
@@ -78,7 +100,11 @@ class OffloadPolicy:
         if self.method == "frozen":
             freeze_projectable(network)
         elif self.method == "lora":
-            network = add_lora(network, self.lora_rank, alpha=self.lora_alpha)
+            network = add_lora(network, self.lora_rank, alpha=self.lora_alpha, train_others=self.lora_train_others)
+        elif self.method == "meft":
+            inject_meft(network, self.meft)
+        elif self.method == "adapter":
+            add_parallel_adapters(network, self.adapter_width)
         return network
 
     def optimizer_factory(self, lr: float, weight_decay: float) -> Callable[[nn.Module], torch.optim.Optimizer]:

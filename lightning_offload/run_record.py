@@ -46,7 +46,7 @@ class RunRecorder(pl.Callback):
     """Appends every training step's and every validation's figures to ``<run_dir>/history.jsonl``.
 
     A step line holds ``step``, ``wall_seconds`` (since the start of ``fit``), ``step_seconds``, the logged
-    ``train/*`` metrics and the strategy's ``offload/*`` telemetry when it has any. A validation line holds ``step``,
+    ``train/*`` metrics and the strategy's ``offload/*`` (and ``meft/*``) telemetry when it has any. A validation line holds ``step``,
     ``wall_seconds`` and the ``val/*`` metrics. Lines are flushed as written, so a crashed run keeps its history.
 
     Args:
@@ -98,6 +98,10 @@ class RunRecorder(pl.Callback):
             metrics = optimizer.telemetry.metrics()
             self.telemetry.append(metrics)
             record.update(metrics)
+        # meft_offload's row traffic and expert usage for the step just taken.
+        rows = getattr(trainer.strategy, "last_metrics", None)
+        if isinstance(rows, dict):
+            record.update(rows)
         self._write(record)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

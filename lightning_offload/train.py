@@ -99,16 +99,37 @@ def _optimizer_state_bytes(trainer: pl.Trainer) -> float:
                      for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)))
 
 
+def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, rows_per_step: float) -> float:
+    """Bytes of training state on the device: trainable parameters, their gradients and device optimizer state.
+
+    Offload strategies stream gradients to the host tensor by tensor, so none persist on the device; under
+    ``meft_offload`` the adapters add their routing keys and, per step, the fetched rows (keys and values) and their
+    gradients.
+    """
+    device = trainer.strategy.root_device.type
+    params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+                 and p.device.type == device)
+    offloads = getattr(trainer.strategy, "offload_optimizer", None) is not None
+    grads = 0 if offloads else params
+    state = 0.0 if offloads else _optimizer_state_bytes(trainer)
+    adapters = getattr(trainer.strategy, "adapters", [])
+    routing = sum(b.numel() * b.element_size() for a in adapters for b in a.buffers())
+    hidden = adapters[0].hidden_size if adapters else 0
+    rows = rows_per_step * 2 * hidden * 4 * 2  # keys and values, fp32, and their gradients
+    return float(params + grads + state + routing + rows)
+
+
 def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataModule, module: pl.LightningModule,
               trainer: pl.Trainer, recorder: RunRecorder, before: dict[str, float], after: dict[str, float],
               train_seconds: float) -> dict[str, Any]:
     """The figures printed at the end of a run and written to ``summary.json``."""
     metric = primary_metric(module)
     telemetry = recorder.telemetry
-    steady = telemetry[2:] or telemetry  # the first steps include warm-up
+    steps = [r for r in recorder.records if r["kind"] == "train"]
+    steady = steps[2:] or steps  # the first steps include warm-up
 
-    def tele(key: str) -> float | None:
-        return _median([t[f"offload/{key}"] for t in steady if f"offload/{key}" in t])
+    def med(key: str) -> float:
+        return _median([r[key] for r in steady if key in r]) or 0.0
 
     summary: dict[str, Any] = {
         "model": lm.name,
@@ -117,14 +138,21 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "strategy": type(trainer.strategy).__name__,
         "precision": str(trainer.precision),
         "steps": trainer.global_step,
-        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad)
+        + getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
         "device": str(trainer.strategy.root_device),
         "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
-        "link_bytes_to_host_per_step": tele("bytes_device_to_host") or 0.0,
-        "link_bytes_to_device_per_step": tele("bytes_host_to_device") or 0.0,
-        "host_optimizer_seconds_per_step": tele("host_optimizer_seconds") or 0.0,
-        "host_state_bytes": telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0,
+        "device_trainable_bytes": _device_trainable_bytes(module, trainer, med("meft/rows_moved")),
+        "rows_moved_per_step": med("meft/rows_moved") or None,
+        # What moving every adapter row each way would cost: MEFT's link bytes are compared with it.
+        "whole_adapter_bytes": float(getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)() * 4) or None,
+        # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
+        "link_bytes_to_host_per_step": med("offload/bytes_device_to_host") + med("meft/bytes_device_to_host"),
+        "link_bytes_to_device_per_step": med("offload/bytes_host_to_device") + med("meft/bytes_host_to_device"),
+        "host_optimizer_seconds_per_step": med("offload/host_optimizer_seconds") + med("meft/host_optimizer_seconds"),
+        "host_state_bytes": (telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0)
+        + getattr(trainer.strategy, "host_rows_bytes", lambda: 0)(),
         "device_state_bytes": telemetry[-1]["offload/device_state_bytes"] if telemetry else _optimizer_state_bytes(trainer),
         "median_step_seconds": _median(recorder.step_seconds[2:] or recorder.step_seconds),
         "train_seconds": train_seconds,

@@ -56,6 +56,9 @@ def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict
     plots_main([str(sweep), "--out", str(out)])
     written = sorted(p.name for p in out.glob("*.png"))
     assert written == ["eval_vs_step.png", "eval_vs_time.png", "link_bytes.png", "memory.png", "step_time.png"]
+    table = (out / "summary.md").read_text().splitlines()
+    assert len(table) == 2 + 3 and all(f"| offload={name} | 4 |" in "\n".join(table) for name in ("lsp", "zero",
+                                                                                                  "none"))
     for name in written:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000

@@ -19,6 +19,7 @@ from lightning_offload.models.builders import LanguageModel
 from lightning_offload.models.tiny import ByteTokenizer
 from lightning_offload.module import CausalLMModule
 from lightning_offload.policies import OffloadPolicy
+from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.train import CONFIG_DIR, train
 
@@ -55,7 +56,7 @@ def test_every_group_exists_with_options() -> None:
         assert options(group), f"conf/{group}/ has no options"
     assert {"smollm2_135m", "tiny_llama", "tiny_gpt2", "hf", "llama_1b3", "llama_7b"} <= set(options("model"))
     assert {"bible_lm", "bible_genre", "bible_qa"} <= set(options("data"))
-    assert {"lsp", "zero", "none", "galore", "lora"} <= set(options("offload"))
+    assert {"lsp", "zero", "none", "galore", "lora", "meft"} <= set(options("offload"))
     assert {"wandb", "csv"} <= set(options("logger"))
 
 
@@ -117,7 +118,8 @@ def test_data_instantiates_and_yields_batches(name: str, tmp_path: Path) -> None
 
 def test_offload_policies_instantiate(tmp_path: Path) -> None:
     expected = {"lsp": (LSPOffloadStrategy, "full"), "zero": (ZeroOffloadStrategy, "full"), "none": (str, "full"),
-                "galore": (str, "galore"), "lora": (str, "lora")}
+                "galore": (str, "galore"), "lora": (str, "lora"), "meft": (MEFTOffloadStrategy, "meft"),
+                "dense_adapter": (str, "adapter")}
     for name in options("offload"):
         policy = instantiate(compose_cfg([f"offload={name}"], tmp_path).offload)
         assert isinstance(policy, OffloadPolicy) and policy.name == name
@@ -190,7 +192,7 @@ def test_genre_run_reports_accuracy_and_qa_run_exact_match(tmp_path: Path) -> No
     assert 0.0 <= metrics["val/exact_match"] <= 1.0
 
 
-@pytest.mark.parametrize("offload", ["galore", "lora"])
+@pytest.mark.parametrize("offload", ["galore", "lora", "meft", "dense_adapter"])
 def test_baseline_policies_train(offload: str, tmp_path: Path) -> None:
     metrics, objects = train(compose_cfg([f"offload={offload}", "model=tiny_llama", "trainer=cpu", "debug=fdr"],
                                          tmp_path))
@@ -198,6 +200,11 @@ def test_baseline_policies_train(offload: str, tmp_path: Path) -> None:
     if offload == "lora":
         assert any("lora_" in n for n in trainable)
         assert not any(n.endswith("q_proj.base_layer.weight") for n in trainable)
+    if offload == "meft":
+        assert trainable and all(n.endswith("adapter.router.weight") for n in trainable)
+        assert metrics["meft/rows_updated"] > 0
+    if offload == "dense_adapter":
+        assert trainable and all(n.endswith(("adapter_keys", "keys", "values")) for n in trainable)
     assert metrics["summary/steps"] == 1
 
 

@@ -1,0 +1,1 @@
+"""MEFT: wide sparse adapters beside each FFN whose weights and Adam state live on the host."""

@@ -1,0 +1,295 @@
+"""MEFT adapters: a wide key/value memory beside each FFN, kept on the host, of which each token reads ``top_k`` rows.
+
+``out = FFN(h) + Σ_{i ∈ S(h)} g_{e(i)}(h) · ReLU(h·k_i) · v_i`` where ``S(h)`` is the token's routed neuron set:
+the router scores the ``E`` experts (contiguous groups of neurons), the token keeps its ``experts_per_token`` best,
+their logits are turned into a non-negative gate by a softmax, and the ``top_k`` neurons with the highest key score
+inside the kept experts are activated. ``V`` starts at zero, so an injected model equals the base model.
+
+Placement: the fp32 keys and values (and, in the strategy, their Adam state) live on the host. A forward gathers
+only the union of the rows its tokens selected, sends them to the device as leaf tensors, and a gradient hook on
+each leaf adds its gradient into host accumulators (row-indexed), so only touched rows ever cross the link, both ways.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_offload.meft.config import MEFTConfig
+
+
+@dataclass
+class Routing:
+    """Where each token goes: ``neurons [T, k]`` (global row ids), their gates ``[T, k]`` and ``valid [T]``."""
+
+    neurons: torch.Tensor
+    gates: torch.Tensor
+    experts: torch.Tensor
+    valid: torch.Tensor
+
+
+def route(hidden: torch.Tensor, router_logits: torch.Tensor, key_scores: torch.Tensor, config: MEFTConfig,
+          valid: torch.Tensor) -> Routing:
+    """Key-Experts routing of flattened tokens.
+
+    Args:
+        hidden: ``[T, h]`` token states (only used for its shape and device).
+        router_logits: ``[T, E]`` expert scores (differentiable: the gates carry the router's gradient).
+        key_scores: ``[T, N]`` scores ``h·k_i`` of every neuron (no gradient needed: selection only).
+        config: the adapter settings.
+        valid: ``[T]`` bool, False for padding; padded tokens select nothing and get zero gates.
+
+    Returns:
+        The selected neurons (exactly ``top_k`` per token, all within the token's ``experts_per_token`` experts),
+        their gates, the selected experts and ``valid``.
+    """
+    per_expert = config.neurons_per_expert
+    top_logits, experts = router_logits.topk(config.experts_per_token, dim=-1)
+    gate_per_expert = torch.softmax(top_logits.float(), dim=-1)  # non-negative, sums to 1 over kept experts
+    # Neuron scores outside the kept experts are excluded from the top-k.
+    kept = torch.zeros_like(router_logits, dtype=torch.bool).scatter_(1, experts, True)
+    allowed = kept.repeat_interleave(per_expert, dim=1)
+    masked = key_scores.float().masked_fill(~allowed, float("-inf"))
+    neurons = masked.topk(config.top_k, dim=-1).indices
+    dense_gates = torch.zeros(router_logits.shape, dtype=gate_per_expert.dtype, device=hidden.device)
+    dense_gates = dense_gates.scatter(1, experts, gate_per_expert)
+    gates = dense_gates.gather(1, torch.div(neurons, per_expert, rounding_mode="floor"))
+    gates = gates * valid.unsqueeze(1).to(gates.dtype)
+    return Routing(neurons, gates, experts, valid)
+
+
+@dataclass
+class RowTraffic:
+    """Rows and bytes an adapter moved since the counters were last read."""
+
+    rows: int = 0
+    bytes_to_device: int = 0
+    bytes_to_host: int = 0
+
+
+@dataclass
+class _HostRows:
+    """The host side of one adapter: parameters, gradient accumulators and the set of rows touched."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    grad_keys: torch.Tensor
+    grad_values: torch.Tensor
+    touched: torch.Tensor  # bool [N]
+    traffic: RowTraffic = field(default_factory=RowTraffic)
+    expert_counts: torch.Tensor | None = None
+
+
+class MEFTAdapter(nn.Module):
+    """The sparse adapter of one FFN. Trainable on the device: the router only; keys/values live on the host."""
+
+    def __init__(self, hidden_size: int, config: MEFTConfig, generator: torch.Generator) -> None:
+        super().__init__()
+        self.config = config
+        self.hidden_size = hidden_size
+        std = config.key_init_std if config.key_init_std is not None else hidden_size**-0.5
+        keys = torch.randn(config.num_neurons, hidden_size, generator=generator) * std
+        values = torch.zeros(config.num_neurons, hidden_size)
+        # The router starts at each expert's mean key, so expert and key scores agree before any training.
+        self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(keys.view(config.num_experts, -1, hidden_size).mean(dim=1))
+        self.host = _HostRows(keys, values, torch.zeros_like(keys), torch.zeros_like(values),
+                              torch.zeros(config.num_neurons, dtype=torch.bool),
+                              expert_counts=torch.zeros(config.num_experts, dtype=torch.int64))
+        # Device routing reads a bf16 copy of the keys; a buffer so `.to(device)` moves it, non-persistent because the
+        # fp32 host keys are the truth (saved in the state dict by the hooks below).
+        self.register_buffer("routing_keys", keys.to(torch.bfloat16) if config.routing == "device" else None,
+                             persistent=False)
+        self.attention_mask: torch.Tensor | None = None  # set per forward by the model's pre-hook (padding)
+
+    def pin_host_memory(self) -> None:
+        """Page-locks the host rows so gathers can be copied to a GPU asynchronously."""
+        h = self.host
+        h.keys, h.values = h.keys.pin_memory(), h.values.pin_memory()
+
+    # ------------------------------------------------------------------ forward
+    def _valid_tokens(self, tokens: int, device: torch.device) -> torch.Tensor:
+        mask = self.attention_mask
+        if mask is not None and mask.numel() == tokens:
+            return mask.reshape(-1).to(device=device, dtype=torch.bool)
+        return torch.ones(tokens, dtype=torch.bool, device=device)
+
+    def _key_scores(self, flat: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.routing_keys is not None:
+                return flat.to(self.routing_keys.dtype) @ self.routing_keys.T
+            return (flat.detach().float().cpu() @ self.host.keys.T).to(flat.device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The adapter's contribution for ``hidden [..., h]`` (same shape)."""
+        shape = hidden.shape
+        flat = hidden.reshape(-1, self.hidden_size)
+        valid = self._valid_tokens(flat.shape[0], flat.device)
+        routing = route(flat, self.router(flat), self._key_scores(flat), self.config, valid)
+        with torch.no_grad():
+            self.host.expert_counts += torch.bincount(routing.experts[valid].reshape(-1).cpu(),
+                                                      minlength=self.config.num_experts)
+        rows, local = torch.unique(routing.neurons[valid], return_inverse=True)
+        index = torch.zeros_like(routing.neurons)
+        index[valid] = local
+        keys, values = self._fetch(rows.cpu(), flat.device, flat.dtype)
+        selected_keys = keys[index]  # [T, k, h]
+        scores = torch.einsum("th,tkh->tk", flat, selected_keys)
+        activation = torch.relu(scores) * routing.gates.to(scores.dtype)
+        out = torch.einsum("tk,tkh->th", activation, values[index])
+        return out.reshape(shape)
+
+    def _fetch(self, rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.host
+        pinned = device.type == "cuda"
+        keys = h.keys.index_select(0, rows)
+        values = h.values.index_select(0, rows)
+        if pinned:
+            # index_select allocates pageable memory; pin it so the copy is asynchronous w.r.t. the host thread.
+            keys, values = keys.pin_memory(), values.pin_memory()
+        keys = keys.to(device, non_blocking=pinned).to(dtype)
+        values = values.to(device, non_blocking=pinned).to(dtype)
+        h.traffic.rows += rows.numel()
+        h.traffic.bytes_to_device += 2 * rows.numel() * self.hidden_size * 4
+        if torch.is_grad_enabled():
+            keys.requires_grad_(True)
+            values.requires_grad_(True)
+            keys.register_hook(self._gradient_sink(rows, h.grad_keys))
+            values.register_hook(self._gradient_sink(rows, h.grad_values))
+            h.touched[rows] = True
+        return keys, values
+
+    def _gradient_sink(self, rows: torch.Tensor, accumulator: torch.Tensor) -> Any:
+        def sink(grad: torch.Tensor) -> torch.Tensor:
+            # Row gradients go straight to the host accumulator (summed over micro-batches); nothing stays on device.
+            accumulator.index_add_(0, rows, grad.detach().float().cpu())
+            self.host.traffic.bytes_to_host += grad.numel() * 4
+            return grad
+
+        return sink
+
+    # ------------------------------------------------------------------ state dict: host rows, saved on the host
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "keys"] = self.host.keys
+        destination[prefix + "values"] = self.host.values
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        for name in ("keys", "values"):
+            key = prefix + name
+            if key in state_dict:
+                getattr(self.host, name).copy_(state_dict[key])
+            elif strict:
+                missing_keys.append(key)
+        self.refresh_routing_keys()
+        super()._load_from_state_dict({k: v for k, v in state_dict.items() if k not in (prefix + "keys",
+                                                                                         prefix + "values")},
+                                      prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    @torch.no_grad()
+    def refresh_routing_keys(self, rows: torch.Tensor | None = None) -> None:
+        """Copies updated host keys (all, or ``rows``) into the device routing copy."""
+        if self.routing_keys is None:
+            return
+        if rows is None:
+            self.routing_keys.copy_(self.host.keys.to(self.routing_keys.device, self.routing_keys.dtype))
+        else:
+            self.routing_keys[rows.to(self.routing_keys.device)] = self.host.keys[rows].to(
+                self.routing_keys.device, self.routing_keys.dtype)
+
+
+class MEFTFFN(nn.Module):
+    """An FFN with its MEFT adapter beside it: ``ffn(h) + adapter(h)``."""
+
+    def __init__(self, ffn: nn.Module, adapter: MEFTAdapter) -> None:
+        super().__init__()
+        self.ffn = ffn
+        self.adapter = adapter
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The FFN's output plus the adapter's."""
+        return self.ffn(hidden, *args, **kwargs) + self.adapter(hidden)
+
+
+def ffn_hidden_size(ffn: nn.Module) -> int:
+    """The hidden size an FFN reads and writes (LLaMA and GPT-2 MLPs, or anything whose first Linear reads it)."""
+    for name in ("hidden_size",):
+        if hasattr(ffn, name):
+            return int(getattr(ffn, name))
+    config = getattr(ffn, "config", None)
+    if config is not None and hasattr(config, "hidden_size"):
+        return int(config.hidden_size)
+    first = next((m for m in ffn.modules() if isinstance(m, nn.Linear)), None)
+    if first is not None:
+        return first.in_features
+    conv = next((m for m in ffn.modules() if type(m).__name__ == "Conv1D"), None)
+    if conv is not None:
+        return int(conv.weight.shape[0])  # HF Conv1D stores [in, out]
+    raise TypeError(f"Cannot tell the hidden size of {type(ffn).__name__}; MEFT supports LLaMA and GPT-2 MLPs.")
+
+
+def find_ffns(model: nn.Module, target_modules: str) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module whose name matches ``target_modules`` (``re.search``).
+
+    Raises:
+        ValueError: If nothing matches.
+    """
+    pattern = re.compile(target_modules)
+    targets = [(name, module) for name, module in model.named_modules() if name and pattern.search(name)]
+    if not targets:
+        raise ValueError(f"target_modules={target_modules!r} matches no module of {type(model).__name__}; LLaMA "
+                         f"and GPT-2 FFNs are named like 'model.layers.0.mlp'.")
+    return targets
+
+
+def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Puts ``new`` where the submodule ``name`` was, on the device of the module it replaces."""
+    param = next(model.get_submodule(name).parameters(), None)
+    if param is not None:
+        new.to(param.device)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
+    """Puts a MEFT adapter beside every FFN whose name matches ``config.target_modules``.
+
+    The base model is frozen when ``config.freeze_base`` (the default); adapters' routers are the only new device
+    parameters. A forward pre-hook on ``model`` hands its ``attention_mask`` to the adapters, so padding never
+    routes. Returns the adapters in module order.
+
+    Raises:
+        ValueError: If no module matches, or the model already has adapters.
+    """
+    if any(isinstance(m, MEFTFFN) for m in model.modules()):
+        raise ValueError("This model already has MEFT adapters; inject_meft once per model.")
+    targets = find_ffns(model, config.target_modules)
+    if config.freeze_base:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(config.seed)
+    adapters = []
+    for name, ffn in targets:
+        adapter = MEFTAdapter(ffn_hidden_size(ffn), config, generator)
+        replace_submodule(model, name, MEFTFFN(ffn, adapter))
+        adapters.append(adapter)
+
+    def hand_over_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        for adapter in adapters:
+            adapter.attention_mask = mask if torch.is_tensor(mask) and mask.ndim == 2 else None
+
+    model.register_forward_pre_hook(hand_over_mask, with_kwargs=True)
+    return adapters
+
+
+def meft_adapters(model: nn.Module) -> list[MEFTAdapter]:
+    """The MEFT adapters of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MEFTAdapter)]
