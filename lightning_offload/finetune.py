@@ -1,8 +1,9 @@
-"""The main job: fine-tune the embedded SmolLM2-135M on World English Bible text with an offload strategy.
+"""The benchmark harness: fine-tune the embedded SmolLM2-135M on World English Bible text, one fixed recipe.
 
 ``python -m lightning_offload.finetune`` (or ``lightning-offload-finetune``) evaluates the held-out loss, trains a
-bounded number of steps with ``lsp_offload`` and evaluates again, printing a summary. The same function,
-:func:`run_finetune`, drives the side-by-side benchmark in ``scripts/``.
+bounded number of steps and evaluates again, returning step times and offload telemetry in a
+:class:`FinetuneResult`. ``scripts/benchmark_core.py`` and ``scripts/benchmark_projectors.py`` drive it side by side;
+the product's command line (Hydra configs, loggers, sweeps) is ``lightning-offload-train`` (:mod:`lightning_offload.train`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ STRATEGIES = ("lsp_offload", "zero_offload", "none")
 
 @dataclass
 class FinetuneConfig:
-    """Settings of one fine-tuning run (defaults: the README's main job, ~10 minutes on a 2-core CPU)."""
+    """Settings of one run (defaults: 100 steps of 4×128 tokens with lsp_offload, ~10 minutes on 2 CPU cores)."""
 
     strategy: str = "lsp_offload"
     steps: int = 100

@@ -296,13 +296,20 @@ def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """The ``lightning-offload-train`` command (and ``python scripts/train.py``)."""
+def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         metrics, _ = train(cfg)
     finally:
         _finish_wandb()
     return metric_value(metrics, cfg.get("optimized_metric"))
+
+
+def main() -> None:
+    """The ``lightning-offload-train`` command (and ``python scripts/train.py``): Hydra overrides as arguments."""
+    if not (CONFIG_DIR / "train.yaml").is_file():
+        raise SystemExit(f"lightning-offload-train: the configs are not at {CONFIG_DIR}. The command reads the "
+                         f"repository's conf/ directory: install from a checkout with `pip install -e .`.")
+    _hydra_main()
 
 
 if __name__ == "__main__":

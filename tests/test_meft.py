@@ -133,7 +133,7 @@ def _dense_reference_grads(model: torch.nn.Module, micro_batches: list[dict]) ->
     """Accumulated gradients of every adapter's full K and V, with dense parameters and a selection mask."""
     adapters = meft_adapters(model)
     dense = [(a.host.keys.clone().requires_grad_(True), a.host.values.clone().requires_grad_(True)) for a in adapters]
-    originals = [a.forward for a in adapters]
+    originals = [(a.prefetch, a.mix) for a in adapters]
 
     def dense_forward(adapter, keys, values):
         def forward(hidden):
@@ -148,13 +148,15 @@ def _dense_reference_grads(model: torch.nn.Module, micro_batches: list[dict]) ->
         return forward
 
     for adapter, (k, v) in zip(adapters, dense):
-        adapter.forward = dense_forward(adapter, k, v)
+        forward = dense_forward(adapter, k, v)
+        adapter.prefetch = lambda hidden: None
+        adapter.mix = lambda hidden, fetch, forward=forward: forward(hidden)
     try:
         for batch in micro_batches:
             (model(**batch).loss / len(micro_batches)).backward()
     finally:
-        for adapter, forward in zip(adapters, originals):
-            adapter.forward = forward
+        for adapter, (prefetch, mix) in zip(adapters, originals):
+            adapter.prefetch, adapter.mix = prefetch, mix
     return [(k.grad, v.grad) for k, v in dense]
 
 
@@ -260,3 +262,15 @@ def test_strategy_without_adapters_says_how_to_add_them(tmp_path: Path) -> None:
 def test_strategy_name_is_registered() -> None:
     t = pl.Trainer(strategy="meft_offload", accelerator="cpu", logger=False)
     assert isinstance(t.strategy, MEFTOffloadStrategy)
+
+
+def test_a_failing_row_fetch_surfaces_in_the_forward() -> None:
+    model = meft_model()
+    adapter = meft_adapters(model)[1]
+
+    def broken(rows, pin):
+        raise RuntimeError("host gather failed")
+
+    adapter._gather = broken
+    with pytest.raises(RuntimeError, match="host gather failed"):
+        model(**batches(1)[0])

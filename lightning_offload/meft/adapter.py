@@ -8,11 +8,13 @@ inside the kept experts are activated. ``V`` starts at zero, so an injected mode
 Placement: the fp32 keys and values (and, in the strategy, their Adam state) live on the host. A forward gathers
 only the union of the rows its tokens selected, sends them to the device as leaf tensors, and a gradient hook on
 each leaf adds its gradient into host accumulators (row-indexed), so only touched rows ever cross the link, both ways.
+Routing runs before the FFN, and the host gathers the selected rows on a fetch thread while the FFN computes.
 """
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +62,27 @@ def route(hidden: torch.Tensor, router_logits: torch.Tensor, key_scores: torch.T
     gates = dense_gates.gather(1, torch.div(neurons, per_expert, rounding_mode="floor"))
     gates = gates * valid.unsqueeze(1).to(gates.dtype)
     return Routing(neurons, gates, experts, valid)
+
+
+@dataclass
+class _Prefetch:
+    """A routed batch whose rows are being gathered on the host fetch thread."""
+
+    routing: Routing
+    rows: torch.Tensor  # sorted unique row ids (host)
+    index: torch.Tensor  # [T, k] positions in ``rows``
+    gathered: Future
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _fetch_pool() -> ThreadPoolExecutor:
+    # One host thread gathers rows for every adapter: gathers are memory-bound, more threads would only contend.
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meft-fetch")
+    return _POOL
 
 
 @dataclass
@@ -127,7 +150,14 @@ class MEFTAdapter(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution for ``hidden [..., h]`` (same shape)."""
-        shape = hidden.shape
+        return self.mix(hidden, self.prefetch(hidden))
+
+    def prefetch(self, hidden: torch.Tensor) -> _Prefetch:
+        """Routes the tokens now and starts gathering their rows on the host fetch thread.
+
+        :class:`MEFTFFN` calls this before running the FFN, so the host gather (and, on a GPU, the pinned staging)
+        overlaps the FFN's compute; :meth:`mix` then waits for the rows.
+        """
         flat = hidden.reshape(-1, self.hidden_size)
         valid = self._valid_tokens(flat.shape[0], flat.device)
         routing = route(flat, self.router(flat), self._key_scores(flat), self.config, valid)
@@ -137,21 +167,33 @@ class MEFTAdapter(nn.Module):
         rows, local = torch.unique(routing.neurons[valid], return_inverse=True)
         index = torch.zeros_like(routing.neurons)
         index[valid] = local
-        keys, values = self._fetch(rows.cpu(), flat.device, flat.dtype)
-        selected_keys = keys[index]  # [T, k, h]
-        scores = torch.einsum("th,tkh->tk", flat, selected_keys)
-        activation = torch.relu(scores) * routing.gates.to(scores.dtype)
-        out = torch.einsum("tk,tkh->th", activation, values[index])
+        rows = rows.cpu()
+        pin = flat.device.type == "cuda"
+        return _Prefetch(routing, rows, index, _fetch_pool().submit(self._gather, rows, pin))
+
+    def _gather(self, rows: torch.Tensor, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # On the fetch thread: copy the selected rows out of the host matrices (pinned, so a GPU copy is async).
+        keys = self.host.keys.index_select(0, rows)
+        values = self.host.values.index_select(0, rows)
+        return (keys.pin_memory(), values.pin_memory()) if pin else (keys, values)
+
+    def mix(self, hidden: torch.Tensor, fetch: _Prefetch) -> torch.Tensor:
+        """The adapter's output from the prefetched rows (waits for the fetch thread; re-raises its errors)."""
+        shape = hidden.shape
+        flat = hidden.reshape(-1, self.hidden_size)
+        keys, values = self._to_device(fetch.rows, *fetch.gathered.result(), flat.device, flat.dtype)
+        # Scores against the fetched rows as one GEMM, then keep each token's own k: gathering k rows per token
+        # instead would materialise (and save for backward) a [T, k, h] copy of the keys and of the values.
+        scores = (flat @ keys.T).gather(1, fetch.index)  # [T, k]
+        activation = torch.relu(scores) * fetch.routing.gates.to(scores.dtype)
+        mixing = torch.zeros(flat.shape[0], fetch.rows.numel(), dtype=activation.dtype, device=flat.device)
+        out = mixing.scatter(1, fetch.index, activation) @ values  # padded tokens have zero gates: they add nothing
         return out.reshape(shape)
 
-    def _fetch(self, rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_device(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.host
         pinned = device.type == "cuda"
-        keys = h.keys.index_select(0, rows)
-        values = h.values.index_select(0, rows)
-        if pinned:
-            # index_select allocates pageable memory; pin it so the copy is asynchronous w.r.t. the host thread.
-            keys, values = keys.pin_memory(), values.pin_memory()
         keys = keys.to(device, non_blocking=pinned).to(dtype)
         values = values.to(device, non_blocking=pinned).to(dtype)
         h.traffic.rows += rows.numel()
@@ -215,7 +257,8 @@ class MEFTFFN(nn.Module):
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The FFN's output plus the adapter's."""
-        return self.ffn(hidden, *args, **kwargs) + self.adapter(hidden)
+        fetch = self.adapter.prefetch(hidden)  # rows are gathered on the host while the FFN computes
+        return self.ffn(hidden, *args, **kwargs) + self.adapter.mix(hidden, fetch)
 
 
 def ffn_hidden_size(ffn: nn.Module) -> int:
