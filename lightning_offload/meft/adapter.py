@@ -263,9 +263,8 @@ class MEFTFFN(nn.Module):
 
 def ffn_hidden_size(ffn: nn.Module) -> int:
     """The hidden size an FFN reads and writes (LLaMA and GPT-2 MLPs, or anything whose first Linear reads it)."""
-    for name in ("hidden_size",):
-        if hasattr(ffn, name):
-            return int(getattr(ffn, name))
+    if hasattr(ffn, "hidden_size"):  # LlamaMLP
+        return int(ffn.hidden_size)
     config = getattr(ffn, "config", None)
     if config is not None and hasattr(config, "hidden_size"):
         return int(config.hidden_size)
