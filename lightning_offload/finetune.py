@@ -24,7 +24,7 @@ from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload.models.smollm2 import load_smollm2
 from lightning_offload.module import CausalLMModule
 from lightning_offload.policies import METHODS, OffloadPolicy
-from lightning_offload.run_record import RunRecorder
+from lightning_offload.run_record import RunRecorder, optimizer_state_bytes
 from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
 
 STRATEGIES = ("lsp_offload", "zero_offload", "none")
@@ -222,10 +222,7 @@ def run_finetune(config: FinetuneConfig) -> FinetuneResult:
         result.projected_layers = len(strategy.offload_optimizer.projected_layers)
     else:
         # Plain AdamW: the whole model's gradients and Adam state stay on the device; nothing crosses a link.
-        result.device_state_bytes = float(
-            sum(t.numel() * t.element_size() for s in fit_trainer.optimizers[0].state.values()
-                for t in s.values() if torch.is_tensor(t))
-        )
+        result.device_state_bytes = optimizer_state_bytes(fit_trainer.optimizers)
     return result
 
 

@@ -42,6 +42,12 @@ def device_peak_bytes(device: torch.device) -> int | None:
     return None
 
 
+def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> float:
+    """Bytes of every tensor in the optimizers' state (on-device AdamW: its moments beside the parameters)."""
+    return float(sum(t.numel() * t.element_size() for optimizer in optimizers
+                     for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)))
+
+
 class RunRecorder(pl.Callback):
     """Appends every training step's and every validation's figures to ``<run_dir>/history.jsonl``.
 

@@ -25,7 +25,13 @@ from lightning_offload.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.module import CausalLMModule
 from lightning_offload.policies import OffloadPolicy
-from lightning_offload.run_record import RunRecorder, device_peak_bytes, host_peak_rss_bytes, write_summary
+from lightning_offload.run_record import (
+    RunRecorder,
+    device_peak_bytes,
+    host_peak_rss_bytes,
+    optimizer_state_bytes,
+    write_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +99,6 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _optimizer_state_bytes(trainer: pl.Trainer) -> float:
-    # Without an offload strategy the optimizer's whole state sits beside the parameters, on the device.
-    return float(sum(t.numel() * t.element_size() for optimizer in trainer.optimizers
-                     for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)))
-
-
 def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, rows_per_step: float) -> float:
     """Bytes of training state on the device: trainable parameters, their gradients and device optimizer state.
 
@@ -111,7 +111,7 @@ def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, row
                  and p.device.type == device)
     offloads = getattr(trainer.strategy, "offload_optimizer", None) is not None
     grads = 0 if offloads else params
-    state = 0.0 if offloads else _optimizer_state_bytes(trainer)
+    state = 0.0 if offloads else optimizer_state_bytes(trainer.optimizers)
     adapters = getattr(trainer.strategy, "adapters", [])
     routing = sum(b.numel() * b.element_size() for a in adapters for b in a.buffers())
     hidden = adapters[0].hidden_size if adapters else 0
@@ -153,7 +153,8 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "host_optimizer_seconds_per_step": med("offload/host_optimizer_seconds") + med("meft/host_optimizer_seconds"),
         "host_state_bytes": (telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0)
         + getattr(trainer.strategy, "host_rows_bytes", lambda: 0)(),
-        "device_state_bytes": telemetry[-1]["offload/device_state_bytes"] if telemetry else _optimizer_state_bytes(trainer),
+        "device_state_bytes": (telemetry[-1]["offload/device_state_bytes"] if telemetry
+                               else optimizer_state_bytes(trainer.optimizers)),
         "median_step_seconds": _median(recorder.step_seconds[2:] or recorder.step_seconds),
         "train_seconds": train_seconds,
         "loss_before": before.get("val/loss"),
