@@ -299,6 +299,15 @@ class OffloadOptimizer(Optimizer):
         self._last_norm = total
         return total
 
+    def set_clip_coefficient(self, coef: float | Tensor, norm: Tensor) -> None:
+        """Scale this step's gradients by ``coef`` on the host, and take ``norm`` as their global norm.
+
+        For strategies whose global norm also covers gradients this optimizer does not hold (MEFT's host rows):
+        they compute the norm and coefficient, and this optimizer applies the coefficient and checks the norm.
+        """
+        self._clip = ("norm", torch.as_tensor(coef, dtype=torch.float32))
+        self._last_norm = torch.as_tensor(norm)
+
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element (compressed and dense) to ``[-clip_value, clip_value]`` (on the host)."""

@@ -99,12 +99,12 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, rows_per_step: float) -> float:
+def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, row_bytes_per_step: float) -> float:
     """Bytes of training state on the device: trainable parameters, their gradients and device optimizer state.
 
     Offload strategies stream gradients to the host tensor by tensor, so none persist on the device; under
-    ``meft_offload`` the adapters add their routing keys and, per step, the fetched rows (keys and values) and their
-    gradients.
+    ``meft_offload`` the adapters add their buffers (routing keys, input statistics) and, per step, the fetched rows
+    (keys and values, ``row_bytes_per_step`` as they crossed the link) and their gradients.
     """
     device = trainer.strategy.root_device.type
     params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
@@ -114,9 +114,11 @@ def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, row
     state = 0.0 if offloads else optimizer_state_bytes(trainer.optimizers)
     adapters = getattr(trainer.strategy, "adapters", [])
     routing = sum(b.numel() * b.element_size() for a in adapters for b in a.buffers())
-    hidden = adapters[0].hidden_size if adapters else 0
-    rows = rows_per_step * 2 * hidden * 4 * 2  # keys and values, fp32, and their gradients
-    return float(params + grads + state + routing + rows)
+    return float(params + grads + state + routing + 2 * row_bytes_per_step)
+
+
+def _adapter_rows(trainer: pl.Trainer) -> int:
+    return sum(a.config.num_neurons for a in getattr(trainer.strategy, "adapters", []))
 
 
 def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataModule, module: pl.LightningModule,
@@ -143,8 +145,10 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "device": str(trainer.strategy.root_device),
         "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
-        "device_trainable_bytes": _device_trainable_bytes(module, trainer, med("meft/rows_moved")),
+        "device_trainable_bytes": _device_trainable_bytes(module, trainer, med("meft/bytes_host_to_device")),
         "rows_moved_per_step": med("meft/rows_moved") or None,
+        # The share of all adapter rows a step moves: the link bytes against moving the whole adapter, in any dtype.
+        "rows_share_per_step": (med("meft/rows_moved") / total_rows) if (total_rows := _adapter_rows(trainer)) else None,
         # What moving every adapter row each way would cost: MEFT's link bytes are compared with it.
         "whole_adapter_bytes": float(getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)() * 4) or None,
         # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.

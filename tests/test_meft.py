@@ -11,9 +11,11 @@ from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import LazyRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
-from lightning_offload.meft.adapter import route
+from lightning_offload.meft.adapter import expert_key_scores, route, select_experts, select_neurons
 from lightning_offload.meft.lazy_adam import LazyAdamSettings
 from lightning_offload.models import tiny_gpt2, tiny_llama
+from lightning_offload.offload_optimizer import NonFiniteGradientError
+from lightning_offload.pipeline import HostWorkerError
 from lightning_offload.module import CausalLMModule
 
 SMALL = dict(num_neurons=256, top_k=8, num_experts=16, experts_per_token=4)
@@ -96,6 +98,59 @@ def test_routing_picks_top_k_neurons_inside_the_selected_experts() -> None:
         best = sorted(allowed, key=lambda n: -scores[t, n].item())[: config.top_k]
         assert chosen == set(best)
     assert (r.gates[~valid] == 0).all() and (r.gates[valid] >= 0).all()
+    # Gates average 1 over a token's kept experts (a uniform router leaves each neuron's contribution unscaled).
+    experts, expert_gates = select_experts(logits, config)
+    torch.testing.assert_close(expert_gates.mean(dim=1), torch.ones(tokens))
+
+
+def test_scoring_only_the_kept_experts_routes_like_scoring_every_neuron() -> None:
+    config = MEFTConfig(**SMALL)
+    g = torch.Generator().manual_seed(2)
+    tokens, hidden = 50, 24
+    x = torch.randn(tokens, hidden, generator=g)
+    keys = torch.randn(config.num_neurons, hidden, generator=g)
+    logits = torch.randn(tokens, config.num_experts, generator=g)
+    valid = torch.ones(tokens, dtype=torch.bool)
+    reference = route(x, logits, x @ keys.T, config, valid)
+    experts, expert_gates = select_experts(logits, config)
+    scores = expert_key_scores(x, experts, keys, config.num_experts)
+    for t in range(tokens):  # [T, e, N/E]: row j holds the scores of the token's j-th kept expert
+        for j, e in enumerate(experts[t].tolist()):
+            block = slice(e * config.neurons_per_expert, (e + 1) * config.neurons_per_expert)
+            torch.testing.assert_close(scores[t, j], (x[t] @ keys[block].T))
+    fast = select_neurons(scores, experts, expert_gates, config, valid)
+    assert torch.equal(fast.neurons.sort(dim=1).values, reference.neurons.sort(dim=1).values)
+    order_fast, order_ref = fast.neurons.argsort(dim=1), reference.neurons.argsort(dim=1)
+    torch.testing.assert_close(fast.gates.gather(1, order_fast), reference.gates.gather(1, order_ref))
+
+
+def test_inputs_are_standardised_on_the_first_batch_and_kept() -> None:
+    model = meft_model()
+    adapters = meft_adapters(model)
+    seen: list[torch.Tensor] = []
+    ffn = adapters[0]
+    host_module = next(m for m in model.modules() if getattr(m, "adapter", None) is ffn)
+    host_module.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().reshape(-1, 64)))
+    first, second = batches(2, pad_last=4)
+    with torch.no_grad():
+        model(**first)
+    valid = first["attention_mask"].reshape(-1).bool()
+    x = ffn.adapter_input(seen[0], valid)[valid]
+    torch.testing.assert_close(x.mean(dim=0), torch.zeros(64), atol=1e-5, rtol=0)  # padding left out of μ
+    torch.testing.assert_close(x.pow(2).mean(), torch.tensor(1.0), atol=1e-5, rtol=0)
+    mean = ffn.input_mean.clone()
+    with torch.no_grad():
+        model(**second)
+    assert torch.equal(ffn.input_mean, mean)  # fixed after the first batch
+    # Saved with the model: a fresh injected model loads the same standardisation instead of measuring its own.
+    fresh = meft_model()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        fresh(**second)
+    assert torch.equal(meft_adapters(fresh)[0].input_mean, mean)
+    # Off: the adapter reads the FFN input itself.
+    plain = meft_adapters(meft_model(standardize_inputs=False))[0]
+    assert torch.equal(plain.adapter_input(seen[0]), seen[0])
 
 
 def test_padding_tokens_fetch_no_rows() -> None:
@@ -139,11 +194,12 @@ def _dense_reference_grads(model: torch.nn.Module, micro_batches: list[dict]) ->
         def forward(hidden):
             flat = hidden.reshape(-1, adapter.hidden_size)
             valid = adapter._valid_tokens(flat.shape[0], flat.device)
-            r = route(flat, adapter.router(flat), adapter._key_scores(flat), adapter.config, valid)
+            x = adapter.adapter_input(flat, valid)
+            r = route(x, adapter.router(x), adapter._key_scores(x), adapter.config, valid)
             mask = torch.zeros(flat.shape[0], adapter.config.num_neurons)
             gates = torch.zeros_like(mask).scatter(1, r.neurons, r.gates)
             mask.scatter_(1, r.neurons, valid.unsqueeze(1).float().expand_as(r.neurons))
-            act = torch.relu(flat @ keys.T) * gates * mask
+            act = torch.relu(x @ keys.T) * gates * mask
             return (act @ values).reshape(hidden.shape)
         return forward
 
@@ -220,16 +276,41 @@ def test_host_routing_trains_without_keys_on_the_device(tmp_path: Path) -> None:
     assert strategy.last_metrics["meft/rows_updated"] > 0
 
 
+def _row_gradients_per_step(strategy: MEFTOffloadStrategy) -> list[list[torch.Tensor]]:
+    """Records, at every optimizer step, the accumulated row gradients the lazy Adam is about to consume."""
+    seen: list[list[torch.Tensor]] = []
+    step_rows = strategy.step_rows
+
+    def recording_step_rows() -> None:
+        strategy.row_pipeline.flush()  # the gradients of the last backward are still being added on the host
+        seen.append([g.clone() for a in strategy.adapters for g in (a.host.grad_keys, a.host.grad_values)])
+        step_rows()
+
+    strategy.step_rows = recording_step_rows
+    return seen
+
+
 def test_accumulation_equals_one_large_batch(tmp_path: Path) -> None:
     data = batches(4, batch=2, seed=7)
     big = [{k: torch.cat([data[i][k], data[i + 1][k]]) for k in data[0]} for i in (0, 2)]
     small_model, big_model = meft_model(), meft_model()
-    trainer(tmp_path / "a", 2, accumulate_grad_batches=2).fit(CausalLMModule(small_model, lr=1e-2),
-                                                              train_dataloaders=loader(data))
-    trainer(tmp_path / "b", 2).fit(CausalLMModule(big_model, lr=1e-2), train_dataloaders=loader(big))
+    for model in (small_model, big_model):
+        with torch.no_grad():  # the same standardisation for both: it is measured on an adapter's first forward
+            model(**big[0])
+    small_strategy, big_strategy = MEFTOffloadStrategy(device="cpu"), MEFTOffloadStrategy(device="cpu")
+    small_grads, big_grads = _row_gradients_per_step(small_strategy), _row_gradients_per_step(big_strategy)
+    trainer(tmp_path / "a", 2, small_strategy, accumulate_grad_batches=2).fit(
+        CausalLMModule(small_model, lr=1e-2), train_dataloaders=loader(data))
+    trainer(tmp_path / "b", 2, big_strategy).fit(CausalLMModule(big_model, lr=1e-2), train_dataloaders=loader(big))
+    # The gradients each lazy Adam step consumed: the second step's depend on the first step's update, so they
+    # agree only if the accumulated rows (which change between micro-batches) were summed correctly both times.
+    assert len(small_grads) == len(big_grads) == 2
+    for small_step, big_step in zip(small_grads, big_grads):
+        for small, large in zip(small_step, big_step):
+            assert torch.equal(small.any(1), large.any(1))  # the same rows touched
+            torch.testing.assert_close(small, large, rtol=1e-4, atol=1e-6)
     for a, b in zip(meft_adapters(small_model), meft_adapters(big_model)):
         torch.testing.assert_close(a.host.values, b.host.values, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(a.host.keys, b.host.keys, rtol=1e-4, atol=1e-6)
 
 
 def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
@@ -268,9 +349,167 @@ def test_a_failing_row_fetch_surfaces_in_the_forward() -> None:
     model = meft_model()
     adapter = meft_adapters(model)[1]
 
-    def broken(rows, pin):
+    def broken(rows, pin, dtype):
         raise RuntimeError("host gather failed")
 
     adapter._gather = broken
     with pytest.raises(RuntimeError, match="host gather failed"):
         model(**batches(1)[0])
+
+
+def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Wraps the row optimizers once they exist: records the rows and gradients each lazy Adam step consumed."""
+    consumed: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    setup = strategy.setup_optimizers
+
+    def recording_setup(trainer: pl.Trainer) -> None:
+        setup(trainer)
+        for optimizer in strategy.row_optimizers:
+            step = optimizer.step
+
+            def recording_step(rows, grads, settings, step=step):
+                consumed.append((rows.clone(), [g.clone() for g in grads]))
+                step(rows, grads, settings)
+
+            optimizer.step = recording_step
+
+    strategy.setup_optimizers = recording_setup
+    return consumed
+
+
+@pytest.mark.parametrize("mode", ["norm", "value"])
+def test_gradient_clipping_covers_the_adapter_rows(tmp_path: Path, mode: str) -> None:
+    model = meft_model()
+    strategy = MEFTOffloadStrategy(device="cpu")
+    before = _row_gradients_per_step(strategy)
+    consumed = _record_row_steps(strategy)
+    clip_value = 1e-3 if mode == "norm" else 1e-5
+    trainer(tmp_path, 1, strategy, gradient_clip_val=clip_value, gradient_clip_algorithm=mode).fit(
+        CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(1)))
+    adapters = meft_adapters(model)
+    assert len(consumed) == len(adapters)
+    raw = before[0]
+    if mode == "norm":
+        row_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw]))
+        ratios = []
+        for i, (rows, grads) in enumerate(consumed):
+            for got, full in zip(grads, (raw[2 * i][rows], raw[2 * i + 1][rows])):
+                nonzero = full != 0
+                ratios.append(got[nonzero] / full[nonzero])
+        ratio = torch.cat(ratios)
+        coefficient = ratio.mean()
+        torch.testing.assert_close(ratio, torch.full_like(ratio, coefficient.item()))  # one global coefficient
+        # The norm it was computed from includes the routers' gradients too: strictly larger than the rows' alone.
+        assert coefficient * row_norm < clip_value
+    else:
+        for i, (rows, grads) in enumerate(consumed):
+            for got, full in zip(grads, (raw[2 * i][rows], raw[2 * i + 1][rows])):
+                if not full.any():
+                    continue  # keys get no gradient while the values are still zero
+                assert full.abs().max() > clip_value  # the bound bites
+                torch.testing.assert_close(got, full.clamp(-clip_value, clip_value))
+
+
+def test_pipelined_row_updates_equal_finishing_them_in_the_step(tmp_path: Path) -> None:
+    data = batches(3, seed=13)
+    runs = {}
+    for pipelined in (True, False):
+        model = meft_model()
+        trainer(tmp_path / str(pipelined), 5, MEFTOffloadStrategy(device="cpu", pipelined=pipelined)).fit(
+            CausalLMModule(model, lr=1e-2), train_dataloaders=loader(data))
+        runs[pipelined] = meft_adapters(model)
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a.host.values, b.host.values) and torch.equal(a.host.keys, b.host.keys)
+        assert a.pending_update is None and a.row_pipeline is None  # fit ended: finished and handed back
+
+
+def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> None:
+    strategy = MEFTOffloadStrategy(device="cpu")
+    setup = strategy.setup_optimizers
+
+    def breaking_setup(trainer: pl.Trainer) -> None:
+        setup(trainer)
+
+        def broken(rows, grads, settings):
+            raise RuntimeError("host Adam failed")
+
+        strategy.row_optimizers[1].step = broken
+
+    strategy.setup_optimizers = breaking_setup
+    with pytest.raises(HostWorkerError) as failure:
+        trainer(tmp_path, 3, strategy).fit(CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(batches(3)))
+    assert "host Adam failed" in str(failure.value.__cause__)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_non_finite_row_gradients_leave_the_host_rows_untouched(tmp_path: Path, policy: str) -> None:
+    model = meft_model()
+    adapters = meft_adapters(model)
+    strategy = MEFTOffloadStrategy(device="cpu", on_nonfinite=policy)
+    step_rows = strategy.step_rows
+
+    def poisoned_step_rows() -> None:
+        strategy.row_pipeline.flush()
+        host = adapters[0].host
+        host.grad_values[host.touched.nonzero()[0]] = float("nan")
+        step_rows()
+
+    strategy.step_rows = poisoned_step_rows
+    values = [a.host.values.clone() for a in adapters]
+    keys = [a.host.keys.clone() for a in adapters]
+    fit = lambda: trainer(tmp_path, 1, strategy).fit(CausalLMModule(model, lr=1e-2),  # noqa: E731
+                                                     train_dataloaders=loader(batches(1)))
+    if policy == "raise":
+        with pytest.raises(NonFiniteGradientError, match="on_nonfinite='skip'"):
+            fit()
+    else:
+        fit()
+        assert strategy.last_metrics["meft/skipped_steps"] == 1
+    for adapter, v, k in zip(adapters, values, keys):
+        assert torch.equal(adapter.host.values, v) and torch.equal(adapter.host.keys, k)
+        assert not adapter.host.touched.any() and adapter.host.grad_values.abs().sum() == 0
+
+
+def test_key_lr_scale_slows_the_keys_only() -> None:
+    g = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g)
+    start_keys, start_values = keys.clone(), values.clone()
+    adam = LazyRowAdam([keys, values], lr_scales=[0.1, 1.0])
+    rows = torch.tensor([0, 3])
+    adam.step(rows, [torch.ones(2, 3), torch.ones(2, 3)], LazyAdamSettings(lr=0.01))
+    # First Adam step: each element moves by lr·scale (the sign of a constant gradient).
+    torch.testing.assert_close(start_keys[rows] - keys[rows], torch.full((2, 3), 1e-3))
+    torch.testing.assert_close(start_values[rows] - values[rows], torch.full((2, 3), 1e-2))
+    with pytest.raises(ValueError, match="lr_scales"):
+        LazyRowAdam([keys, values], lr_scales=[0.1])
+    with pytest.raises(ValueError, match="key_lr_scale=0"):
+        MEFTOffloadStrategy(device="cpu", key_lr_scale=0)
+
+
+def test_rows_cross_in_the_autocast_dtype_with_the_same_gradients() -> None:
+    batch = batches(1, seed=9, pad_last=2)[0]
+    models = [meft_model(), meft_model()]
+    for model in models:
+        with torch.no_grad():
+            for a in meft_adapters(model):
+                a.host.values.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+                a.refresh_routing_keys()
+    fp32_rows = meft_adapters(models[1])
+    import lightning_offload.meft.adapter as adapter_module
+
+    original = adapter_module.link_dtype
+    for model in models:
+        if model is models[1]:
+            adapter_module.link_dtype = lambda x: x.dtype  # the reference: fp32 rows, cast by autocast
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            loss.backward()
+        finally:
+            adapter_module.link_dtype = original
+    for bf16, fp32 in zip(meft_adapters(models[0]), fp32_rows):
+        assert bf16.host.traffic.bytes_to_device * 2 == fp32.host.traffic.bytes_to_device  # half the bytes
+        assert bf16.host.traffic.bytes_to_host * 2 == fp32.host.traffic.bytes_to_host
+        assert torch.equal(bf16.host.touched, fp32.host.touched)
+        assert torch.equal(bf16.host.grad_values, fp32.host.grad_values)
+        assert torch.equal(bf16.host.grad_keys, fp32.host.grad_keys)

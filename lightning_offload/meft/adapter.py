@@ -1,8 +1,9 @@
 """MEFT adapters: a wide key/value memory beside each FFN, kept on the host, of which each token reads ``top_k`` rows.
 
-``out = FFN(h) + Σ_{i ∈ S(h)} g_{e(i)}(h) · ReLU(h·k_i) · v_i`` where ``S(h)`` is the token's routed neuron set:
-the router scores the ``E`` experts (contiguous groups of neurons), the token keeps its ``experts_per_token`` best,
-their logits are turned into a non-negative gate by a softmax, and the ``top_k`` neurons with the highest key score
+``out = FFN(h) + Σ_{i ∈ S(x)} g_{e(i)}(x) · ReLU(x·k_i) · v_i`` with ``x = (h − μ)/σ`` the FFN input standardised
+(a per-layer mean and scale measured on the first batch), and ``S(x)`` the token's routed neuron set: the router
+scores the ``E`` experts (contiguous groups of neurons), the token keeps its ``experts_per_token`` best, their logits
+become a non-negative gate (a softmax, scaled to average 1), and the ``top_k`` neurons with the highest key score
 inside the kept experts are activated. ``V`` starts at zero, so an injected model equals the base model.
 
 Placement: the fp32 keys and values (and, in the strategy, their Adam state) live on the host. A forward gathers
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.row_pipeline import RowPipeline
+from lightning_offload.pipeline import Job
 
 
 @dataclass
@@ -34,14 +37,48 @@ class Routing:
     valid: torch.Tensor
 
 
+def select_experts(router_logits: torch.Tensor, config: MEFTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``experts_per_token`` best experts ``[T, e]`` and their non-negative gates ``[T, e]``.
+
+    The gates are a softmax over the kept logits scaled by ``e``, so they average 1: with a uniform router each
+    selected neuron contributes ``ReLU(x·k)·v`` unscaled, as in the ungated adapter, and the gate only redistributes
+    weight between a token's experts (a plain softmax would shrink every contribution, and with it the effective
+    learning rate of the values, by ``e``).
+    """
+    top_logits, experts = router_logits.topk(config.experts_per_token, dim=-1)
+    gates = torch.softmax(top_logits.float(), dim=-1) * config.experts_per_token
+    return experts, gates
+
+
+def select_neurons(expert_scores: torch.Tensor, experts: torch.Tensor, expert_gates: torch.Tensor,
+                   config: MEFTConfig, valid: torch.Tensor) -> Routing:
+    """The ``top_k`` neurons of each token by key score, inside its kept experts.
+
+    Args:
+        expert_scores: ``[T, e, N/E]`` key scores of the neurons of each token's kept experts (no gradient needed).
+        experts, expert_gates: from :func:`select_experts`.
+        config: the adapter settings.
+        valid: ``[T]`` bool, False for padding; padded tokens get zero gates (and fetch nothing).
+    """
+    per_expert = config.neurons_per_expert
+    local = expert_scores.float().reshape(expert_scores.shape[0], -1).topk(config.top_k, dim=-1).indices
+    slot = torch.div(local, per_expert, rounding_mode="floor")  # which of the token's kept experts
+    neurons = experts.gather(1, slot) * per_expert + local % per_expert
+    gates = expert_gates.gather(1, slot) * valid.unsqueeze(1).to(expert_gates.dtype)
+    return Routing(neurons, gates, experts, valid)
+
+
 def route(hidden: torch.Tensor, router_logits: torch.Tensor, key_scores: torch.Tensor, config: MEFTConfig,
           valid: torch.Tensor) -> Routing:
-    """Key-Experts routing of flattened tokens.
+    """Key-Experts routing of flattened tokens from the scores of *all* neurons (the reference form).
+
+    Adapters score only the neurons of each token's kept experts (:meth:`MEFTAdapter.prefetch`), ``E/e`` times
+    less work; both give the same routing.
 
     Args:
         hidden: ``[T, h]`` token states (only used for its shape and device).
         router_logits: ``[T, E]`` expert scores (differentiable: the gates carry the router's gradient).
-        key_scores: ``[T, N]`` scores ``h·k_i`` of every neuron (no gradient needed: selection only).
+        key_scores: ``[T, N]`` scores ``x·k_i`` of every neuron (no gradient needed: selection only).
         config: the adapter settings.
         valid: ``[T]`` bool, False for padding; padded tokens select nothing and get zero gates.
 
@@ -49,19 +86,39 @@ def route(hidden: torch.Tensor, router_logits: torch.Tensor, key_scores: torch.T
         The selected neurons (exactly ``top_k`` per token, all within the token's ``experts_per_token`` experts),
         their gates, the selected experts and ``valid``.
     """
-    per_expert = config.neurons_per_expert
-    top_logits, experts = router_logits.topk(config.experts_per_token, dim=-1)
-    gate_per_expert = torch.softmax(top_logits.float(), dim=-1)  # non-negative, sums to 1 over kept experts
-    # Neuron scores outside the kept experts are excluded from the top-k.
-    kept = torch.zeros_like(router_logits, dtype=torch.bool).scatter_(1, experts, True)
-    allowed = kept.repeat_interleave(per_expert, dim=1)
-    masked = key_scores.float().masked_fill(~allowed, float("-inf"))
-    neurons = masked.topk(config.top_k, dim=-1).indices
-    dense_gates = torch.zeros(router_logits.shape, dtype=gate_per_expert.dtype, device=hidden.device)
-    dense_gates = dense_gates.scatter(1, experts, gate_per_expert)
-    gates = dense_gates.gather(1, torch.div(neurons, per_expert, rounding_mode="floor"))
-    gates = gates * valid.unsqueeze(1).to(gates.dtype)
-    return Routing(neurons, gates, experts, valid)
+    experts, expert_gates = select_experts(router_logits, config)
+    blocks = key_scores.reshape(hidden.shape[0], config.num_experts, config.neurons_per_expert)
+    expert_scores = blocks.gather(1, experts.unsqueeze(2).expand(-1, -1, config.neurons_per_expert))
+    return select_neurons(expert_scores, experts, expert_gates, config, valid)
+
+
+def expert_key_scores(x: torch.Tensor, experts: torch.Tensor, keys: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[T, e, N/E]`` scores of each token against the keys of its kept experts only.
+
+    Tokens are grouped by expert so each expert's keys are read once, in one GEMM with the tokens that kept it:
+    ``T·e·(N/E)·h`` multiply-adds instead of the ``T·N·h`` of scoring every key.
+
+    Args:
+        x: ``[T, h]`` adapter inputs, on the device of ``keys`` and in their dtype.
+        experts: ``[T, e]`` kept experts per token.
+        keys: ``[N, h]`` keys (device bf16 copy or host fp32).
+        num_experts: ``E``.
+    """
+    tokens, kept = experts.shape
+    blocks = keys.view(num_experts, -1, keys.shape[1])
+    pairs = experts.reshape(-1).to(keys.device)
+    order = torch.argsort(pairs, stable=True)
+    counts = torch.bincount(pairs, minlength=num_experts).tolist()
+    owners = torch.div(order, kept, rounding_mode="floor")  # token of each (token, expert) pair, grouped by expert
+    chunks, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            chunks.append(x.index_select(0, owners[start:start + count]) @ blocks[expert].T)
+            start += count
+    grouped = torch.cat(chunks) if chunks else x.new_zeros(0, blocks.shape[1])
+    scores = torch.empty_like(grouped)
+    scores[order] = grouped
+    return scores.view(tokens, kept, -1)
 
 
 @dataclass
@@ -69,6 +126,7 @@ class _Prefetch:
     """A routed batch whose rows are being gathered on the host fetch thread."""
 
     routing: Routing
+    x: torch.Tensor  # [T, h] the adapter's (standardised) input
     rows: torch.Tensor  # sorted unique row ids (host)
     index: torch.Tensor  # [T, k] positions in ``rows``
     gathered: Future
@@ -128,7 +186,16 @@ class MEFTAdapter(nn.Module):
         # fp32 host keys are the truth (saved in the state dict by the hooks below).
         self.register_buffer("routing_keys", keys.to(torch.bfloat16) if config.routing == "device" else None,
                              persistent=False)
+        # Standardisation of the adapter's input (see MEFTConfig.standardize_inputs): measured once, then constants
+        # saved with the model so a resumed or evaluated model reads its input exactly as training did.
+        self.register_buffer("input_mean", torch.zeros(hidden_size))
+        self.register_buffer("input_inv_scale", torch.ones(()))
+        self.register_buffer("input_calibrated", torch.tensor(not config.standardize_inputs))
         self.attention_mask: torch.Tensor | None = None  # set per forward by the model's pre-hook (padding)
+        # Set by meft_offload: gradients go through its host worker, and the forward waits for this adapter's
+        # pending row update there. Without a pipeline (plain backward) gradients are added right in the hook.
+        self.row_pipeline: RowPipeline | None = None
+        self.pending_update: Job | None = None
 
     def pin_host_memory(self) -> None:
         """Page-locks the host rows so gathers can be copied to a GPU asynchronously."""
@@ -142,11 +209,44 @@ class MEFTAdapter(nn.Module):
             return mask.reshape(-1).to(device=device, dtype=torch.bool)
         return torch.ones(tokens, dtype=torch.bool, device=device)
 
-    def _key_scores(self, flat: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def _calibrate(self, flat: torch.Tensor, valid: torch.Tensor) -> None:
+        # The first batch's real tokens, while V is still zero (the adapter's output is 0 whatever it reads).
+        tokens = flat[valid].float() if valid.any() else flat.float()
+        mean = tokens.mean(dim=0)
+        rms = (tokens - mean).pow(2).mean().sqrt()
+        self.input_mean.copy_(mean)
+        self.input_inv_scale.copy_(1.0 / rms.clamp_min(1e-6))
+        self.input_calibrated.fill_(True)
+
+    def adapter_input(self, flat: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``x = (h − μ)/σ`` for flattened states ``[T, h]`` (``h`` itself when ``standardize_inputs`` is off).
+
+        The first call calibrates ``μ``/``σ`` on its real tokens (``valid``) unless they were loaded.
+        """
+        if not self.config.standardize_inputs:
+            return flat
+        if not bool(self.input_calibrated):
+            self._calibrate(flat, valid if valid is not None else torch.ones(flat.shape[0], dtype=torch.bool,
+                                                                             device=flat.device))
+        return (flat - self.input_mean.to(flat.dtype)) * self.input_inv_scale.to(flat.dtype)
+
+    def _key_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` scores of every neuron (the reference form; the forward scores only the kept experts)."""
         with torch.no_grad():
             if self.routing_keys is not None:
-                return flat.to(self.routing_keys.dtype) @ self.routing_keys.T
-            return (flat.detach().float().cpu() @ self.host.keys.T).to(flat.device)
+                return x.to(self.routing_keys.dtype) @ self.routing_keys.T
+            return (x.detach().float().cpu() @ self.host.keys.T).to(x.device)
+
+    def _expert_key_scores(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.routing_keys is not None:
+                return expert_key_scores(x.to(self.routing_keys.dtype), experts, self.routing_keys,
+                                         self.config.num_experts)
+            # Host routing: the fp32 host keys, no key memory on the device; only [T, e, N/E] scores come back.
+            scores = expert_key_scores(x.detach().float().cpu(), experts.cpu(), self.host.keys,
+                                       self.config.num_experts)
+            return scores.to(x.device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution for ``hidden [..., h]`` (same shape)."""
@@ -158,9 +258,12 @@ class MEFTAdapter(nn.Module):
         :class:`MEFTFFN` calls this before running the FFN, so the host gather (and, on a GPU, the pinned staging)
         overlaps the FFN's compute; :meth:`mix` then waits for the rows.
         """
+        self.wait_for_update()
         flat = hidden.reshape(-1, self.hidden_size)
         valid = self._valid_tokens(flat.shape[0], flat.device)
-        routing = route(flat, self.router(flat), self._key_scores(flat), self.config, valid)
+        x = self.adapter_input(flat, valid)
+        experts, expert_gates = select_experts(self.router(x), self.config)
+        routing = select_neurons(self._expert_key_scores(x, experts), experts, expert_gates, self.config, valid)
         with torch.no_grad():
             self.host.expert_counts += torch.bincount(routing.experts[valid].reshape(-1).cpu(),
                                                       minlength=self.config.num_experts)
@@ -169,35 +272,36 @@ class MEFTAdapter(nn.Module):
         index[valid] = local
         rows = rows.cpu()
         pin = flat.device.type == "cuda"
-        return _Prefetch(routing, rows, index, _fetch_pool().submit(self._gather, rows, pin))
+        gathered = _fetch_pool().submit(self._gather, rows, pin, link_dtype(x))
+        return _Prefetch(routing, x, rows, index, gathered)
 
-    def _gather(self, rows: torch.Tensor, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        # On the fetch thread: copy the selected rows out of the host matrices (pinned, so a GPU copy is async).
-        keys = self.host.keys.index_select(0, rows)
-        values = self.host.values.index_select(0, rows)
+    def _gather(self, rows: torch.Tensor, pin: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # On the fetch thread: copy the selected rows out of the host matrices, in the dtype they will be used in
+        # (pinned, so a GPU copy is async).
+        keys = self.host.keys.index_select(0, rows).to(dtype)
+        values = self.host.values.index_select(0, rows).to(dtype)
         return (keys.pin_memory(), values.pin_memory()) if pin else (keys, values)
 
     def mix(self, hidden: torch.Tensor, fetch: _Prefetch) -> torch.Tensor:
         """The adapter's output from the prefetched rows (waits for the fetch thread; re-raises its errors)."""
-        shape = hidden.shape
-        flat = hidden.reshape(-1, self.hidden_size)
-        keys, values = self._to_device(fetch.rows, *fetch.gathered.result(), flat.device, flat.dtype)
+        x = fetch.x
+        keys, values = self._to_device(fetch.rows, *fetch.gathered.result(), x.device)
         # Scores against the fetched rows as one GEMM, then keep each token's own k: gathering k rows per token
         # instead would materialise (and save for backward) a [T, k, h] copy of the keys and of the values.
-        scores = (flat @ keys.T).gather(1, fetch.index)  # [T, k]
+        scores = (x @ keys.T).gather(1, fetch.index)  # [T, k]
         activation = torch.relu(scores) * fetch.routing.gates.to(scores.dtype)
-        mixing = torch.zeros(flat.shape[0], fetch.rows.numel(), dtype=activation.dtype, device=flat.device)
+        mixing = torch.zeros(x.shape[0], fetch.rows.numel(), dtype=activation.dtype, device=x.device)
         out = mixing.scatter(1, fetch.index, activation) @ values  # padded tokens have zero gates: they add nothing
-        return out.reshape(shape)
+        return out.reshape(hidden.shape)
 
-    def _to_device(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, device: torch.device,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_device(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.host
         pinned = device.type == "cuda"
-        keys = keys.to(device, non_blocking=pinned).to(dtype)
-        values = values.to(device, non_blocking=pinned).to(dtype)
+        keys = keys.to(device, non_blocking=pinned)
+        values = values.to(device, non_blocking=pinned)
         h.traffic.rows += rows.numel()
-        h.traffic.bytes_to_device += 2 * rows.numel() * self.hidden_size * 4
+        h.traffic.bytes_to_device += 2 * rows.numel() * self.hidden_size * keys.element_size()
         if torch.is_grad_enabled():
             keys.requires_grad_(True)
             values.requires_grad_(True)
@@ -206,17 +310,27 @@ class MEFTAdapter(nn.Module):
             h.touched[rows] = True
         return keys, values
 
+    def wait_for_update(self) -> None:
+        """Block until the host has finished this adapter's pending row update (no-op when none is pending)."""
+        if self.pending_update is not None:
+            assert self.row_pipeline is not None
+            self.row_pipeline.wait(self.pending_update)
+            self.pending_update = None
+
     def _gradient_sink(self, rows: torch.Tensor, accumulator: torch.Tensor) -> Any:
-        def sink(grad: torch.Tensor) -> torch.Tensor:
-            # Row gradients go straight to the host accumulator (summed over micro-batches); nothing stays on device.
-            accumulator.index_add_(0, rows, grad.detach().float().cpu())
-            self.host.traffic.bytes_to_host += grad.numel() * 4
-            return grad
+        def sink(grad: torch.Tensor) -> None:
+            # Row gradients are summed into the host accumulator (over micro-batches); nothing stays on the device.
+            self.host.traffic.bytes_to_host += grad.numel() * grad.element_size()
+            if self.row_pipeline is not None:
+                self.row_pipeline.accumulate(rows, grad, accumulator)  # copied and added off the main thread
+            else:
+                accumulator.index_add_(0, rows, grad.detach().float().cpu())
 
         return sink
 
     # ------------------------------------------------------------------ state dict: host rows, saved on the host
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self.wait_for_update()  # never save rows the host is half-way through updating
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "keys"] = self.host.keys
         destination[prefix + "values"] = self.host.values
@@ -224,6 +338,7 @@ class MEFTAdapter(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
+        self.wait_for_update()  # an update still running would overwrite the loaded rows
         for name in ("keys", "values"):
             key = prefix + name
             if key in state_dict:
@@ -245,6 +360,18 @@ class MEFTAdapter(nn.Module):
         else:
             self.routing_keys[rows.to(self.routing_keys.device)] = self.host.keys[rows].to(
                 self.routing_keys.device, self.routing_keys.dtype)
+
+
+def link_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype fetched rows cross the link in: autocast's compute dtype when it is on, else the input's.
+
+    Under autocast the matmuls would cast fp32 rows to bf16 anyway, and their gradients come back as exactly those
+    bf16 values: sending bf16 halves the bytes (and the device memory of the fetched rows) and changes no number.
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
 
 
 class MEFTFFN(nn.Module):

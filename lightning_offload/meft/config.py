@@ -22,6 +22,12 @@ class MEFTConfig:
         freeze_base: Freeze every pre-existing parameter, so only adapters (and their routers) train.
         routing: ``"device"``: key scores from a bf16 copy of the keys on the device (fast, ``N·h·2`` bytes per
             layer); ``"host"``: scores computed on the host from the fp32 keys (no key memory on the device).
+        standardize_inputs: The adapter reads ``x = (h − μ)/σ`` instead of the FFN input ``h``: ``μ`` (per feature)
+            and ``σ`` (one scale) are measured on the real tokens of the first batch the adapter sees, while its
+            values are still zero, then kept fixed and saved with the model. Hidden states share a large common
+            direction (about half their norm in SmolLM2), so raw key scores rank the same few neurons first for
+            every token and the adapter's capacity collapses onto them; centring spreads the routing over the
+            neurons, and the scale puts key scores at O(1) in every layer.
         key_init_std: Standard deviation of the initial keys (default ``1/√h``); values start at zero, so an
             injected model computes exactly what the base model computes.
         seed: Seed of the key initialisation.
@@ -34,6 +40,7 @@ class MEFTConfig:
     target_modules: str = r"(^|\.)mlp$"
     freeze_base: bool = True
     routing: str = "device"
+    standardize_inputs: bool = True
     key_init_std: float | None = None
     seed: int = 0
 

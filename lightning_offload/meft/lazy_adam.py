@@ -28,11 +28,15 @@ class LazyRowAdam:
 
     Args:
         params: fp32 host matrices ``[N, h]`` updated in place (all with the same ``N``: one row set per step).
+        lr_scales: per matrix, a factor on the learning rate (default 1 for each).
     """
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], lr_scales: list[float] | None = None) -> None:
         if not params:
             raise ValueError("LazyRowAdam needs at least one matrix.")
+        self.lr_scales = list(lr_scales) if lr_scales is not None else [1.0] * len(params)
+        if len(self.lr_scales) != len(params) or not all(scale > 0 for scale in self.lr_scales):
+            raise ValueError(f"lr_scales={lr_scales!r} must hold one positive factor per matrix ({len(params)}).")
         rows = params[0].shape[0]
         for p in params:
             if p.device.type != "cpu" or p.dtype != torch.float32 or p.ndim != 2 or p.shape[0] != rows:
@@ -55,15 +59,16 @@ class LazyRowAdam:
         step = self.steps[rows].to(torch.float32).unsqueeze(1)
         bias1 = 1 - beta1**step
         bias2_sqrt = (1 - beta2**step).sqrt()
-        for p, m, v, g in zip(self.params, self.exp_avg, self.exp_avg_sq, grads):
+        for p, m, v, g, scale in zip(self.params, self.exp_avg, self.exp_avg_sq, grads, self.lr_scales):
+            lr = settings.lr * scale
             g = g.to(torch.float32)
             p_rows = p[rows]
             if settings.weight_decay:
-                p_rows.mul_(1 - settings.lr * settings.weight_decay)
+                p_rows.mul_(1 - lr * settings.weight_decay)
             m_rows = m[rows].mul_(beta1).add_(g, alpha=1 - beta1)
             v_rows = v[rows].mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v_rows.sqrt() / bias2_sqrt).add_(settings.eps)
-            p_rows.addcdiv_(m_rows, denom * bias1, value=-settings.lr)
+            p_rows.addcdiv_(m_rows, denom * bias1, value=-lr)
             # Scatter back: the gathered rows were copies.
             p[rows], m[rows], v[rows] = p_rows, m_rows, v_rows
 

@@ -1,18 +1,20 @@
 """``meft_offload``: trains MEFT adapters whose keys, values and Adam state live on the host.
 
-The adapters (see :mod:`lightning_offload.meft.adapter`) fetch the rows their tokens route to and send those rows'
-gradients back into host accumulators during backward. At the optimizer step this strategy runs a row-sparse Adam
-on the host over exactly the rows touched since the last step (the union over the accumulated micro-batches), then
-refreshes the device's bf16 routing copy of those keys. Every other trainable parameter (the routers, anything the
-user left unfrozen) is stepped by the ``zero_offload`` machinery this strategy inherits: dense host Adam, nothing on
-the device.
+The adapters (see :mod:`lightning_offload.meft.adapter`) fetch the rows their tokens route to, and a host worker
+(:class:`~lightning_offload.meft.row_pipeline.RowPipeline`) sums those rows' gradients into host accumulators while
+backward goes on. At the optimizer step this strategy checks the gradients, then queues a row-sparse Adam per adapter
+on the worker over exactly the rows touched since the last step (the union over the accumulated micro-batches), which
+also refreshes the device's bf16 routing copy of those keys. The next forward waits for an adapter's update only when
+it reaches that adapter. Every other trainable parameter (the routers, anything the user left unfrozen) is stepped by
+the ``zero_offload`` machinery this strategy inherits: dense host Adam, nothing on the device. Gradient clipping
+(``Trainer(gradient_clip_val=...)``) takes the adapter rows into the global norm.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +23,9 @@ from typing_extensions import override
 
 from lightning_offload.meft.adapter import MEFTAdapter, meft_adapters
 from lightning_offload.meft.lazy_adam import LazyAdamSettings, LazyRowAdam
-from lightning_offload.strategy import LSPOffloadStrategy
+from lightning_offload.meft.row_pipeline import RowPipeline
+from lightning_offload.offload_optimizer import NonFiniteGradientError
+from lightning_offload.strategy import LSPOffloadStrategy, _as_offload_optimizer
 
 _STATE_KEY = "meft_host_rows"
 
@@ -33,22 +37,32 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         device: the training device (``None``: CUDA when present, else CPU).
         lr: learning rate of the adapter rows (``None``: the first param group's, following its scheduler).
         weight_decay: decoupled weight decay of the adapter rows (``None``: the first param group's).
-        seed, on_nonfinite, log_telemetry, pipelined, link_dtype: as for ``zero_offload`` (they apply to the
-            dense parameters: routers and anything else left trainable).
+        key_lr_scale: the keys' learning rate relative to the values' (keys decide the routing: a smaller step keeps
+            each token's neuron set stable while the values learn).
+        seed, on_nonfinite, log_telemetry, link_dtype: as for ``zero_offload`` (they apply to the dense parameters:
+            routers and anything else left trainable).
+        pipelined: as for ``zero_offload``, and for the rows: ``True`` lets the row updates run on the host while
+            the next forward starts; ``False`` finishes them inside the optimizer step.
     """
 
     strategy_name = "meft_offload"
 
     def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
-                 weight_decay: float | None = None, **kwargs: Any) -> None:
+                 weight_decay: float | None = None, key_lr_scale: float = 1.0, **kwargs: Any) -> None:
         kwargs["projection"] = False
         super().__init__(device, **kwargs)
         if lr is not None and not lr > 0:
             raise ValueError(f"meft_offload lr={lr} must be positive (or None to follow the optimizer).")
+        if not key_lr_scale > 0:
+            raise ValueError(f"meft_offload key_lr_scale={key_lr_scale} must be positive (1.0: keys and values "
+                             f"share the learning rate).")
         self.lr = lr
         self.weight_decay = weight_decay
+        self.key_lr_scale = float(key_lr_scale)
         self.adapters: list[MEFTAdapter] = []
         self.row_optimizers: list[LazyRowAdam] = []
+        self.row_pipeline: RowPipeline | None = None
+        self._row_clip: tuple[str, float] | None = None
         self.skipped_row_steps = 0
         self._pending_state: Mapping[str, Any] | None = None
         self._last_metrics: dict[str, float] = {}
@@ -65,7 +79,11 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         if self.root_device.type == "cuda":
             for adapter in self.adapters:
                 adapter.pin_host_memory()
-        self.row_optimizers = [LazyRowAdam([a.host.keys, a.host.values]) for a in self.adapters]
+        self.row_pipeline = RowPipeline(self.root_device)
+        for adapter in self.adapters:
+            adapter.row_pipeline = self.row_pipeline
+        self.row_optimizers = [LazyRowAdam([a.host.keys, a.host.values], lr_scales=[self.key_lr_scale, 1.0])
+                               for a in self.adapters]
         if self._pending_state is not None:
             self._load_row_state(self._pending_state)
             self._pending_state = None
@@ -91,42 +109,91 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
 
     @torch.no_grad()
     def step_rows(self) -> None:
-        """Lazy Adam on every adapter's touched rows, then clears the accumulators (public for manual loops)."""
+        """Queue lazy Adam on every adapter's touched rows (public for manual loops; see :meth:`synchronize`).
+
+        Waits for the gradients still being added on the host, skips (or raises on) non-finite ones, applies the
+        clipping set up for this step, and leaves each adapter's update running on the host worker: the adapter's
+        next forward waits for it. With ``pipelined=False`` the updates are finished before returning.
+        """
+        assert self.row_pipeline is not None, "step_rows runs after setup_optimizers"
+        self.row_pipeline.flush()
         settings = self._settings()
-        start = time.perf_counter()
+        clip, self._row_clip = self._row_clip, None
         rows_moved = bytes_to_device = bytes_to_host = touched_total = 0
         finite = all(torch.isfinite(a.host.grad_keys[a.host.touched]).all()
                      and torch.isfinite(a.host.grad_values[a.host.touched]).all() for a in self.adapters)
         if not finite:
             self.skipped_row_steps += 1
             if self.on_nonfinite == "raise":
-                from lightning_offload.offload_optimizer import NonFiniteGradientError
-
-                raise NonFiniteGradientError("A MEFT adapter row received an inf/nan gradient.")
-        for adapter, optimizer in zip(self.adapters, self.row_optimizers):
+                for adapter in self.adapters:
+                    _clear_rows(adapter, adapter.host.touched.nonzero().squeeze(1))
+                raise NonFiniteGradientError("A MEFT adapter row received an inf/nan gradient; the host rows and "
+                                             "their Adam state were not touched. Pass on_nonfinite='skip' to skip "
+                                             "such steps instead.")
+        for index, (adapter, optimizer) in enumerate(zip(self.adapters, self.row_optimizers)):
             host = adapter.host
             rows = host.touched.nonzero().squeeze(1)
-            if finite and rows.numel():
-                optimizer.step(rows, [host.grad_keys[rows], host.grad_values[rows]], settings)
-                adapter.refresh_routing_keys(rows)
-            host.grad_keys[rows] = 0
-            host.grad_values[rows] = 0
-            host.touched[rows] = False
             touched_total += rows.numel()
             rows_moved += host.traffic.rows
             bytes_to_device += host.traffic.bytes_to_device
             bytes_to_host += host.traffic.bytes_to_host
             host.traffic.rows = host.traffic.bytes_to_device = host.traffic.bytes_to_host = 0
+            update = partial(_update_rows, adapter, optimizer, rows, settings, clip if finite else None, finite)
+            adapter.pending_update = self.row_pipeline.submit(update, f"meft rows {index}")
+        if not self.pipelined:
+            self._wait_for_rows()
         self._last_metrics = {
             "meft/rows_moved": float(rows_moved),
             "meft/rows_updated": float(touched_total),
             "meft/bytes_host_to_device": float(bytes_to_device),
             "meft/bytes_device_to_host": float(bytes_to_host),
-            "meft/host_optimizer_seconds": time.perf_counter() - start,
+            # Host work finished since the last step: this step's gradient sums and the previous step's updates
+            # (this step's own updates are still running when pipelined).
+            "meft/host_optimizer_seconds": self.row_pipeline.take_busy_seconds(),
             "meft/adapter_device_bytes": float(self.adapter_device_bytes()),
             "meft/skipped_steps": float(self.skipped_row_steps),
             **self.expert_usage(),
         }
+
+    def _wait_for_rows(self) -> None:
+        for adapter in self.adapters:
+            adapter.wait_for_update()
+        if self.row_pipeline is not None:
+            self.row_pipeline.flush()
+
+    @override
+    def synchronize(self) -> None:
+        super().synchronize()
+        self._wait_for_rows()
+
+    # ------------------------------------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def row_grad_norm(self) -> torch.Tensor:
+        """2-norm of the accumulated adapter-row gradients of this step (waits for the host to finish summing)."""
+        if self.row_pipeline is not None:
+            self.row_pipeline.flush()
+        squares = [torch.zeros((), dtype=torch.float64)]
+        for adapter in self.adapters:
+            touched = adapter.host.touched
+            for grad in (adapter.host.grad_keys[touched], adapter.host.grad_values[touched]):
+                squares.append(grad.double().pow(2).sum())
+        return torch.stack(squares).sum().sqrt().float()
+
+    @override
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        # One global norm over routers (and any other dense parameter) and the adapter rows, as
+        # torch.nn.utils.clip_grad_norm_ would compute if the rows were ordinary parameters.
+        offload = _as_offload_optimizer(optimizer)
+        rows = self.row_grad_norm()
+        total = torch.linalg.vector_norm(torch.stack([offload.grad_norm().float().cpu(), rows]))
+        coef = float(torch.clamp(clip_val / (total + 1e-6), max=1.0))
+        offload.set_clip_coefficient(coef, total)
+        self._row_clip = ("norm", coef)
+
+    @override
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        super()._clip_grad_by_value(optimizer, clip_val)
+        self._row_clip = ("value", float(clip_val))
 
     def adapter_device_bytes(self) -> int:
         """Bytes the adapters hold on the device: routers and bf16 routing keys (host rows excluded)."""
@@ -172,6 +239,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     # -------------------------------------------------------------------------------------------- checkpoints
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        self.synchronize()  # the row Adam state must not be read while an update is running
         state = dict(super().optimizer_state(optimizer))
         # The adapter rows' Adam state rides along with the (single) optimizer's state, on the host.
         state[_STATE_KEY] = {"rows": [opt.state_dict() for opt in self.row_optimizers],
@@ -190,10 +258,58 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         else:
             self._pending_state = rows
 
+    # ------------------------------------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Stop the row worker without running queued updates: the process must be able to exit.
+        if self.row_pipeline is not None:
+            self.row_pipeline.close(timeout=1.0)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        # Finish the last updates, then give the user plain adapters: a later backward adds gradients in the hook.
+        if self.row_pipeline is not None:
+            try:
+                self._wait_for_rows()
+            finally:
+                for adapter in self.adapters:
+                    adapter.row_pipeline = None
+                    adapter.pending_update = None
+                self.row_pipeline.close()
+                self.row_pipeline = None
+        super().teardown()
+
     def _load_row_state(self, state: Mapping[str, Any]) -> None:
+        self._wait_for_rows()
         if len(state["rows"]) != len(self.row_optimizers):
             raise ValueError(f"Checkpoint holds host state for {len(state['rows'])} MEFT adapters, the model has "
                              f"{len(self.row_optimizers)}.")
         for optimizer, rows in zip(self.row_optimizers, state["rows"]):
             optimizer.load_state_dict(rows)
         self.skipped_row_steps = int(state["skipped"])
+
+
+def _clear_rows(adapter: MEFTAdapter, rows: torch.Tensor) -> None:
+    host = adapter.host
+    host.grad_keys[rows] = 0
+    host.grad_values[rows] = 0
+    host.touched[rows] = False
+
+
+@torch.no_grad()
+def _update_rows(adapter: MEFTAdapter, optimizer: LazyRowAdam, rows: torch.Tensor, settings: LazyAdamSettings,
+                 clip: tuple[str, float] | None, finite: bool) -> None:
+    """Host worker: one adapter's lazy Adam step on ``rows``, then its accumulators are cleared."""
+    host = adapter.host
+    if finite and rows.numel():
+        grads = [host.grad_keys[rows], host.grad_values[rows]]
+        if clip is not None:
+            for grad in grads:
+                if clip[0] == "norm":
+                    grad.mul_(clip[1])
+                else:
+                    grad.clamp_(-clip[1], clip[1])
+        optimizer.step(rows, grads, settings)
+        adapter.refresh_routing_keys(rows)
+    _clear_rows(adapter, rows)

@@ -1,0 +1,130 @@
+"""The host side of MEFT training: one worker thread that sums row gradients into host accumulators during backward
+and steps the lazy Adam after it, while the main thread goes on with device work.
+
+Order on the worker is submission order, which is all the synchronisation the host state needs:
+
+1. during backward, each adapter's key and value gradients are copied device→host (on a GPU: on a copy stream, into a
+   reused pinned buffer) and a job adds them into the adapter's accumulators;
+2. at the optimizer step the main thread waits for those jobs (:meth:`RowPipeline.flush`), checks the gradients,
+   and queues one Adam job per adapter;
+3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run
+   (:meth:`RowPipeline.wait`), so the first layers compute while the host is still updating the last ones.
+
+A failure on the worker is re-raised on the main thread at the next wait (see :class:`HostWorker`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from lightning_offload.pipeline import HostWorker, Job, Link
+
+
+class _PinnedPool:
+    """Reusable page-locked staging buffers (a fresh pinned allocation costs several times a copy into one)."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # the worker returns buffers while the main thread takes them
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.dtype == dtype and buffer.numel() >= numel:
+                    return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+class RowPipeline:
+    """Host worker, copy stream and staging shared by the MEFT adapters of one model.
+
+    Args:
+        device: the training device (its copy stream orders the device→host gradient copies on a GPU).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.worker = HostWorker(name="lightning_offload-meft")
+        self.link = Link(device)
+        self._staging = _PinnedPool() if self.link.is_cuda else None
+        self._last: Job | None = None
+        self._busy_seconds = 0.0
+        self._lock = threading.Lock()  # the busy-time counter is written by the worker, read by the main thread
+
+    # ---------------------------------------------------------------------------------------------- gradients
+    def accumulate(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor) -> None:
+        """Queue ``accumulator[rows] += grad`` (called from an autograd hook; returns without waiting).
+
+        The gradient crosses the link in its own dtype (bf16 under autocast) and is widened on the host.
+        """
+        grad = grad.detach()
+        if self._staging is None:
+            # CPU "device": the gradient already is host memory; the job keeps it alive until it has been added.
+            self._last = self.worker.submit(partial(self._add_rows, rows, grad, accumulator, None, None, None),
+                                            "grad")
+            return
+        buffer = self._staging.take(grad.numel(), grad.dtype)
+        staged = buffer[: grad.numel()].view_as(grad)
+        # The copy stream waits for backward to have produced the gradient; the job waits for the copy to land.
+        # `grad` rides along in the job so the caching allocator cannot reuse its memory before the copy read it.
+        landed = self.link.to_host(grad, staged)
+        self._last = self.worker.submit(partial(self._add_rows, rows, staged, accumulator, landed, grad, buffer),
+                                        "grad")
+
+    def _add_rows(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor, landed: Any,
+                  source: torch.Tensor | None, buffer: torch.Tensor | None) -> None:
+        # `source` (the device gradient) is only held, never read here: its memory must outlive the copy.
+        start = time.perf_counter()
+        self.link.host_wait(landed)
+        accumulator.index_add_(0, rows, grad.to(accumulator.dtype))
+        if buffer is not None:
+            self._staging.give_back(buffer)  # type: ignore[union-attr]
+        self._record(time.perf_counter() - start)
+
+    def flush(self) -> None:
+        """Block until every queued gradient has been added (before reading the accumulators)."""
+        if self._last is not None:
+            self.worker.wait(self._last)
+            self._last = None
+        self.worker.check()
+
+    # ---------------------------------------------------------------------------------------------- updates
+    def submit(self, fn: Callable[[], None], label: str) -> Job:
+        """Queue host work (an adapter's Adam step); its time counts as host optimizer time."""
+
+        def timed() -> None:
+            start = time.perf_counter()
+            fn()
+            self._record(time.perf_counter() - start)
+
+        job = self.worker.submit(timed, label)
+        self._last = job
+        return job
+
+    def wait(self, job: Job) -> None:
+        """Block until ``job`` ran; re-raises a worker failure."""
+        self.worker.wait(job)
+
+    # ---------------------------------------------------------------------------------------------- telemetry
+    def _record(self, seconds: float) -> None:
+        with self._lock:
+            self._busy_seconds += seconds
+
+    def take_busy_seconds(self) -> float:
+        """Seconds the worker spent on gradients and updates since the last call."""
+        with self._lock:
+            seconds, self._busy_seconds = self._busy_seconds, 0.0
+        return seconds
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker after its queued jobs (bounded by ``timeout``)."""
+        self.worker.close(timeout)
