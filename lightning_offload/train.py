@@ -15,7 +15,6 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 

@@ -3,7 +3,9 @@
 For a ~1.3B LLaMA shape (random init) it measures, each method in its own subprocess (so an out-of-memory or a
 crash cannot poison the next): plain AdamW on the device ("native"), ``zero_offload``, ``lsp_offload``, and where
 installed DeepSpeed ZeRO-Offload (``deepspeed_stage_2_offload``, pinned memory, its CPU Adam) and torchao's
-``CPUOffloadOptimizer`` — median step time, peak device memory, link bytes per step. Then it searches the largest
+``CPUOffloadOptimizer`` — median step time, peak device memory, link bytes per step — and MEFT (``meft_offload``,
+base frozen, adapters of ``MEFT_NEURONS`` neurons per FFN) with routing on the host and on the device, which adds the
+share of adapter rows moved per step and the host time of the row updates. Then it searches the largest
 LLaMA shape that trains with ``lsp_offload`` under a 24 GiB and a 4 GiB device-memory cap
 (``torch.cuda.set_per_process_memory_fraction``).
 
@@ -30,7 +32,11 @@ SHAPES: dict[str, dict[str, int]] = {
     "llama_6b7": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000),
     "llama_13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824, vocab=32000),
 }
-METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload", "torchao_offload")
+METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload", "torchao_offload", "meft_host_routing",
+           "meft_device_routing")
+# MEFT adapter sizes per shape: (neurons, top_k, experts, experts per token).
+MEFT_NEURONS: dict[str, tuple[int, int, int, int]] = {"tiny": (256, 8, 16, 4)}
+MEFT_DEFAULT = (8192, 16, 64, 8)
 
 
 def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: float | None) -> dict[str, Any]:
@@ -81,18 +87,26 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
             return torch.utils.data.DataLoader(range(steps), batch_size=1)
 
         def configure_optimizers(self) -> Any:
+            trainable = [p for p in self.parameters() if p.requires_grad]  # MEFT: the routers only
             if method == "torchao_offload":
                 from torchao.optim import CPUOffloadOptimizer
 
-                return CPUOffloadOptimizer(self.parameters(), torch.optim.AdamW, fused=True, lr=1e-5)
+                return CPUOffloadOptimizer(trainable, torch.optim.AdamW, fused=True, lr=1e-5)
             if method == "deepspeed_offload":
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-                return DeepSpeedCPUAdam(self.parameters(), lr=1e-5)
-            return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+                return DeepSpeedCPUAdam(trainable, lr=1e-5)
+            return torch.optim.AdamW(trainable, lr=1e-5, fused=True)
 
     batch_size = batch
+    module = Synthetic()
     strategy: Any = {"native": "auto", "torchao_offload": "auto"}.get(method)
+    if method.startswith("meft"):
+        neurons, top_k, experts, per_token = MEFT_NEURONS.get(shape, MEFT_DEFAULT)
+        lightning_offload.inject_meft(module.model, lightning_offload.MEFTConfig(
+            num_neurons=neurons, top_k=top_k, num_experts=experts, experts_per_token=per_token,
+            routing="host" if method == "meft_host_routing" else "device"))
+        strategy = lightning_offload.MEFTOffloadStrategy(link_dtype="bf16")
     if method == "zero_offload":
         strategy = lightning_offload.ZeroOffloadStrategy(link_dtype="bf16")
     elif method == "lsp_offload":
@@ -101,7 +115,6 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         strategy = DeepSpeedStrategy(stage=2, offload_optimizer=True, pin_memory=True)
-    module = Synthetic()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = pl.Trainer(
@@ -111,6 +124,16 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     trainer.fit(module)
     telemetry = getattr(getattr(trainer.strategy, "offload_optimizer", None), "telemetry", None)
     params = sum(p.numel() for p in module.parameters())
+    meft: dict[str, Any] = {}
+    if method.startswith("meft"):
+        rows = trainer.strategy.last_metrics
+        total_rows = sum(a.config.num_neurons for a in trainer.strategy.adapters)
+        meft = {
+            "meft_rows_share_per_step": rows["meft/rows_moved"] / total_rows,
+            "meft_link_bytes_per_step": rows["meft/bytes_host_to_device"] + rows["meft/bytes_device_to_host"],
+            "meft_host_seconds_per_step": rows["meft/host_optimizer_seconds"],
+            "meft_adapter_device_bytes": rows["meft/adapter_device_bytes"],
+        }
     return {
         "method": method,
         "shape": shape,
@@ -122,6 +145,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
             else (4 * params if method.endswith("_offload") else 0)  # bf16 gradient out + bf16 params back
         ),
         "link_bytes_measured": telemetry is not None,
+        **meft,
     }
 
 

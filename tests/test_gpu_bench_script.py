@@ -17,4 +17,11 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
         assert by_method[method]["median_step_seconds"] > 0
     assert by_method["lsp_offload"]["link_bytes_measured"]
     assert 0 < by_method["lsp_offload"]["link_bytes_per_step"] < by_method["zero_offload"]["link_bytes_per_step"]
+    for method in ("meft_host_routing", "meft_device_routing"):
+        entry = by_method[method]
+        assert "error" not in entry, entry
+        assert 0 < entry["meft_rows_share_per_step"] <= 1 and entry["meft_link_bytes_per_step"] > 0
+    # Host routing keeps no key copy on the device.
+    assert by_method["meft_host_routing"]["meft_adapter_device_bytes"] < \
+        by_method["meft_device_routing"]["meft_adapter_device_bytes"]
     assert (tmp_path / "report.json").exists()
