@@ -436,9 +436,14 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
         strategy.row_optimizers[1].step = broken
 
     strategy.setup_optimizers = breaking_setup
+    model = meft_model()
     with pytest.raises(HostWorkerError) as failure:
-        trainer(tmp_path, 3, strategy).fit(CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(batches(3)))
+        trainer(tmp_path, 3, strategy).fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(3)))
     assert "host Adam failed" in str(failure.value.__cause__)
+    # The adapters are handed back: a plain forward and backward work again, gradients added in the hook.
+    assert all(a.row_pipeline is None and a.pending_update is None for a in meft_adapters(model))
+    model(**batches(1)[0]).loss.backward()
+    assert any(a.host.grad_values.abs().sum() > 0 for a in meft_adapters(model))
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])

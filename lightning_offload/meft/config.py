@@ -33,9 +33,9 @@ class MEFTConfig:
         seed: Seed of the key initialisation.
     """
 
-    num_neurons: int = 8192
-    top_k: int = 64
-    num_experts: int = 64
+    num_neurons: int = 16384
+    top_k: int = 16
+    num_experts: int = 128
     experts_per_token: int = 8
     target_modules: str = r"(^|\.)mlp$"
     freeze_base: bool = True

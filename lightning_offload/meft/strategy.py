@@ -261,24 +261,31 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     # ------------------------------------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Stop the row worker without running queued updates: the process must be able to exit.
-        if self.row_pipeline is not None:
-            self.row_pipeline.close(timeout=1.0)
+        # Stop the row worker without running queued updates (the process must be able to exit), and hand the
+        # adapters back without waiting on it.
+        self._release_rows(finish=False)
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
         # Finish the last updates, then give the user plain adapters: a later backward adds gradients in the hook.
-        if self.row_pipeline is not None:
-            try:
-                self._wait_for_rows()
-            finally:
-                for adapter in self.adapters:
-                    adapter.row_pipeline = None
-                    adapter.pending_update = None
-                self.row_pipeline.close()
-                self.row_pipeline = None
+        self._release_rows(finish=True)
         super().teardown()
+
+    def _release_rows(self, finish: bool) -> None:
+        pipeline, self.row_pipeline = self.row_pipeline, None
+        if pipeline is None:
+            return
+        try:
+            if finish:
+                for adapter in self.adapters:
+                    adapter.wait_for_update()
+                pipeline.flush()
+        finally:
+            for adapter in self.adapters:
+                adapter.row_pipeline = None
+                adapter.pending_update = None
+            pipeline.close(timeout=5.0 if finish else 1.0)
 
     def _load_row_state(self, state: Mapping[str, Any]) -> None:
         self._wait_for_rows()
