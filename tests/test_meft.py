@@ -268,6 +268,15 @@ def test_meft_offload_trains_adapters_and_leaves_the_base_alone(tmp_path: Path) 
     assert strategy.offload_optimizer.device_state_bytes() == 0
 
 
+def test_step_telemetry_leaves_out_the_rows_evaluation_fetched(tmp_path: Path) -> None:
+    strategy = MEFTOffloadStrategy(device="cpu")
+    data = batches(4, seed=6)
+    trainer(tmp_path, 3, strategy, limit_val_batches=4, val_check_interval=2, num_sanity_val_steps=0).fit(
+        CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(data), val_dataloaders=loader(data))
+    # Step 3 follows an evaluation: with one micro-batch per step, the rows it moved are the rows it updated.
+    assert strategy.last_metrics["meft/rows_moved"] == strategy.last_metrics["meft/rows_updated"] > 0
+
+
 def test_host_routing_trains_without_keys_on_the_device(tmp_path: Path) -> None:
     model = meft_model(routing="host")
     assert all(a.routing_keys is None for a in meft_adapters(model))

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_offload.meft.adapter import MEFTAdapter, meft_adapters
+from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic, meft_adapters
 from lightning_offload.meft.lazy_adam import LazyAdamSettings, LazyRowAdam
 from lightning_offload.meft.row_pipeline import RowPipeline
 from lightning_offload.offload_optimizer import NonFiniteGradientError
@@ -154,6 +154,14 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             "meft/skipped_steps": float(self.skipped_row_steps),
             **self.expert_usage(),
         }
+
+    @override
+    def on_validation_end(self) -> None:
+        # Rows fetched by evaluation crossed the link too, but they are not a training step's traffic: drop them so
+        # the next step's telemetry counts only its own micro-batches.
+        for adapter in self.adapters:
+            adapter.host.traffic = RowTraffic()
+        super().on_validation_end()
 
     def _wait_for_rows(self) -> None:
         for adapter in self.adapters:
