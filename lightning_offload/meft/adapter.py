@@ -191,6 +191,8 @@ class MEFTAdapter(nn.Module):
         self.register_buffer("input_mean", torch.zeros(hidden_size))
         self.register_buffer("input_inv_scale", torch.ones(()))
         self.register_buffer("input_calibrated", torch.tensor(not config.standardize_inputs))
+        # A host-side mirror of `input_calibrated`: reading the buffer on a GPU would synchronise every forward.
+        self._calibrated = not config.standardize_inputs
         self.attention_mask: torch.Tensor | None = None  # set per forward by the model's pre-hook (padding)
         # Set by meft_offload: gradients go through its host worker, and the forward waits for this adapter's
         # pending row update there. Without a pipeline (plain backward) gradients are added right in the hook.
@@ -218,6 +220,7 @@ class MEFTAdapter(nn.Module):
         self.input_mean.copy_(mean)
         self.input_inv_scale.copy_(1.0 / rms.clamp_min(1e-6))
         self.input_calibrated.fill_(True)
+        self._calibrated = True
 
     def adapter_input(self, flat: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """``x = (h − μ)/σ`` for flattened states ``[T, h]`` (``h`` itself when ``standardize_inputs`` is off).
@@ -226,7 +229,7 @@ class MEFTAdapter(nn.Module):
         """
         if not self.config.standardize_inputs:
             return flat
-        if not bool(self.input_calibrated):
+        if not self._calibrated:
             self._calibrate(flat, valid if valid is not None else torch.ones(flat.shape[0], dtype=torch.bool,
                                                                              device=flat.device))
         return (flat - self.input_mean.to(flat.dtype)) * self.input_inv_scale.to(flat.dtype)
@@ -349,6 +352,7 @@ class MEFTAdapter(nn.Module):
         super()._load_from_state_dict({k: v for k, v in state_dict.items() if k not in (prefix + "keys",
                                                                                          prefix + "values")},
                                       prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._calibrated = bool(self.input_calibrated)  # once per load, not per forward
 
     @torch.no_grad()
     def refresh_routing_keys(self, rows: torch.Tensor | None = None) -> None:
