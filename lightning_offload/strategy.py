@@ -56,8 +56,10 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
             dimension (``d = ceil(rank · dim)``), an int is an absolute size.
         density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
-        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, the output head excepted.
-        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected.
+        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
+            heads (:func:`~lightning_offload.lsp.targets.output_heads`).
+        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
+            (heads included, when they match).
         exclude_modules: regular expressions of modules never projected.
         projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
             stale ones on a schedule (a :class:`~lightning_offload.callbacks.ProjectorRefit` with its defaults is

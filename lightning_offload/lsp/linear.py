@@ -60,6 +60,10 @@ class ProjectedWeight:
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
         # autograd produces W.grad, one layer at a time; nothing accumulates into S.
         self.sampling = False
+        # A forward the user set on the instance is kept to be put back; otherwise the class's forward is used, and
+        # detach removes the instance attribute instead of storing a bound method on the module (a reference cycle
+        # that would keep the module and its weights alive until the cyclic garbage collector runs).
+        self._instance_forward = module.__dict__.get("forward")
         self._original_forward = module.forward
         module.forward = types.MethodType(_projected_forward, module)
         module._lsp_state = self
@@ -140,9 +144,15 @@ class ProjectedWeight:
             copy_stochastic_rounded_(weight, new_value, stochastic_generator)
 
     def detach(self) -> None:
-        """Restore the module's own forward."""
-        self.module.forward = self._original_forward
-        del self.module._lsp_state
+        """Give the module back as it was: its own forward, and no attribute this class added (idempotent)."""
+        attributes = self.module.__dict__
+        if attributes.get("_lsp_state") is not self:
+            return
+        if self._instance_forward is None:
+            attributes.pop("forward", None)
+        else:
+            attributes["forward"] = self._instance_forward
+        del attributes["_lsp_state"]
 
 
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:

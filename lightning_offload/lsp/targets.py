@@ -14,18 +14,32 @@ def _is_projectable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_hf_conv1d(module)
 
 
-def output_heads(model: nn.Module) -> set[int]:
-    """Identities of the modules that produce a model's output (LM heads), never projected by default.
+# Name components of task heads in Hugging Face task models (sequence/token/image classification, question
+# answering, multiple choice, pre-training heads) and of the usual hand-written ones. A head is freshly initialised
+# or small and task-specific: it needs full updates, so compressing its gradient costs the most where it saves the
+# least. A module is a head when any component of its qualified name is one of these (``bert.pooler.dense``,
+# ``classifier.out_proj``, ``score``).
+TASK_HEAD_NAMES = frozenset(
+    {"classifier", "pre_classifier", "classification_head", "score", "qa_outputs", "pooler", "cls", "head"}
+)
 
-    Every submodule with Hugging Face's ``get_output_embeddings`` contributes its head, so a LightningModule that
-    holds a transformers model under any attribute name is covered.
+
+def output_heads(model: nn.Module) -> set[int]:
+    """Identities of the modules that produce a model's output, never projected by default.
+
+    That is every module Hugging Face's ``get_output_embeddings`` returns (the LM head, found on any submodule, so
+    a LightningModule holding a transformers model under any attribute name is covered) and every Linear/Conv1D
+    whose qualified name has a component in :data:`TASK_HEAD_NAMES` (classification, scoring, QA and pooler heads).
+    An explicit ``target_modules`` pattern still projects them.
     """
     heads: set[int] = set()
-    for module in model.modules():
+    for name, module in model.named_modules():
         getter = getattr(module, "get_output_embeddings", None)
         head = getter() if callable(getter) else None
         if isinstance(head, nn.Module):
             heads.add(id(head))
+        if _is_projectable(module) and not TASK_HEAD_NAMES.isdisjoint(name.split(".")):
+            heads.add(id(module))
     return heads
 
 
@@ -45,8 +59,8 @@ def select_projected_modules(
         exclude: regular expressions of names never projected (applied after ``include``).
 
     Returns:
-        Qualified name → module, in ``named_modules`` order; trainable weights only; output head excluded by
-        default; a module already projected is skipped.
+        Qualified name → module, in ``named_modules`` order; trainable weights only; output and task heads
+        (:func:`output_heads`) excluded by default; a module already projected is skipped.
 
     Raises:
         ValueError: when a pattern matches no projectable module, naming the pattern and some candidates.
