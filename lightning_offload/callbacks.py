@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_offload.lsp.fit import FitSettings, LayerFit, fit_initial_values, reconstruction_error
+from lightning_offload.lsp.fit import FitSettings, LayerFit, fit_initial_values, norm_ratio, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.sampling import sample_gradients
@@ -47,6 +47,8 @@ class RefitRecord:
         refit: names of the layers that were (re)fitted.
         fitted_errors: per refit layer, ``err`` of the new projectors on the last sampled gradient before fitting
             on it (a held-out error when ``num_samples ≥ 2``, else the error after fitting).
+        norm_ratios: per refit layer, ``‖S‖/‖G‖`` of the new projectors on the last sampled gradient: the share of
+            a full gradient's norm that the compressed gradient keeps (gradient clipping divides by it).
         seconds: wall time of the sampling passes and fits.
     """
 
@@ -55,6 +57,7 @@ class RefitRecord:
     errors: dict[str, float] = field(default_factory=dict)
     refit: list[str] = field(default_factory=list)
     fitted_errors: dict[str, float] = field(default_factory=dict)
+    norm_ratios: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     def metrics(self) -> dict[str, float]:
@@ -71,6 +74,10 @@ class RefitRecord:
         if after:
             out["projector_refit/fitted_error_mean"] = sum(after) / len(after)
             out["projector_refit/fitted_error_max"] = max(after)
+        if self.norm_ratios:
+            ratios = list(self.norm_ratios.values())
+            out["projector_refit/norm_ratio_mean"] = sum(ratios) / len(ratios)
+            out["projector_refit/norm_ratio_min"] = min(ratios)
         return out
 
 
@@ -181,6 +188,7 @@ class ProjectorRefit(Callback):
         record = RefitRecord(step=step, initial=initial)
         start = time.perf_counter()
         fits: dict[str, LayerFit] = {}
+        old_ratios: dict[str, float] = {}
         skipped: set[str] = set()
         iters_per_sample = math.ceil(self.settings.max_iters / self.num_samples)
         order = {layer.name: i for i, layer in enumerate(layers)}
@@ -197,6 +205,9 @@ class ProjectorRefit(Callback):
                     return
                 proj_out, proj_in = layer.proj_out, layer.proj_in
                 if not initial:
+                    # How much of this gradient the stale projectors keep: the carried Adam v is rescaled by how
+                    # much more the new ones keep, so Adam's step size stays where it was.
+                    old_ratios[layer.name] = norm_ratio(proj_out, proj_in, grad)
                     proj_out, proj_in = self._redraw(layer, step, order[layer.name])
                 fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
                                                   self.settings)
@@ -217,7 +228,11 @@ class ProjectorRefit(Callback):
         for layer in layers:
             fit = fits.get(layer.name)
             if fit is not None and fit.samples_seen > 0:
-                optimizer.replace_projectors(layer, *fit.projectors())
+                old = old_ratios.get(layer.name, math.nan)
+                scale = (fit.norm_ratio / old) ** 2 if old > 0 else 1.0
+                optimizer.replace_projectors(layer, *fit.projectors(), norm_ratio=fit.norm_ratio,
+                                             second_moment_scale=scale)
+                record.norm_ratios[layer.name] = fit.norm_ratio
                 record.refit.append(layer.name)
                 self.refits_per_layer[layer.name] = self.refits_per_layer.get(layer.name, 0) + 1
         record.seconds = time.perf_counter() - start

@@ -17,6 +17,7 @@ PyTorch's own, with one step counter per tensor.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -171,6 +172,10 @@ class OffloadOptimizer(Optimizer):
         self._step_start = time.perf_counter()
         self._timeline = StepTimeline()
         self._pending_telemetry: StepTelemetry | None = None
+        # Set by a strategy whose step has gradients outside this optimizer (MEFT's host rows): their norm joins the
+        # non-finite check, so one decision covers every gradient of the step.
+        self.external_grad_norm: Callable[[], Tensor] | None = None
+        self.last_step_skipped = False
 
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[_Slot]] = {}
@@ -229,6 +234,10 @@ class OffloadOptimizer(Optimizer):
         for slot in slots:
             if slot.layer is not None:
                 slot.layer.on_grad_ready = lambda layer, slot=slot: self._gradient_ready(slot)
+                # A projected weight used outside its module's forward (``F.linear(h, layer.weight)`` elsewhere, a
+                # tied use) gets a dense .grad from that use: it is compressed into S here rather than ignored.
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    lambda param, slot=slot: self._dense_gradient_of_projected(slot)))
             else:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
                     lambda param, slot=slot: self._gradient_ready(slot)))
@@ -262,28 +271,31 @@ class OffloadOptimizer(Optimizer):
             self.worker.close()
 
     # ------------------------------------------------------------------------------------------------ gradients
-    def _gradients(self) -> list[Tensor]:
-        grads = []
+    @torch.no_grad()
+    def grad_norm(self) -> Tensor:
+        """Global 2-norm of the full gradient, on the device: exact for dense gradients, estimated for projected ones.
+
+        A projected weight's full gradient ``G`` never exists; its norm is estimated as ``‖S‖ / ρ``, where ``ρ`` is
+        the layer's ``‖S‖/‖G‖`` measured on the gradients its projectors were last fitted to
+        (:attr:`~lightning_offload.lsp.linear.ProjectedWeight.norm_ratio`; 1 for random draws, which keep norms in
+        expectation, and exactly right for signed permutations). So ``gradient_clip_val`` means what it means for
+        plain AdamW: learned projectors at ``rank=0.25`` keep only ~1/3 of the norm in ``S``.
+        """
+        grads, ratios = [], []
         for slot in self.slots:
             if slot.layer is not None:
                 if slot.layer.has_grad:
                     grads.append(slot.layer.grad_buffer)
+                    ratios.append(slot.layer.norm_ratio)
             elif slot.param.grad is not None:
                 grads.append(slot.param.grad)
-        return grads
-
-    @torch.no_grad()
-    def grad_norm(self) -> Tensor:
-        """Global 2-norm over the compressed gradients ``S`` and the dense gradients, on the device.
-
-        ``S`` is the exact gradient of the optimisation variable ``Z`` (``W = W₀ + AᵀZB``), so this is the norm of
-        the gradient the host Adam actually sees; with signed-permutation projectors it equals the full norm.
-        """
-        grads = self._gradients()
+                ratios.append(1.0)
         if not grads:
             return torch.zeros((), device=self.device)
-        norms = torch._foreach_norm(grads)
-        return torch.linalg.vector_norm(torch.stack([n.float().to(self.device) for n in norms]))
+        norms = torch.stack([n.float().to(self.device) for n in torch._foreach_norm(grads)])
+        if any(ratio != 1.0 for ratio in ratios):
+            norms = norms / torch.tensor(ratios, device=self.device)
+        return torch.linalg.vector_norm(norms)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
@@ -319,6 +331,25 @@ class OffloadOptimizer(Optimizer):
         for layer in self.projected_layers:
             layer.zero_grad()
 
+    def _dense_gradient_of_projected(self, slot: _Slot) -> None:
+        layer = slot.layer
+        if layer.sampling or slot.param.grad is None:
+            return  # a projector fit is sampling full gradients: they are its to consume
+        if all(eager is not slot for eager in self._eager_slots):
+            # Its pending update cannot wait for the module's next forward (a forward pre-hook): the outside use may
+            # come first and would read the old weight. It is applied inside the step instead.
+            self._eager_slots.append(slot)
+            warnings.warn(
+                f"The projected weight {slot.name}.weight is used outside its module's forward, so autograd gives it "
+                f"a full gradient there. It is compressed into the layer's S (exact: projection is linear), which "
+                f"costs one full-size gradient on the device per such backward, and its update is applied inside each step "
+                f"rather than overlapped with the next forward. Call the module instead of using its weight directly, "
+                f"or exclude it with exclude_modules=[...], to avoid this.",
+                stacklevel=2,
+            )
+        grad, slot.param.grad = slot.param.grad, None
+        layer.accumulate_dense(grad)
+
     def _gradient_ready(self, slot: _Slot) -> None:
         # Called from autograd during backward: on the last micro-batch, start this gradient's trip at once.
         if self._collecting:
@@ -350,6 +381,8 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             # No synchronize before the closure: its forward applies the previous step's updates module by module
             # (forward pre-hooks), which is where the host work of that step gets hidden.
+            for layer in self.projected_layers:
+                layer.reset_forward_count()  # a forward whose backward never ran must not hold back this step's send
             self._collecting = True
             try:
                 with torch.enable_grad():
@@ -361,7 +394,10 @@ class OffloadOptimizer(Optimizer):
         backward_end = time.perf_counter()
         self._timeline.add("device", "forward+backward", self._step_start, backward_end)
         norm = self._last_norm if self._last_norm is not None else self.grad_norm()
-        if not bool(torch.isfinite(norm)):
+        if self._last_norm is None and self.external_grad_norm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([norm.float().cpu(), self.external_grad_norm().float()]))
+        self.last_step_skipped = not bool(torch.isfinite(norm))
+        if self.last_step_skipped:
             self._skip_step(norm)
             return loss
 
@@ -422,14 +458,18 @@ class OffloadOptimizer(Optimizer):
         start = time.perf_counter()
         self.link.host_wait(slot.to_host_event)
         landed = time.perf_counter()
+        # In place: the landing buffer is rewritten by the next step's copy anyway.
         grad = slot.host_grad if slot.host_grad.dtype == torch.float32 else slot.host_grad.float()
-        if slot.host_l2 is not None:
-            grad = grad + slot.group["weight_decay"] * slot.host_l2
         if clip is not None:
             if clip[0] == "norm":
                 grad.mul_(clip[1])
             else:
                 grad.clamp_(-clip[1], clip[1])
+        if slot.host_l2 is not None:
+            # As torch's Adam: the gradient is clipped first, then λW is added — after the sign flip under
+            # maximize, so L2 always pulls towards zero. The host Adam flips the whole sum, hence the sign here.
+            sign = -1.0 if slot.group.get("maximize", False) else 1.0
+            grad.add_(slot.host_l2, alpha=sign * slot.group["weight_decay"])
         if slot.layer is not None:
             slot.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
         slot.host_param.grad = grad
@@ -508,11 +548,16 @@ class OffloadOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------------------------------ refit
     @torch.no_grad()
-    def replace_projectors(self, layer: ProjectedWeight, proj_out: SparseProjector, proj_in: SparseProjector) -> None:
+    def replace_projectors(
+        self, layer: ProjectedWeight, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float = 1.0,
+        second_moment_scale: float = 1.0,
+    ) -> None:
         """Install new projectors for ``layer`` and carry its host Adam moments into the new subspace.
 
         Pending updates are applied first (they belong to the old subspace). The moments are mapped on the host
         (:func:`~lightning_offload.lsp.rotation.rotate_adam_state`); only ``d × d`` maps cross the link.
+        ``norm_ratio`` is the new projectors' ``‖S‖/‖G‖`` on sampled gradients (see :meth:`grad_norm`);
+        ``second_moment_scale`` is ``(‖S_new‖/‖S_old‖)²`` on the same gradients, applied to the carried ``v``.
 
         Raises:
             ValueError: if ``layer`` is not offloaded here or the compressed sizes change.
@@ -529,9 +574,11 @@ class OffloadOptimizer(Optimizer):
         state = slot.adam.state.get(slot.host_param)
         if state:
             rotate_adam_state(
-                state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in)
+                state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in),
+                second_moment_scale,
             )
         layer.set_projectors(proj_out.to(self.device), proj_in.to(self.device))
+        layer.norm_ratio = float(norm_ratio)
 
     # ----------------------------------------------------------------------------------------------- accounting
     def host_state_bytes(self) -> int:
@@ -560,7 +607,8 @@ class OffloadOptimizer(Optimizer):
             "slots": [slot.name for slot in self.slots],
             "host_adam": [slot.adam.state_dict() for slot in self.slots],
             "projectors": {
-                slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict()}
+                slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict(),
+                            "norm_ratio": slot.layer.norm_ratio}
                 for slot in self.slots
                 if slot.layer is not None
             },
@@ -607,6 +655,7 @@ class OffloadOptimizer(Optimizer):
                     SparseProjector.from_state_dict(saved["out"], self.device),
                     SparseProjector.from_state_dict(saved["in"], self.device),
                 )
+                slot.layer.norm_ratio = float(saved.get("norm_ratio", 1.0))
                 slot.generator.set_state(state_dict["rounding_generators"][slot.name])
             else:
                 master = state_dict["dense_masters"].get(slot.name)

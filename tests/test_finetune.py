@@ -9,7 +9,7 @@ from lightning_offload.finetune import FinetuneConfig, main, parse_args
 
 @pytest.mark.smollm2
 def test_main_job_fine_tunes_smollm2_and_lowers_the_held_out_loss(capsys):
-    main(["--steps", "3", "--batch-size", "2", "--block-size", "64", "--eval-blocks", "4", "--lr", "3e-4"])
+    main(["--steps", "3", "--batch-size", "2", "--block-size", "64", "--eval-blocks", "4", "--lr", "1e-4"])
     out = capsys.readouterr().out
     before, after = map(float, re.search(r"eval loss\s+([\d.]+) -> ([\d.]+)", out).groups())
     assert after < before

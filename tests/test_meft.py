@@ -527,3 +527,42 @@ def test_rows_cross_in_the_autocast_dtype_with_the_same_gradients() -> None:
         assert torch.equal(bf16.host.touched, fp32.host.touched)
         assert torch.equal(bf16.host.grad_values, fp32.host.grad_values)
         assert torch.equal(bf16.host.grad_keys, fp32.host.grad_keys)
+
+
+@pytest.mark.parametrize("poisoned", ["rows", "routers"])
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_one_non_finite_decision_covers_routers_and_rows(tmp_path: Path, poisoned: str, policy: str) -> None:
+    """Rows and routers step together or not at all: neither steps when only the other's gradient is non-finite."""
+    from lightning.pytorch.callbacks import Callback
+
+    model = meft_model()
+    adapters = meft_adapters(model)
+    strategy = MEFTOffloadStrategy(device="cpu", on_nonfinite=policy)
+
+    class Poison(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if poisoned == "rows":
+                strategy.row_pipeline.flush()
+                host = adapters[0].host
+                host.grad_values[host.touched.nonzero()[0]] = float("nan")
+            else:
+                router = next(p for p in model.parameters() if p.requires_grad and p.grad is not None)
+                router.grad.fill_(float("nan"))
+
+    routers = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    values = [a.host.values.clone() for a in adapters]
+    fit = lambda: trainer(tmp_path, 1, strategy, callbacks=[Poison()]).fit(  # noqa: E731
+        CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(1)))
+    if policy == "raise":
+        with pytest.raises(NonFiniteGradientError, match="on_nonfinite='skip'"):
+            fit()
+    else:
+        fit()
+        assert strategy.last_metrics["meft/skipped_steps"] == 1
+        assert strategy.offload_optimizer.telemetry.skipped_steps == 1
+    for name, p in model.named_parameters():
+        if name in routers:
+            assert torch.equal(p.detach(), routers[name]), f"{name} stepped on a skipped step"
+    for adapter, v in zip(adapters, values):
+        assert torch.equal(adapter.host.values, v)
+        assert not adapter.host.touched.any()

@@ -103,15 +103,16 @@ def _gram(
 def _error_squared(
     a: Tensor, pattern_a: SparsityPattern, idx_a: Tensor, b: Tensor, pattern_b: SparsityPattern, idx_b: Tensor,
     grad: Tensor, grad_sq: Tensor,
-) -> Tensor:
-    """``err(G)²`` for projectors with flat values ``a``, ``b`` (see the module docstring)."""
+) -> tuple[Tensor, Tensor]:
+    """``(err(G)², ‖S‖²)`` for projectors with flat values ``a``, ``b`` (see the module docstring)."""
     d_o, d_i = pattern_a.shape[0], pattern_b.shape[0]
     compressed_out = _SparseProduct.apply(a.reshape(-1), pattern_a, grad)  # A G: d_o × i
     s = _SparseProduct.apply(b.reshape(-1), pattern_b, compressed_out.t().contiguous()).t()  # A G Bᵀ: d_o × d_i
     gram_a = _gram(a, idx_a, d_o)
     gram_b = _gram(b, idx_b, d_i)
     reconstruction_sq = ((gram_a @ s @ gram_b) * s).sum()
-    return (reconstruction_sq - 2 * s.square().sum() + grad_sq) / grad_sq
+    s_sq = s.square().sum()
+    return (reconstruction_sq - 2 * s_sq + grad_sq) / grad_sq, s_sq
 
 
 def _squared_norm(matrix: Tensor) -> Tensor:
@@ -130,11 +131,23 @@ def reconstruction_error(proj_out: SparseProjector, proj_in: SparseProjector, gr
         grad_sq = _squared_norm(grad)
         if not bool(torch.isfinite(grad_sq)) or float(grad_sq) == 0.0:
             return math.nan  # no subspace to measure against
-        err_sq = _error_squared(
+        err_sq, _ = _error_squared(
             proj_out.values.float(), proj_out.pattern(), proj_out.indices,
             proj_in.values.float(), proj_in.pattern(), proj_in.indices, grad, grad_sq,
         )
     return float(err_sq.clamp_min(0.0).sqrt())
+
+
+def norm_ratio(proj_out: SparseProjector, proj_in: SparseProjector, grad: Tensor) -> float:
+    """``‖A G Bᵀ‖_F / ‖G‖_F``: the share of a gradient's norm that its compressed image keeps (``nan`` for a zero
+    or non-finite gradient)."""
+    with torch.no_grad():
+        grad = grad.float()
+        grad_norm = float(grad.norm())
+        if not math.isfinite(grad_norm) or grad_norm == 0.0:
+            return math.nan
+        compressed = proj_in.compress_rows(proj_out.compress_rows(grad).t())
+    return float(compressed.norm()) / grad_norm
 
 
 def fit_initial_values(projector: SparseProjector) -> SparseProjector:
@@ -169,6 +182,8 @@ class LayerFit:
         self.iterations = 0
         self.samples_seen = 0
         self.converged = False
+        # ‖A G Bᵀ‖/‖G‖ of the current values on the latest sample: how much of a full gradient's norm S keeps.
+        self.norm_ratio = 1.0
 
     def fit(self, grad: Tensor, iterations: int) -> tuple[float, float]:
         """Run up to ``iterations`` Adam steps on one gradient, stopping once ``err ≤ target_error``.
@@ -187,9 +202,10 @@ class LayerFit:
         errors: list[float] = []
         for step in range(iterations + 1):
             with torch.enable_grad():
-                err_sq = _error_squared(self.a, self.pattern_a, self.idx_a, self.b, self.pattern_b, self.idx_b,
-                                        grad, grad_sq)
+                err_sq, s_sq = _error_squared(self.a, self.pattern_a, self.idx_a, self.b, self.pattern_b,
+                                              self.idx_b, grad, grad_sq)
                 errors.append(float(err_sq.detach().clamp_min(0.0).sqrt()))
+                self.norm_ratio = float((s_sq.detach() / grad_sq).sqrt())
                 if errors[-1] <= self.settings.target_error:
                     self.converged = True
                     break

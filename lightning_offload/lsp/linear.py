@@ -9,6 +9,7 @@ its ``forward`` is rebound, so a checkpoint loads into the plain model.
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,11 @@ class ProjectedWeight:
             )
         self.proj_out = proj_out
         self.proj_in = proj_in
+        self.update_scale = update_scale(proj_out, proj_in)
+        # ‖S‖/‖G‖ of these projectors as measured on sampled full gradients (a fit sets it); gradient clipping
+        # divides each layer's ‖S‖ by it to estimate the full gradient's norm. 1 for random draws, whose
+        # projection keeps norms in expectation.
+        self.norm_ratio = 1.0
         # fp32 accumulator of S across micro-batches; projection is linear, so accumulating S equals
         # compressing the accumulated gradient exactly.
         self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=module.weight.device)
@@ -55,6 +61,8 @@ class ProjectedWeight:
         # Called once this layer's gradient of the current backward is complete (all its uses in forward have
         # had their backward): the pipeline starts the device→host copy right then, overlapping the rest of backward.
         self.on_grad_ready: Callable[[ProjectedWeight], None] | None = None
+        # Forward calls (with autograd recording, outside backward) whose backward has not run yet. Not reset by
+        # zero_grad, which Lightning calls between training_step and backward; see reset_forward_count.
         self.open_backwards = 0
         self.grad_version = 0  # bumped by every accumulation: tells whether a copy already sent is still current
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
@@ -90,6 +98,7 @@ class ProjectedWeight:
         if proj_out.dim_in != out_features or proj_in.dim_in != in_features:
             raise ValueError(f"Projectors for {self.name} must compress ({out_features}, {in_features}).")
         self.proj_out, self.proj_in = proj_out, proj_in
+        self.update_scale = update_scale(proj_out, proj_in)
         self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=self.grad_buffer.device)
         self.has_grad = False
 
@@ -102,31 +111,52 @@ class ProjectedWeight:
         if self.open_backwards == 0 and self.on_grad_ready is not None:
             self.on_grad_ready(self)
 
+    def accumulate_dense(self, grad: Tensor) -> None:
+        """Add a full gradient of the weight (from a use outside its module's forward) as ``A G Bᵀ``.
+
+        Projection is linear, so this is exactly the compressed image of that part of the gradient. It does not
+        count as the module's own backward: if ``S`` was already sent, the changed version sends it again at the step.
+        """
+        self.grad_buffer.add_(self.compress(grad))
+        self.has_grad = True
+        self.grad_version += 1
+
     def zero_grad(self) -> None:
         """Clear ``S`` after it has been consumed by an optimizer step (or skipped)."""
         if self.has_grad:
             self.grad_buffer.zero_()
             self.has_grad = False
+
+    def reset_forward_count(self) -> None:
+        """Forget forward calls whose backward never ran (called before each optimizer step's forward)."""
         self.open_backwards = 0
+
+    def compress(self, matrix: Tensor) -> Tensor:
+        """``A M Bᵀ`` in fp32 for a weight-shaped ``M`` (stored layout: transposed for ``Conv1D``)."""
+        matrix = matrix.detach()
+        matrix = matrix.t() if self.transposed else matrix  # o × i
+        out_compressed = self.proj_out.compress_rows(matrix)  # d_o × i
+        return self.proj_in.compress_rows(out_compressed.t()).t()  # d_o × d_i
 
     def compress_weight(self) -> Tensor:
         """``A W Bᵀ`` in fp32: the compressed image of the weight, for Adam's coupled (L2) weight decay."""
-        weight = self.weight.detach()
-        weight = weight.t() if self.transposed else weight  # o × i
-        out_compressed = self.proj_out.compress_rows(weight)  # d_o × i
-        return self.proj_in.compress_rows(out_compressed.t()).t()  # d_o × d_i
+        return self.compress(self.weight)
 
     @torch.no_grad()
     def apply_update(self, update: Tensor, decay: float, stochastic_generator: torch.Generator | None) -> None:
-        """``W ← W·decay + Aᵀ U B`` on the device, by two gathers (never a dense projector).
+        """``W ← W·decay + c·Aᵀ U B`` on the device, by two gathers (never a dense projector); ``c`` is
+        :attr:`update_scale`.
 
         Args:
             update: ``U``, the host step's ``d_o × d_i`` update, already on the device.
             decay: the decoupled weight-decay factor ``1 − lr·wd`` (1.0 for none).
             stochastic_generator: generator for stochastic rounding of low-precision weights; ignored for fp32.
         """
+        update = update.float()
+        if self.update_scale != 1.0:
+            update = update * self.update_scale  # on the small d_o × d_i side, before expanding
         # (U B)ᵀ = Bᵀ Uᵀ, then Aᵀ (U B): two sparse products, O((o + d_o)·i·r) work.
-        update_b_t = self.proj_in.expand_rows(update.float().t())  # i × d_o
+        update_b_t = self.proj_in.expand_rows(update.t())  # i × d_o
         delta = self.proj_out.expand_rows(update_b_t.t())  # o × i
         delta = delta.t() if self.transposed else delta
         weight = self.weight
@@ -155,13 +185,36 @@ class ProjectedWeight:
         del attributes["_lsp_state"]
 
 
+def update_scale(proj_out: SparseProjector, proj_in: SparseProjector) -> float:
+    """The factor ``c`` that gives the expanded update ``c·Aᵀ U B`` the scale of a dense Adam update.
+
+    Adam's update ``U`` has roughly the same magnitude in every coordinate, and so does a dense AdamW update of
+    ``W``. For ``U`` with i.i.d. entries of variance ``σ²``, ``E‖Aᵀ U B‖² = σ²·‖A‖²_F·‖B‖²_F``, while a dense update
+    has ``‖·‖² ≈ σ²·o·i``; so ``c = √(o·i) / (‖A‖_F·‖B‖_F)``. Random draws (``±1/√r`` values, unit columns) and
+    signed permutations have ``c = 1`` exactly, so their arithmetic is untouched; a learned fit, which brings
+    ``AᵀA`` close to an orthogonal projector (rows of unit norm), shrinks the update by about the compression
+    ratio, and ``c`` restores it, so learned projectors train at the user's own learning rate.
+
+    ``c`` is a parameterisation ``W = W₀ + c·AᵀZB``: Adam is invariant to the gradient's scale (up to ``eps``), so
+    ``c`` changes only the size of the step in weight space, exactly as the learning rate would.
+    """
+    out_features, in_features = proj_out.dim_in, proj_in.dim_in
+    norms = float(proj_out.values.double().norm()) * float(proj_in.values.double().norm())
+    if norms == 0.0 or not math.isfinite(norms):
+        return 1.0
+    # Rounded to fp32, the precision it is applied in: a random draw's 1 ± 1e-8 becomes exactly 1.
+    return float(torch.tensor(math.sqrt(out_features * in_features) / norms, dtype=torch.float32))
+
+
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     """Replacement ``forward`` bound onto a projected module."""
     state: ProjectedWeight = self._lsp_state
     if state.sampling:
         return state._original_forward(x)
-    if torch.is_grad_enabled() and self.weight.requires_grad:
-        state.open_backwards += 1  # a layer called twice in one forward is complete only after both backwards
+    # A layer called twice in one forward is complete only after both backwards. A forward that runs inside backward
+    # is a checkpoint's recomputation of one already counted, so it is not counted again.
+    if torch.is_grad_enabled() and self.weight.requires_grad and torch._C._current_graph_task_id() == -1:
+        state.open_backwards += 1
     return _ProjectedLinearFunction.apply(x, self.weight, self.bias, state)
 
 

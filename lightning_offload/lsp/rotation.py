@@ -36,18 +36,31 @@ def coordinate_map(old: SparseProjector, new: SparseProjector) -> Tensor:
 
 
 @torch.no_grad()
-def rotate_adam_state(state: dict[str, Any], map_out: Tensor, map_in: Tensor) -> None:
+def rotate_adam_state(state: dict[str, Any], map_out: Tensor, map_in: Tensor, second_moment_scale: float = 1.0) -> None:
     """Map one compressed tensor's Adam state in place into new coordinates (host tensors stay on the host).
+
+    The step counter is kept, so Adam's bias correction treats the moments as warm. That holds for the second moment
+    only if it keeps its size: between two unrelated subspaces (redrawn indices) the element-squared maps keep only
+    ~10% of ``v``'s mass, and with the bias correction no longer compensating, the update would run 2–3× too large
+    until ``v`` refills (``1/(1 − β₂)`` steps). So ``v`` (and AMSGrad's maximum) is rescaled to its total before
+    the map, times ``second_moment_scale``: ``(‖S_new‖/‖S_old‖)²`` when the caller measured how much more of the
+    gradient the new projectors keep (a fresh fit keeps more than stale ones). ``m`` is mapped as it is: the part
+    of the old direction the new subspace cannot express is lost, and ``m`` refills within ``1/(1 − β₁)`` steps.
 
     Args:
         state: ``torch.optim.Adam``'s per-parameter state (``exp_avg``, ``exp_avg_sq``, optional
-            ``max_exp_avg_sq``); the step counter is kept: the moments stay warm, so their bias correction holds.
+            ``max_exp_avg_sq``).
         map_out: ``M_A`` (``d_o' × d_o``).
         map_in: ``M_B`` (``d_i' × d_i``).
+        second_moment_scale: factor on ``v``'s total after the map (1: keep it).
     """
     if "exp_avg" in state:
         state["exp_avg"].copy_(map_out @ state["exp_avg"] @ map_in.t())
     squared_out, squared_in = map_out.square(), map_in.square()
     for key in ("exp_avg_sq", "max_exp_avg_sq"):
         if key in state:
+            old_mass = state[key].double().sum()
             state[key].copy_(squared_out @ state[key] @ squared_in.t())
+            new_mass = state[key].double().sum()
+            if new_mass > 0:
+                state[key].mul_(float(old_mass / new_mass) * second_moment_scale)

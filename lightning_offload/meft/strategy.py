@@ -84,6 +84,10 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             adapter.row_pipeline = self.row_pipeline
         self.row_optimizers = [LazyRowAdam([a.host.keys, a.host.values], lr_scales=[self.key_lr_scale, 1.0])
                                for a in self.adapters]
+        # One non-finite decision per step for routers and rows together: the dense optimizer's check includes the
+        # rows' norm, and step_rows follows its verdict.
+        assert self.offload_optimizer is not None
+        self.offload_optimizer.external_grad_norm = self.row_grad_norm
         if self._pending_state is not None:
             self._load_row_state(self._pending_state)
             self._pending_state = None
@@ -101,7 +105,15 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        except NonFiniteGradientError:
+            # on_nonfinite="raise": the dense optimizer stopped before touching anything; neither may the rows.
+            self.row_pipeline.flush()
+            for adapter in self.adapters:
+                _clear_rows(adapter, adapter.host.touched.nonzero().squeeze(1))
+            self.skipped_row_steps += 1
+            raise
         self.step_rows()
         if self.log_telemetry and self.lightning_module is not None and self.lightning_module._trainer is not None:
             self.lightning_module.log_dict(self._last_metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -120,8 +132,11 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         settings = self._settings()
         clip, self._row_clip = self._row_clip, None
         rows_moved = bytes_to_device = bytes_to_host = touched_total = 0
-        finite = all(torch.isfinite(a.host.grad_keys[a.host.touched]).all()
-                     and torch.isfinite(a.host.grad_values[a.host.touched]).all() for a in self.adapters)
+        # The step's verdict on routers and rows together (see setup_optimizers); the rows are checked again for
+        # manual loops that call this without the dense optimizer's step.
+        finite = not self.offload_optimizer.last_step_skipped and all(
+            torch.isfinite(a.host.grad_keys[a.host.touched]).all()
+            and torch.isfinite(a.host.grad_values[a.host.touched]).all() for a in self.adapters)
         if not finite:
             self.skipped_row_steps += 1
             if self.on_nonfinite == "raise":
