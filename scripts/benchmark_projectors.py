@@ -6,7 +6,11 @@ LSP projectors, by GaLore, through LoRA adapters, or frozen; everything else (em
 ``--lr``. Because projections change the effective step size of those layers, each method's learning rate *for those
 layers* is swept (``projected_lr``) and the best one is reported.
 
-Phases (each run is appended to ``--out`` as it finishes; rerunning skips runs already there):
+Two protocols. A user keeps the optimizer and learning rate they had, so the first table to read is ``--shared-lr``:
+every method at ``--lr`` for all parameters, at ``--rank`` and at each ``--compression`` rank. The swept protocol
+(the default) asks how good each method can be when the projected layers get their own tuned rate.
+
+Phases of the swept protocol (each run is appended to ``--out`` as it finishes; rerunning skips runs already there):
 
 1. ``sweep``: every method over its ``projected_lr`` grid at ``--rank`` (LSP) / the equal-state GaLore rank.
 2. ``compression``: learned, random and GaLore at smaller ranks. Learned and GaLore updates shrink in proportion
@@ -15,6 +19,8 @@ Phases (each run is appended to ``--out`` as it finishes; rerunning skips runs a
 
     python scripts/benchmark_projectors.py --out bench_projectors.json             # both phases
     python scripts/benchmark_projectors.py --out bench_projectors.json --report    # tables only
+    python scripts/benchmark_projectors.py --out bench_shared_s0.json --shared-lr --steps 300 --seed 0 \
+        --methods adamw frozen lsp_learned lsp_random --compression 0.125           # the user's protocol
 
 Reported per method: eval loss, share of AdamW's gain over the frozen run ``(frozen − method)/(frozen − AdamW)``,
 link bytes per step, optimizer state of the projected layers (analytic, fp32), and the initial fit's cost.
@@ -185,16 +191,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", nargs="+", default=list(SWEEP), choices=list(SWEEP))
     parser.add_argument("--compression", nargs="*", type=float, default=[0.125, 0.0625])
+    parser.add_argument("--shared-lr", action="store_true",
+                        help="the user's protocol: every method, projected layers included, at --lr (no sweep)")
     parser.add_argument("--report", action="store_true", help="only print the tables of --out")
     args = parser.parse_args()
     store = _load(args.out)
     if not args.report:
         for method in args.methods:
-            for projected_lr in SWEEP[method]:
+            for projected_lr in [args.lr] if args.shared_lr else SWEEP[method]:
                 _run(method, args.rank, projected_lr, args, store)
         for rank in args.compression:
             for method in ("lsp_learned", "lsp_random", "galore"):
                 if method not in args.methods:
+                    continue
+                if args.shared_lr:
+                    _run(method, rank, args.lr, args, store)
                     continue
                 best = _best(store, method, args.rank)[0]["projected_lr"]
                 _run(method, rank, best if method == "lsp_random" else best * args.rank / rank, args, store)

