@@ -43,3 +43,36 @@ def test_report_gives_each_method_its_share_of_adamws_gain_over_frozen():
     assert "| 3.0200 | 90% |" in learned  # (3.2 − 3.02) / (3.2 − 3.0): its best lr counts
     assert "16× fewer" in learned  # rank 0.25 on both sides: (1/4)² of the fp32 gradient bytes
     assert "| 50% |" in next(line for line in table.splitlines() if line.startswith("| lsp_random"))
+
+
+def test_shared_rate_protocol_runs_every_method_at_the_users_rate(monkeypatch, tmp_path):
+    bench = _script()
+    configs = []
+
+    def fake_run(method, rank, projected_lr, args, store):
+        configs.append(bench.config_for(method, projected_lr, rank, args))
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    monkeypatch.setattr(bench, "report", lambda store, args: "")
+    monkeypatch.setattr("sys.argv", ["benchmark_projectors.py", "--out", str(tmp_path / "out.json"), "--shared-lr",
+                                     "--lr", "2e-4", "--methods", "adamw", "frozen", "lsp_learned", "lsp_random",
+                                     "--compression", "0.125"])
+    bench.main()
+    assert {(c.method, c.strategy, c.projectors, c.rank) for c in configs} >= {
+        ("full", "none", "learned", 0.25), ("frozen", "none", "learned", 0.25),
+        ("full", "lsp_offload", "learned", 0.125), ("full", "lsp_offload", "random", 0.125)}
+    assert len(configs) == 6
+    assert all(c.lr == 2e-4 and c.projected_lr == 2e-4 for c in configs), "one rate for every parameter"
+
+
+def test_shared_lr_script_reports_shares_per_seed_and_their_mean():
+    spec = importlib.util.spec_from_file_location("benchmark_shared_lr", SCRIPT.parent / "benchmark_shared_lr.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runs = [{"method": m, "seed": s, "eval_loss": loss} for m, s, loss in [
+        ("adamw", 0, 3.0), ("frozen", 0, 4.0), ("learned_r0.25", 0, 3.1),
+        ("adamw", 1, 3.0), ("frozen", 1, 3.5), ("learned_r0.25", 1, 3.0)]]
+    table = module.report(runs)
+    learned = next(line for line in table.splitlines() if line.startswith("| learned_r0.25"))
+    assert "3.1000 (90%)" in learned and "3.0000 (100%)" in learned and learned.endswith("| 95% |")
+    assert "| random_r0.25 | — | — | — |" in table
