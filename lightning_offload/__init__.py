@@ -16,7 +16,7 @@ from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.lazy_adam import LazyRowAdam
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
-from lightning_offload.offload_optimizer import NonFiniteGradientError, OffloadOptimizer
+from lightning_offload.offload_optimizer import NonFiniteGradientError, NonFiniteStepWarning, OffloadOptimizer
 from lightning_offload.rounding import stochastic_round_to_bf16
 from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
@@ -32,6 +32,7 @@ __all__ = [
     "MEFTConfig",
     "MEFTOffloadStrategy",
     "NonFiniteGradientError",
+    "NonFiniteStepWarning",
     "OffloadOptimizer",
     "OffloadTelemetry",
     "FitSettings",

@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -101,6 +102,10 @@ class ProjectorRefit(Callback):
             ``training_step`` with logging muted (needs automatic optimization).
         log: send :meth:`RefitRecord.metrics` to the trainer's loggers after each fit.
     """
+
+    def __repr__(self) -> str:
+        return (f"ProjectorRefit(every_n_steps={self.every_n_steps}, threshold={self.threshold}, "
+                f"num_samples={self.num_samples}, max_iters={self.settings.max_iters})")
 
     def __init__(
         self,
@@ -237,6 +242,15 @@ class ProjectorRefit(Callback):
                 self.refits_per_layer[layer.name] = self.refits_per_layer.get(layer.name, 0) + 1
         record.seconds = time.perf_counter() - start
         self.history.append(record)
+        stuck = [name for name in record.refit if record.fitted_errors.get(name, 0.0) > self.threshold]
+        if not initial and stuck:
+            # Such layers are refitted at every check: the cost of a full fit each time, for nothing.
+            rank_zero_warn(
+                f"ProjectorRefit at step {step}: {len(stuck)} of {len(record.refit)} refitted layers stay above "
+                f"threshold={self.threshold} after fitting (e.g. {stuck[0]}: "
+                f"{record.fitted_errors[stuck[0]]:.2f} on a held-out gradient), so they will be refitted at every "
+                f"check. Raise threshold (fresh fits reach ~0.6–0.9 held out), num_samples or max_iters."
+            )
         self.fits_done += 1
         if self.log:
             for logger in trainer.loggers:

@@ -45,6 +45,10 @@ class NonFiniteGradientError(FloatingPointError):
     """Raised when ``on_nonfinite="raise"`` and a step's gradients hold inf or nan."""
 
 
+class NonFiniteStepWarning(UserWarning):
+    """Issued for every step skipped because its gradients hold inf or nan (``on_nonfinite="skip"``)."""
+
+
 @dataclass
 class _Slot:
     """One offloaded tensor: a projected weight (host variable ``Z``) or a dense parameter (host fp32 master).
@@ -544,6 +548,15 @@ class OffloadOptimizer(Optimizer):
         self._round += 1
         self.telemetry.skipped_steps += 1
         self.telemetry.last = StepTelemetry(skipped=1.0)
+        # Never silent: a run whose steps are all skipped would otherwise look like one that merely stopped learning.
+        warnings.warn(
+            f"Skipped an optimizer step: a gradient is non-finite (global norm {float(norm)}); weights and host "
+            f"state are untouched. {self.telemetry.skipped_steps} step(s) skipped so far, {self.telemetry.steps} "
+            f"taken (logged as offload/skipped_steps). Lower the learning rate, clip gradients (gradient_clip_val), "
+            f"or pass on_nonfinite='raise' to stop at the first one.",
+            NonFiniteStepWarning,
+            stacklevel=2,
+        )
         self._step_start = time.perf_counter()
 
     # ------------------------------------------------------------------------------------------------------ refit

@@ -22,6 +22,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_offload.lsp.linear import ProjectedWeight
@@ -193,7 +194,14 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             from lightning_offload.callbacks import ProjectorRefit
 
             if not any(isinstance(callback, ProjectorRefit) for callback in trainer.callbacks):
-                trainer.callbacks.append(ProjectorRefit(seed=self.seed))
+                refit = ProjectorRefit(seed=self.seed)
+                trainer.callbacks.append(refit)
+                rank_zero_info(
+                    f"lsp_offload: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits the "
+                    f"projectors on {refit.num_samples} extra forward/backward passes before the first step and checks "
+                    f"them every {refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
+                    f"projectors='random' for none."
+                )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -220,6 +228,12 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             )
         user_optimizer = validate_user_optimizer(self.optimizers[0])
         layers = self._attach_projections(user_optimizer) if self.projection else []
+        if self.projection and not layers:
+            rank_zero_warn(
+                f"strategy {self.strategy_name!r} found no layer to project: no trainable Linear/Conv1D has both dims "
+                f"≥ min_dim={self.min_dim} outside the output and task heads and exclude_modules. Every gradient "
+                f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules."
+            )
         self.offload_optimizer = OffloadOptimizer(
             user_optimizer,
             layers,

@@ -120,6 +120,12 @@ def _adapter_rows(trainer: pl.Trainer) -> int:
     return sum(a.config.num_neurons for a in getattr(trainer.strategy, "adapters", []))
 
 
+def _skipped_steps(trainer: pl.Trainer) -> int:
+    """Optimizer steps an offload strategy skipped for non-finite gradients (0 for other strategies)."""
+    optimizer = getattr(trainer.strategy, "offload_optimizer", None)
+    return optimizer.telemetry.skipped_steps if optimizer is not None else 0
+
+
 def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataModule, module: pl.LightningModule,
               trainer: pl.Trainer, recorder: RunRecorder, before: dict[str, float], after: dict[str, float],
               train_seconds: float) -> dict[str, Any]:
@@ -139,6 +145,7 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "strategy": type(trainer.strategy).__name__,
         "precision": str(trainer.precision),
         "steps": trainer.global_step,
+        "skipped_steps": _skipped_steps(trainer),
         "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad)
         + getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
         "device": str(trainer.strategy.root_device),
@@ -197,7 +204,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"state {summary['host_state_bytes'] / mib:.0f} MiB on host, {summary['device_state_bytes'] / mib:.0f} MiB on "
         f"device",
         f"steps               {summary['steps']} in {summary['train_seconds']:.1f} s "
-        f"(median {num(step, '.2f')} s / step)",
+        f"(median {num(step, '.2f')} s / step)"
+        + (f", {summary['skipped_steps']} skipped (non-finite gradients)" if summary.get("skipped_steps") else ""),
         f"eval loss           {num(summary['loss_before'], '.4f')} -> {num(summary['loss_after'], '.4f')}",
     ]
     if summary["metric"] != "val/loss":

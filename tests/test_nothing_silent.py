@@ -1,0 +1,75 @@
+"""Nothing silent: skipped steps, nothing projected, an added callback and refits that cannot succeed are all said."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_offload import LSPOffloadStrategy, NonFiniteStepWarning, ProjectorRefit, ZeroOffloadStrategy
+from lightning_offload.train import format_summary
+from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, tiny_hf_model, token_data, trainer
+
+
+class NanLoss(TinyClassifier):
+    """Steps 1 and 3 return a nan loss."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx in (1, 3) else loss
+
+
+@pytest.mark.parametrize("make", [ZeroOffloadStrategy, lambda: LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)],
+                         ids=["zero", "lsp"])
+def test_every_skipped_step_is_warned_and_counted(make):
+    strategy = make()
+    with pytest.warns(NonFiniteStepWarning) as caught:
+        trainer(strategy, max_steps=5).fit(NanLoss(), classification_data())
+    messages = [str(w.message) for w in caught if issubclass(w.category, NonFiniteStepWarning)]
+    assert len(messages) == 2
+    assert "1 step(s) skipped so far" in messages[0] and "2 step(s) skipped so far" in messages[1]
+    assert "on_nonfinite='raise'" in messages[0]
+    assert strategy.offload_optimizer.telemetry.skipped_steps == 2
+
+
+def test_the_summary_says_how_many_steps_were_skipped():
+    summary = {"device_peak_bytes": None, "device": "cpu", "host_peak_rss_bytes": 2**30, "median_step_seconds": 0.1,
+               "model": "m", "task": "t", "offload": "zero", "strategy": "S", "precision": "32-true",
+               "trainable_parameters": 1, "link_bytes_to_host_per_step": 0.0, "link_bytes_to_device_per_step": 0.0,
+               "host_optimizer_seconds_per_step": 0.0, "host_state_bytes": 0.0, "device_state_bytes": 0.0,
+               "steps": 8, "train_seconds": 1.0, "loss_before": 3.0, "loss_after": 2.0, "metric": "val/loss",
+               "skipped_steps": 7}
+    assert "8 in 1.0 s (median 0.10 s / step), 7 skipped (non-finite gradients)" in format_summary(summary)
+    summary["skipped_steps"] = 0
+    assert "skipped" not in format_summary(summary)
+
+
+def test_nothing_to_project_is_warned():
+    strategy = LSPOffloadStrategy(projectors="random")  # min_dim=128: nothing in the tiny model qualifies
+    with pytest.warns(UserWarning, match=r"found no layer to project.*min_dim=128.*as with zero_offload"):
+        trainer(strategy, max_steps=1).fit(TinyClassifier(), classification_data())
+    assert strategy.projected_layers == {}
+
+
+def test_the_default_refit_callback_is_announced(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16), max_steps=1).fit(
+            TinyCausalLM(tiny_hf_model("llama")), token_data())
+    assert any("added ProjectorRefit(every_n_steps=500" in r.getMessage() for r in caplog.records)
+
+
+def test_no_announcement_when_the_user_brings_the_callback(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16), max_steps=1,
+                callbacks=[ProjectorRefit(every_n_steps=0)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
+    assert not any("added ProjectorRefit" in r.getMessage() for r in caplog.records)
+
+
+def test_a_refit_that_cannot_reach_its_threshold_is_warned():
+    refit = ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=2)
+    with pytest.warns(UserWarning, match=r"ProjectorRefit at step 2: \d+ of \d+ refitted layers stay above "
+                                         r"threshold=0.0.*refitted at every check"):
+        trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=3, callbacks=[refit]).fit(
+            TinyCausalLM(tiny_hf_model("llama")), token_data())
+    assert torch.isfinite(torch.tensor(list(refit.history[-1].fitted_errors.values()))).all()
