@@ -241,6 +241,8 @@ class ProjectorRefit(Callback):
                 record.refit.append(layer.name)
                 self.refits_per_layer[layer.name] = self.refits_per_layer.get(layer.name, 0) + 1
         record.seconds = time.perf_counter() - start
+        # The fit has its own figure (projector_refit/seconds); the next step's device time must not include it.
+        optimizer.restart_step_clock()
         self.history.append(record)
         stuck = [name for name in record.refit if record.fitted_errors.get(name, 0.0) > self.threshold]
         if not initial and stuck:

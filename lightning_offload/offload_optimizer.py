@@ -437,6 +437,10 @@ class OffloadOptimizer(Optimizer):
         self._step_start = time.perf_counter()
         return loss
 
+    def restart_step_clock(self) -> None:
+        """Start the next step's device lane now: work done since the last step (a projector fit) is not the step's."""
+        self._step_start = time.perf_counter()
+
     def _prepare(self, slot: _Slot, step: StepTelemetry) -> None:
         """Main-thread work before a tensor's host job: hyper-parameters, decay factor, L2 term."""
         host_group = slot.adam.param_groups[0]

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_offload import LSPOffloadStrategy, NonFiniteStepWarning, ProjectorRefit, ZeroOffloadStrategy
 from lightning_offload.train import format_summary
@@ -73,3 +74,21 @@ def test_a_refit_that_cannot_reach_its_threshold_is_warned():
         trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=3, callbacks=[refit]).fit(
             TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert torch.isfinite(torch.tensor(list(refit.history[-1].fitted_errors.values()))).all()
+
+
+def test_the_first_steps_device_time_does_not_include_the_projector_fit():
+    strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
+    refit = ProjectorRefit(every_n_steps=0, num_samples=2, max_iters=16, target_error=0.0)
+    module = TinyCausalLM(tiny_hf_model("llama"))
+    first = {}
+
+    class FirstStep(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:  # step 1's timeline is complete once step 2 has synchronised it
+                first["device"] = strategy.offload_optimizer.timelines.steps[0][1].busy("device")
+
+    trainer(strategy, max_steps=2, callbacks=[refit, FirstStep()]).fit(module, token_data())
+    fit_seconds = refit.history[0].seconds
+    assert fit_seconds > 0
+    # Before, the fit's seconds were counted in the first step's forward+backward.
+    assert first["device"] < 0.5 * fit_seconds, (first["device"], fit_seconds)
