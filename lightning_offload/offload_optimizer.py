@@ -16,6 +16,7 @@ PyTorch's own, with one step counter per tensor.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -346,9 +347,9 @@ class OffloadOptimizer(Optimizer):
             warnings.warn(
                 f"The projected weight {slot.name}.weight is used outside its module's forward, so autograd gives it "
                 f"a full gradient there. It is compressed into the layer's S (exact: projection is linear), which "
-                f"costs one full-size gradient on the device per such backward, and its update is applied inside each step "
-                f"rather than overlapped with the next forward. Call the module instead of using its weight directly, "
-                f"or exclude it with exclude_modules=[...], to avoid this.",
+                f"costs one full-size gradient on the device per such backward, and its update is applied inside "
+                f"each step rather than overlapped with the next forward. Call the module instead of using its "
+                f"weight directly, or exclude it with exclude_modules=[...], to avoid this.",
                 stacklevel=2,
             )
         grad, slot.param.grad = slot.param.grad, None
@@ -595,7 +596,8 @@ class OffloadOptimizer(Optimizer):
                 second_moment_scale,
             )
         layer.set_projectors(proj_out.to(self.device), proj_in.to(self.device))
-        layer.norm_ratio = float(norm_ratio)
+        # A degenerate measurement (zero, nan) must not turn every later norm into inf and skip every step.
+        layer.norm_ratio = float(norm_ratio) if math.isfinite(norm_ratio) and norm_ratio > 0 else 1.0
 
     # ----------------------------------------------------------------------------------------------- accounting
     def host_state_bytes(self) -> int:
