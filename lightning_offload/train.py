@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -316,11 +317,27 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return metric_value(metrics, cfg.get("optimized_metric"))
 
 
+def null_group_overrides(args: list[str]) -> list[str]:
+    """``GROUP=null`` → ``GROUP=none`` for config groups that have a ``none`` option (``logger=null``).
+
+    Hydra refuses ``null`` for a config group with a bare ``ValueError``; ``none`` is the option that turns the group
+    off, so the spelling users reach for first works too.
+    """
+    out = []
+    for arg in args:
+        group, sep, value = arg.partition("=")
+        if sep and value == "null" and group.isidentifier() and (CONFIG_DIR / group / "none.yaml").is_file():
+            arg = f"{group}=none"
+        out.append(arg)
+    return out
+
+
 def main() -> None:
     """The ``lightning-offload-train`` command (and ``python scripts/train.py``): Hydra overrides as arguments."""
     if not (CONFIG_DIR / "train.yaml").is_file():
         raise SystemExit(f"lightning-offload-train: the configs are not at {CONFIG_DIR}. The command reads the "
                          f"repository's conf/ directory: install from a checkout with `pip install -e .`.")
+    sys.argv[1:] = null_group_overrides(sys.argv[1:])
     _hydra_main()
 
 

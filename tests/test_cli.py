@@ -111,3 +111,19 @@ def test_unknown_option_on_the_command_line_lists_the_choices(tmp_path: Path, en
     assert done.returncode != 0
     assert "Could not find 'offload/zero_offload'" in done.stderr
     assert "Available options in 'offload'" in done.stderr and "zero" in done.stderr
+
+
+@pytest.mark.parametrize("spelling", ["null", "none"])
+def test_a_run_without_a_logger(tmp_path: Path, env: dict[str, str], spelling: str) -> None:
+    run_dir = tmp_path / "run"
+    done = run_cli([f"logger={spelling}", *TINY, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_summary(run_dir)["steps"] == 4
+    assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()
+
+
+def test_null_for_a_group_means_its_none_option() -> None:
+    from lightning_offload.train import null_group_overrides
+
+    assert null_group_overrides(["logger=null", "callbacks=null", "ckpt_path=null", "optim.lr=1e-3", "-m"]) == [
+        "logger=none", "callbacks=none", "ckpt_path=null", "optim.lr=1e-3", "-m"]
