@@ -185,11 +185,21 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------------------------------------ set-up
     @override
     def setup_environment(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        connector = getattr(trainer, "_accelerator_connector", None)
+        requested = len(getattr(connector, "_parallel_devices", None) or [None])
+        num_nodes = getattr(connector, "_num_nodes_flag", 1) or 1
+        if requested > 1 or num_nodes > 1:
+            # Lightning would quietly train on the first device only.
+            raise ValueError(
+                f"strategy {self.strategy_name!r} trains on one device, but the Trainer asks for {requested} "
+                f"device(s) on {num_nodes} node(s). Multi-device offload is not available yet: pass devices=1 "
+                f"(and num_nodes=1), or use Lightning's own DDP strategy without offloading."
+            )
         super().setup_environment()
         # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
         # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
         if self.projection and self.projectors == "learned" and trainer is not None:
             from lightning_offload.callbacks import ProjectorRefit
 

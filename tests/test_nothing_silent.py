@@ -92,3 +92,13 @@ def test_the_first_steps_device_time_does_not_include_the_projector_fit():
     assert fit_seconds > 0
     # Before, the fit's seconds were counted in the first step's forward+backward.
     assert first["device"] < 0.5 * fit_seconds, (first["device"], fit_seconds)
+
+
+@pytest.mark.parametrize("make", [ZeroOffloadStrategy, lambda: LSPOffloadStrategy(projectors="random")],
+                         ids=["zero", "lsp"])
+def test_more_than_one_device_is_refused_instead_of_silently_using_one(make):
+    module = TinyClassifier()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(ValueError, match=r"trains on one device, but the Trainer asks for 2 device\(s\).*devices=1"):
+        trainer(make(), devices=2, max_steps=1).fit(module, classification_data())
+    assert all(torch.equal(before[n], p) for n, p in module.named_parameters())
