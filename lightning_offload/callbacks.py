@@ -25,8 +25,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from tqdm.auto import tqdm
 from typing_extensions import override
 
 from lightning_offload.lsp.fit import FitSettings, LayerFit, fit_initial_values, norm_ratio, reconstruction_error
@@ -44,7 +45,9 @@ class RefitRecord:
     Attributes:
         step: the optimizer step before which it ran (0 for the initial fit).
         initial: whether this was the initial fit.
-        errors: per layer, ``err`` of the projectors in use, on the first fresh gradient.
+        errors: per layer, ``err`` on the first fresh gradient of the projectors in use (at a refit, compared with
+            the threshold) or, at the initial fit, of the norm-scaled random draw the fit starts from (≈ 1.0; the
+            ``±1/√r`` draw itself sits near 5 because ``AᵀA`` is far from a projection).
         refit: names of the layers that were (re)fitted.
         fitted_errors: per refit layer, ``err`` of the new projectors on the last sampled gradient before fitting
             on it (a held-out error when ``num_samples ≥ 2``, else the error after fitting).
@@ -97,6 +100,9 @@ class ProjectorRefit(Callback):
         lr: Adam learning rate on the projector values.
         l2: L2 penalty on the projector values.
         initial_fit: fit every projected layer before the first update.
+        fit_threads: torch threads for the fit's own products on the CPU (the sampling passes keep the run's
+            setting). ``None`` picks one thread per 256K gradient elements, at most the run's count: these
+            products are small, and on a busy or many-core host extra threads mostly wait on each other.
         seed: seeds batch sampling and the indices redrawn at refits.
         loss_fn: ``loss_fn(module, batch) -> loss`` for the sampling passes; default: the module's
             ``training_step`` with logging muted (needs automatic optimization).
@@ -117,6 +123,7 @@ class ProjectorRefit(Callback):
         lr: float = 0.05,
         l2: float = 1e-4,
         initial_fit: bool = True,
+        fit_threads: int | None = None,
         seed: int = 0,
         loss_fn: LossFn | None = None,
         log: bool = True,
@@ -125,6 +132,8 @@ class ProjectorRefit(Callback):
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an int ≥ 0 (0 turns refits off).")
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples={num_samples!r} must be an int ≥ 1.")
+        if fit_threads is not None and (not isinstance(fit_threads, int) or fit_threads < 1):
+            raise ValueError(f"fit_threads={fit_threads!r} must be an int ≥ 1, or None to choose per layer.")
         if not threshold >= 0:
             raise ValueError(f"threshold={threshold!r} must be ≥ 0 (a relative error).")
         self.every_n_steps = every_n_steps
@@ -132,6 +141,7 @@ class ProjectorRefit(Callback):
         self.num_samples = num_samples
         self.settings = FitSettings(max_iters=max_iters, target_error=target_error, lr=lr, l2=l2)
         self.initial_fit = initial_fit
+        self.fit_threads = fit_threads
         self.seed = seed
         self.loss_fn = loss_fn
         self.log = log
@@ -199,37 +209,55 @@ class ProjectorRefit(Callback):
         order = {layer.name: i for i, layer in enumerate(layers)}
 
         def consume(layer: ProjectedWeight, grad: Tensor) -> None:
+            progress.update(1)
             fit = fits.get(layer.name)
-            if fit is None:
-                error = reconstruction_error(layer.proj_out, layer.proj_in, grad)
-                if math.isnan(error):
-                    return  # a zero or non-finite gradient: wait for a usable sample
-                record.errors[layer.name] = error
-                if not initial and error <= self.threshold:
-                    skipped.add(layer.name)
-                    return
-                proj_out, proj_in = layer.proj_out, layer.proj_in
-                if not initial:
-                    # How much of this gradient the stale projectors keep: the carried Adam v is rescaled by how
-                    # much more the new ones keep, so Adam's step size stays where it was.
-                    old_ratios[layer.name] = norm_ratio(proj_out, proj_in, grad)
-                    proj_out, proj_in = self._redraw(layer, step, order[layer.name])
-                fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
-                                                  self.settings)
-            before, after = fit.fit(grad, iters_per_sample)
+            with _threads(self._threads_for(grad)):
+                if fit is None:
+                    if not initial:
+                        error = reconstruction_error(layer.proj_out, layer.proj_in, grad)
+                        if math.isnan(error):
+                            return  # a zero or non-finite gradient: wait for a usable sample
+                        record.errors[layer.name] = error
+                        if error <= self.threshold:
+                            skipped.add(layer.name)
+                            return
+                        # How much of this gradient the stale projectors keep: the carried Adam v is rescaled by how
+                        # much more the new ones keep, so Adam's step size stays where it was.
+                        old_ratios[layer.name] = norm_ratio(layer.proj_out, layer.proj_in, grad)
+                        proj_out, proj_in = self._redraw(layer, step, order[layer.name])
+                    else:
+                        proj_out, proj_in = layer.proj_out, layer.proj_in
+                    fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
+                                                      self.settings)
+                before, after = fit.fit(grad, iters_per_sample)
             if not math.isnan(before):
+                if initial and fit.samples_seen == 1:
+                    record.errors[layer.name] = before  # the norm-scaled random start, on the first usable gradient
                 # The error before fitting on a sample the fit has not seen yet is a held-out error.
                 record.fitted_errors[layer.name] = before if fit.samples_seen > 1 else after
 
-        with self._sampling_rng(trainer, step):
-            batches = self._draw_batches(trainer)
-            with _muted_logging(pl_module), torch.enable_grad():
-                for index, batch in enumerate(batches):
-                    active = [layer for layer in layers if layer.name not in skipped]
-                    if not active:
-                        break
-                    with sample_gradients(pl_module, active, consume):
-                        self._loss(trainer, pl_module, batch, index).backward()
+        when = "before the first step" if initial else f"at step {step}"
+        rank_zero_info(
+            f"ProjectorRefit: {'fitting' if initial else 'checking'} the projectors of {len(layers)} layers {when} "
+            f"on {self.num_samples} sampled batches (up to {self.settings.max_iters} Adam iterations per layer)."
+        )
+        # Fits take from seconds to minutes before the training bar moves: a bar of its own, when bars are shown.
+        progress = tqdm(total=self.num_samples * len(layers), desc="Projector fit", unit="layer", leave=False,
+                        disable=trainer.progress_bar_callback is None or not trainer.is_global_zero)
+        try:
+            with self._sampling_rng(trainer, step):
+                batches = self._draw_batches(trainer)
+                with _muted_logging(pl_module), torch.enable_grad():
+                    for index, batch in enumerate(batches):
+                        active = [layer for layer in layers if layer.name not in skipped]
+                        if not active:
+                            break
+                        progress.total = progress.n + (len(batches) - index) * len(active)  # skipped take none
+                        progress.refresh()
+                        with sample_gradients(pl_module, active, consume):
+                            self._loss(trainer, pl_module, batch, index).backward()
+        finally:
+            progress.close()
         for layer in layers:
             fit = fits.get(layer.name)
             if fit is not None and fit.samples_seen > 0:
@@ -244,6 +272,7 @@ class ProjectorRefit(Callback):
         # The fit has its own figure (projector_refit/seconds); the next step's device time must not include it.
         optimizer.restart_step_clock()
         self.history.append(record)
+        self._announce(record, len(layers))
         stuck = [name for name in record.refit if record.fitted_errors.get(name, 0.0) > self.threshold]
         if not initial and stuck:
             # Such layers are refitted at every check: the cost of a full fit each time, for nothing.
@@ -257,6 +286,33 @@ class ProjectorRefit(Callback):
         if self.log:
             for logger in trainer.loggers:
                 logger.log_metrics({**record.metrics(), "projector_refit/fits_done": float(self.fits_done)}, step=step)
+
+    def _threads_for(self, grad: Tensor) -> int:
+        """Threads for one layer's fit products: ``fit_threads``, or one per 256K gradient elements."""
+        if grad.device.type != "cpu":
+            return torch.get_num_threads()  # the products run on the accelerator: the host setting is not theirs
+        if self.fit_threads is not None:
+            return self.fit_threads
+        return max(1, min(torch.get_num_threads(), grad.numel() // 2**18))
+
+    @staticmethod
+    def _announce(record: RefitRecord, num_layers: int) -> None:
+        """One line on what the fit did: layers, time, and the errors before and after."""
+        def mean(values: Mapping[str, float]) -> str:
+            return f"{sum(values.values()) / len(values):.3f}" if values else "n/a"
+
+        if record.initial:
+            rank_zero_info(
+                f"ProjectorRefit: fitted {len(record.refit)} of {num_layers} layers in {record.seconds:.1f} s; mean "
+                f"reconstruction error {mean(record.errors)} (norm-scaled random) -> {mean(record.fitted_errors)} "
+                f"(held-out)."
+            )
+        else:
+            rank_zero_info(
+                f"ProjectorRefit at step {record.step}: refitted {len(record.refit)} of {num_layers} layers in "
+                f"{record.seconds:.1f} s; mean error {mean(record.errors)} (in use) -> {mean(record.fitted_errors)} "
+                f"(refitted, held-out)."
+            )
 
     def _redraw(self, layer: ProjectedWeight, step: int, index: int) -> tuple[SparseProjector, SparseProjector]:
         """Fresh collision-free indices for a refit, seeded by (seed, step, layer) so a resumed run redraws alike."""
@@ -323,6 +379,19 @@ class ProjectorRefit(Callback):
         self._last_checked_step = int(state_dict["last_checked_step"])
         self.refits_per_layer = dict(state_dict["refits_per_layer"])
         self.fits_done = int(state_dict["fits_done"])
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    # torch's intra-op thread count is process-wide: set for the fit's products only, then restored.
+    previous = torch.get_num_threads()
+    if count != previous:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
 
 
 @contextmanager

@@ -102,3 +102,25 @@ def test_more_than_one_device_is_refused_instead_of_silently_using_one(make):
     with pytest.raises(ValueError, match=r"trains on one device, but the Trainer asks for 2 device\(s\).*devices=1"):
         trainer(make(), devices=2, max_steps=1).fit(module, classification_data())
     assert all(torch.equal(before[n], p) for n, p in module.named_parameters())
+
+
+def test_the_projector_fit_says_what_it_does_and_shows_progress(caplog, capsys):
+    module = TinyCausalLM(tiny_hf_model("llama"))
+    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16)
+    refit = ProjectorRefit(num_samples=2, max_iters=4)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer(strategy, max_steps=1, callbacks=[refit], enable_progress_bar=True).fit(module, token_data())
+    layers = len(strategy.projected_layers)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"fitting the projectors of {layers} layers before the first step on 2 sampled batches" in m
+               for m in messages), messages
+    done = [m for m in messages if f"fitted {layers} of {layers} layers in" in m]
+    assert len(done) == 1 and "(norm-scaled random) ->" in done[0] and "(held-out)" in done[0]
+    # Its own bar counts layer samples: 2 batches × every layer (and clears itself when done).
+    assert f"Projector fit:   0%|          | 0/{2 * layers}" in capsys.readouterr().err
+
+
+def test_no_fit_bar_without_progress_bars(capsys):
+    trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1,
+            callbacks=[ProjectorRefit(num_samples=1, max_iters=2)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
+    assert "Projector fit" not in capsys.readouterr().err
