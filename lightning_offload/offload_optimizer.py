@@ -519,6 +519,12 @@ class OffloadOptimizer(Optimizer):
         slot.job = None
         slot.grad_ref = None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether the latest step's host work may still be running: its figures complete at the next
+        :meth:`synchronize` (the next step's launch, when pipelined)."""
+        return self._pending_telemetry is not None
+
     def synchronize(self) -> None:
         """Apply every pending update now (before reading weights outside training, saving, or evaluating)."""
         for slot in self.slots:
@@ -535,6 +541,7 @@ class OffloadOptimizer(Optimizer):
             # Adam allocates its moments lazily at the first step, so the size is re-measured after each.
             self.telemetry.host_state_bytes = self.host_state_bytes()
             self.timelines.record(self.telemetry.steps, timeline)
+            self.telemetry.complete_step()
 
     def _skip_step(self, norm: Tensor) -> None:
         self._clip, self._last_norm = None, None
@@ -553,6 +560,8 @@ class OffloadOptimizer(Optimizer):
         self._round += 1
         self.telemetry.skipped_steps += 1
         self.telemetry.last = StepTelemetry(skipped=1.0)
+        self.telemetry.last_timeline = None  # a skipped step has no timeline of its own
+        self.telemetry.complete_step()
         # Never silent: a run whose steps are all skipped would otherwise look like one that merely stopped learning.
         warnings.warn(
             f"Skipped an optimizer step: a gradient is non-finite (global norm {float(norm)}); weights and host "

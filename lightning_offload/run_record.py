@@ -52,8 +52,14 @@ class RunRecorder(pl.Callback):
     """Appends every training step's and every validation's figures to ``<run_dir>/history.jsonl``.
 
     A step line holds ``step``, ``wall_seconds`` (since the start of ``fit``), ``step_seconds``, the logged
-    ``train/*`` metrics and the strategy's ``offload/*`` (and ``meft/*``) telemetry when it has any. A validation line holds ``step``,
-    ``wall_seconds`` and the ``val/*`` metrics. Lines are flushed as written, so a crashed run keeps its history.
+    ``train/*`` metrics and the strategy's ``offload/*`` (and ``meft/*``) telemetry when it has any. A validation
+    line holds ``step``, ``wall_seconds`` and the ``val/*`` metrics. Lines are flushed as written, so a crashed run
+    keeps its history.
+
+    A pipelined offload optimizer finishes a step's host work during the next step, so that step's ``offload/*``
+    figures arrive one step late. Its line waits for them (with any line after it, to keep the order) and carries
+    them under its own step number; the last step's figures are collected at the end of training, so even a
+    one-step run (``fast_dev_run``) reports its link bytes and host state.
 
     Args:
         run_dir: Directory of this run (Hydra's output directory in the CLI); ``None`` keeps the records in memory
@@ -67,14 +73,32 @@ class RunRecorder(pl.Callback):
         self.step_seconds: list[float] = []
         self.telemetry: list[dict[str, float]] = []
         self.records: list[dict[str, Any]] = []
+        # Lines not yet on disk, in order, each with whether it still waits for its step's offload figures: from the
+        # oldest step whose figures are to come. ``records`` holds them already; figures are added in place.
+        self._waiting: list[tuple[dict[str, Any], bool]] = []
+        self._last_global_step = -1
+        self._collected = 0  # the latest optimizer step whose offload figures were taken
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any], awaits_figures: bool = False) -> None:
         self.records.append(record)
-        if self.run_dir is None:
+        self._waiting.append((record, awaits_figures))
+        self._settle(completed=None)
+
+    def _settle(self, completed: int | None) -> None:
+        """Writes the waiting lines, in order, up to the first that still awaits its figures: any awaiting line for
+        ``completed=None``, else one of a step after ``completed`` (the optimizer steps whose figures are in)."""
+        ready = 0
+        for record, awaits in self._waiting:
+            if awaits and (completed is None or record["step"] > completed):
+                break
+            ready += 1
+        done, self._waiting = self._waiting[:ready], self._waiting[ready:]
+        if self.run_dir is None or not done:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / HISTORY_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            for record, _ in done:
+                f.write(json.dumps(record) + "\n")
 
     def _wall(self) -> float:
         return time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
@@ -90,7 +114,7 @@ class RunRecorder(pl.Callback):
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        """Records the step that just finished."""
+        """Records the step (or micro-batch) that just finished."""
         seconds = time.perf_counter() - self._batch_start
         self.step_seconds.append(seconds)
         record: dict[str, Any] = {"kind": "train", "step": trainer.global_step, "wall_seconds": self._wall(),
@@ -98,17 +122,52 @@ class RunRecorder(pl.Callback):
         for key, value in trainer.callback_metrics.items():
             if key.startswith("train/") and (v := _scalar(value)) is not None:
                 record[key] = v
-        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
-        # Pipelined figures complete one step late: record each completed step once.
-        if optimizer is not None and optimizer.telemetry.steps > len(self.telemetry):
-            metrics = optimizer.telemetry.metrics()
-            self.telemetry.append(metrics)
-            record.update(metrics)
         # meft_offload's row traffic and expert usage for the step just taken.
         rows = getattr(trainer.strategy, "last_metrics", None)
         if isinstance(rows, dict):
             record.update(rows)
-        self._write(record)
+        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
+        # The line that ends an optimizer step (global_step moved) is the one its offload figures belong to;
+        # accumulation's earlier micro-batches carry none.
+        ends_step = trainer.global_step != self._last_global_step
+        self._last_global_step = trainer.global_step
+        self._write(record, awaits_figures=optimizer is not None and ends_step)
+        if optimizer is not None:
+            self._collect(optimizer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Collects the last step's offload figures and writes every waiting line."""
+        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
+        if optimizer is not None:
+            if optimizer.step_in_flight:
+                # The strategy settles pending host work right after this hook; doing it first lets the figures in.
+                trainer.strategy.synchronize()
+            self._collect(optimizer)  # also figures settled since the last step (an evaluation synchronizes)
+        self._flush()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A failed run keeps every line it has, figures or not."""
+        self._flush()
+
+    def _collect(self, optimizer: Any) -> None:
+        """Attaches newly completed offload figures to their step's line and writes the lines that are settled."""
+        for number, metrics in optimizer.telemetry.completed:
+            if number <= self._collected:
+                continue
+            self._collected = number
+            self.telemetry.append(metrics)
+            for index in range(len(self._waiting) - 1, -1, -1):
+                record, awaits = self._waiting[index]
+                if awaits and record["step"] == number:
+                    record.update(metrics)
+                    self._waiting[index] = (record, False)
+                    break
+        completed = optimizer.telemetry.steps + optimizer.telemetry.skipped_steps
+        self._settle(completed)
+
+    def _flush(self) -> None:
+        self._waiting = [(record, False) for record, _ in self._waiting]
+        self._settle(completed=None)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Records the validation metrics (skipped during the sanity check and outside ``fit``)."""

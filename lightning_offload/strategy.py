@@ -69,7 +69,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         seed: seed of the projector draw and of stochastic rounding.
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
         log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
-            the figures of the latest *completed* step, i.e. one step behind).
+            the figures of the latest *completed* step, i.e. one step behind; the CLI's ``history.jsonl`` files
+            each step's figures under its own number).
         pipelined: overlap the host work with device compute: each update is applied right before its module's
             next forward. ``False`` applies every update before the optimizer step returns (same results).
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +38,9 @@ class OffloadTelemetry:
         device_state_bytes: bytes of optimizer state found on the device — measured, expected to be 0.
         last_timeline: the latest completed step's :class:`~lightning_offload.pipeline.StepTimeline` (busy seconds
             per lane: device compute, link each way, host Adam, device waiting for updates).
+        completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
+            so a reader that looks only now and then misses none: a pipelined step completes during the next one,
+            and a skip right after it completes in the same call.
     """
 
     last: StepTelemetry = field(default_factory=StepTelemetry)
@@ -45,6 +49,7 @@ class OffloadTelemetry:
     host_state_bytes: int = 0
     device_state_bytes: int = 0
     last_timeline: Any = None
+    completed: deque[tuple[int, dict[str, float]]] = field(default_factory=lambda: deque(maxlen=64), repr=False)
 
     def metrics(self) -> dict[str, float]:
         """Flat scalars for a logger, named ``offload/<figure>``."""
@@ -60,6 +65,10 @@ class OffloadTelemetry:
             }
         )
         return flat
+
+    def complete_step(self) -> None:
+        """Files the figures of the step just completed or skipped under its optimizer step number."""
+        self.completed.append((self.steps + self.skipped_steps, self.metrics()))
 
     def state_dict(self) -> dict[str, int]:
         """Counters that a resumed run continues from."""

@@ -190,6 +190,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
 
+    def size(value: float) -> str:
+        # Tiny models move kilobytes: a fixed MiB format would print them as 0.
+        for unit, scale in (("GiB", 1024**3), ("MiB", mib), ("KiB", 1024)):
+            if value >= scale:
+                return f"{value / scale:.1f} {unit}"
+        return f"{value:.0f} B"
+
     peak = summary["device_peak_bytes"]
     device_memory = (f"{peak / mib:.0f} MiB peak on {summary['device']}" if peak is not None else
                      f"n/a on {summary['device']} (host peak RSS {summary['host_peak_rss_bytes'] / mib:.0f} MiB)")
@@ -199,11 +206,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"offload             {summary['offload']} ({summary['strategy']}, {summary['precision']})",
         f"trainable params    {summary['trainable_parameters']:,}",
         f"device memory       {device_memory}",
-        f"link bytes / step   {summary['link_bytes_to_host_per_step'] / mib:.1f} MiB to host, "
-        f"{summary['link_bytes_to_device_per_step'] / mib:.1f} MiB to device",
+        f"link bytes / step   {size(summary['link_bytes_to_host_per_step'])} to host, "
+        f"{size(summary['link_bytes_to_device_per_step'])} to device",
         f"host optimizer      {summary['host_optimizer_seconds_per_step'] * 1e3:.0f} ms / step, "
-        f"state {summary['host_state_bytes'] / mib:.0f} MiB on host, {summary['device_state_bytes'] / mib:.0f} MiB on "
-        f"device",
+        f"state {size(summary['host_state_bytes'])} on host, {size(summary['device_state_bytes'])} on device",
         f"steps               {summary['steps']} in {summary['train_seconds']:.1f} s "
         f"(median {num(step, '.2f')} s / step)"
         + (f", {summary['skipped_steps']} skipped (non-finite gradients)" if summary.get("skipped_steps") else ""),
