@@ -520,6 +520,13 @@ class OffloadOptimizer(Optimizer):
         slot.grad_ref = None
 
     @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer this one drives. Lightning's ``LearningRateMonitor`` reads a wrapper's
+        ``.optimizer`` (as for DeepSpeed's), so the learning rate is logged once, under the user's optimizer's name
+        (``lr-AdamW``), not a second time as ``lr-OffloadOptimizer``."""
+        return self.wrapped
+
+    @property
     def step_in_flight(self) -> bool:
         """Whether the latest step's host work may still be running: its figures complete at the next
         :meth:`synchronize` (the next step's launch, when pipelined)."""

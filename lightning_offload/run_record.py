@@ -61,13 +61,27 @@ class RunRecorder(pl.Callback):
     them under its own step number; the last step's figures are collected at the end of training, so even a
     one-step run (``fast_dev_run``) reports its link bytes and host state.
 
+    A resumed run (``resume=True``) continues the history already in ``run_dir``: lines after the step it resumes
+    from (written after that checkpoint, by the run that then stopped) are dropped, and the wall clock continues
+    from the last line kept, so the history reads as one run.
+
     Args:
         run_dir: Directory of this run (Hydra's output directory in the CLI); ``None`` keeps the records in memory
             only (``records``).
+        resume: this fit resumes from a checkpoint written in ``run_dir``.
+
+    Attributes:
+        records: this session's lines, in order.
+        previous: a resumed run's lines kept from before it (empty otherwise).
+        start_step: the optimizer step training started from (0, or the checkpoint's).
     """
 
-    def __init__(self, run_dir: str | Path | None) -> None:
+    def __init__(self, run_dir: str | Path | None, resume: bool = False) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.resume = resume
+        self.previous: list[dict[str, Any]] = []
+        self.start_step = 0
+        self._wall_offset = 0.0
         self._fit_start: float | None = None
         self._batch_start = 0.0
         self.step_seconds: list[float] = []
@@ -101,13 +115,32 @@ class RunRecorder(pl.Callback):
                 f.write(json.dumps(record) + "\n")
 
     def _wall(self) -> float:
-        return time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
+        return self._wall_offset + (time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Starts the wall clock (the projector fit, when there is one, counts: it is part of the run's cost)."""
         self._fit_start = time.perf_counter()
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Notes the step training starts from; a resumed run takes up the history it continues."""
+        self.start_step = self._last_global_step = trainer.global_step
+        if self.resume and self.run_dir is not None:
+            self._continue_history(self.start_step)
+
+    def _continue_history(self, step: int) -> None:
+        path = self.run_dir / HISTORY_FILE  # type: ignore[operator]
+        earlier = read_history(self.run_dir)  # type: ignore[arg-type]
+        self.previous = [r for r in earlier if r.get("step", 0) <= step]
+        dropped = len(earlier) - len(self.previous)
+        if dropped:
+            # Written after the checkpoint by the run that stopped: this run redoes those steps.
+            temporary = path.with_suffix(".jsonl.partial")
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.previous)
+            temporary.replace(path)  # atomic: a crash here leaves the old history, never half of one
+        self._wall_offset = max((r.get("wall_seconds", 0.0) for r in self.previous), default=0.0)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         """Marks the start of a step."""

@@ -39,6 +39,32 @@ log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+def run_dir_of_checkpoint(ckpt_path: str | None) -> str | None:
+    """The run directory a checkpoint was written in (``<run dir>/checkpoints/<name>.ckpt`` with the run's
+    ``history.jsonl`` beside), or ``None`` for no checkpoint or one from elsewhere."""
+    if not ckpt_path:
+        return None
+    folder = Path(ckpt_path).expanduser().resolve().parent
+    if folder.name == "checkpoints" and (folder.parent / "history.jsonl").is_file():
+        return str(folder.parent)
+    return None
+
+
+def _resume_run_dir(ckpt_path: str | None, fresh: str) -> str:
+    # A resumed run continues in its own directory, so its history, summary and plots stay in one place.
+    return run_dir_of_checkpoint(ckpt_path) or fresh
+
+
+def _resume_config_subdir(ckpt_path: str | None, stamp: str) -> str:
+    # Keep the first run's .hydra/ config (what it was started with); the resumed one's goes beside it.
+    return f".hydra/resumed-{stamp}" if run_dir_of_checkpoint(ckpt_path) else ".hydra"
+
+
+# Registered at import, before @hydra.main composes conf/hydra/default.yaml, which uses them.
+OmegaConf.register_new_resolver("lo_run_dir", _resume_run_dir, replace=True)
+OmegaConf.register_new_resolver("lo_config_subdir", _resume_config_subdir, replace=True)
+
+
 def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: OffloadPolicy,
                  optim: DictConfig) -> pl.LightningModule:
     """The LightningModule for the data's task: a classifier for labelled data, else a causal LM.
@@ -146,6 +172,8 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "strategy": type(trainer.strategy).__name__,
         "precision": str(trainer.precision),
         "steps": trainer.global_step,
+        # A resumed run: the steps taken in this session (train_seconds and the step times are this session's).
+        "steps_this_run": trainer.global_step - recorder.start_step,
         "skipped_steps": _skipped_steps(trainer),
         "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad)
         + getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
@@ -201,6 +229,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     device_memory = (f"{peak / mib:.0f} MiB peak on {summary['device']}" if peak is not None else
                      f"n/a on {summary['device']} (host peak RSS {summary['host_peak_rss_bytes'] / mib:.0f} MiB)")
     step = summary["median_step_seconds"]
+    this_run = summary.get("steps_this_run", summary["steps"])
+    steps_line = (f"steps               {summary['steps']} in {summary['train_seconds']:.1f} s "
+                  f"(median {num(step, '.2f')} s / step)")
+    if this_run != summary["steps"]:
+        steps_line = (f"steps               {summary['steps']}, resumed at step {summary['steps'] - this_run}: "
+                      f"{this_run} in {summary['train_seconds']:.1f} s (median {num(step, '.2f')} s / step)")
     lines = [
         f"model               {summary['model']}  ({summary['task']})",
         f"offload             {summary['offload']} ({summary['strategy']}, {summary['precision']})",
@@ -210,8 +244,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{size(summary['link_bytes_to_device_per_step'])} to device",
         f"host optimizer      {summary['host_optimizer_seconds_per_step'] * 1e3:.0f} ms / step, "
         f"state {size(summary['host_state_bytes'])} on host, {size(summary['device_state_bytes'])} on device",
-        f"steps               {summary['steps']} in {summary['train_seconds']:.1f} s "
-        f"(median {num(step, '.2f')} s / step)"
+        steps_line
         + (f", {summary['skipped_steps']} skipped (non-finite gradients)" if summary.get("skipped_steps") else ""),
         f"eval loss           {num(summary['loss_before'], '.4f')} -> {num(summary['loss_after'], '.4f')}",
     ]
@@ -252,7 +285,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
     module = build_module(lm, datamodule, policy, cfg.optim)
 
-    recorder = RunRecorder(run_dir)
+    resuming = cfg.get("ckpt_path") is not None
+    recorder = RunRecorder(run_dir, resume=resuming)
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks") + policy.callbacks() + [recorder]
     loggers = _instantiate_dict(cfg.get("logger"), "logger")
     if not loggers:
@@ -271,6 +305,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     train_seconds = time.perf_counter() - start
+    if resuming:
+        # The evaluation before training is the one at step 0 in the run's history, when it is there.
+        first = next((r for r in recorder.previous if r["kind"] == "val" and r["step"] == 0), None)
+        before = {k: v for k, v in first.items() if k.startswith("val/")} if first else {}
     last = recorder.last_validation()
     if last is not None and last["step"] == trainer.global_step:
         after = {k: v for k, v in last.items() if k.startswith("val/")}

@@ -127,3 +127,32 @@ def test_null_for_a_group_means_its_none_option() -> None:
 
     assert null_group_overrides(["logger=null", "callbacks=null", "ckpt_path=null", "optim.lr=1e-3", "-m"]) == [
         "logger=none", "callbacks=none", "ckpt_path=null", "optim.lr=1e-3", "-m"]
+
+
+def test_a_resumed_run_continues_its_history_in_its_own_directory(tmp_path: Path, env: dict[str, str]) -> None:
+    first_args = ["model=tiny_llama", "trainer=cpu", "logger=none", "callbacks=checkpoint",
+                  "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.val_check_interval=2",
+                  "trainer.limit_val_batches=2", "data.max_val_blocks=8"]
+    first = run_cli([*first_args, "trainer.max_steps=3"], tmp_path, env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    # The checkpoint is from step 2; step 3 and its evaluation were written after it.
+    assert [r["step"] for r in read_history(run_dir) if r["kind"] == "train"] == [1, 2, 3]
+
+    resumed = run_cli([*first_args, "trainer.max_steps=5", f"ckpt_path={run_dir}/checkpoints/last.ckpt"], tmp_path,
+                      env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list((tmp_path / "logs" / "train" / "runs").iterdir()) == [run_dir]  # no second run directory
+    history = read_history(run_dir)
+    assert [r["step"] for r in history if r["kind"] == "train"] == [1, 2, 3, 4, 5]  # step 3 once: redone
+    assert [r["step"] for r in history if r["kind"] == "val"] == [0, 2, 4, 5]
+    walls = [r["wall_seconds"] for r in history]
+    assert walls == sorted(walls)  # one clock across both sessions
+    summary = read_summary(run_dir)
+    assert summary["steps"] == 5 and summary["steps_this_run"] == 3
+    assert summary["loss_before"] == history[0]["val/loss"]  # the step-0 evaluation, not "n/a"
+    assert "resumed at step 2: 3 in" in resumed.stdout
+    # The first run's config stays; the resumed run's goes beside it.
+    assert "ckpt_path: null" in (run_dir / ".hydra" / "config.yaml").read_text()
+    (resumed_config,) = (run_dir / ".hydra").glob("resumed-*/config.yaml")
+    assert "last.ckpt" in resumed_config.read_text()

@@ -124,3 +124,22 @@ def test_no_fit_bar_without_progress_bars(capsys):
     trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1,
             callbacks=[ProjectorRefit(num_samples=1, max_iters=2)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert "Projector fit" not in capsys.readouterr().err
+
+
+def with_scheduler():
+    return TinyClassifier(scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s)))
+
+
+@pytest.mark.parametrize("module", [TinyClassifier, with_scheduler], ids=["no-scheduler", "scheduler"])
+@pytest.mark.parametrize("make", [ZeroOffloadStrategy, lambda: LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)],
+                         ids=["zero", "lsp"])
+def test_the_learning_rate_is_logged_once_under_the_users_optimizer(tmp_path, make, module):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(make(), max_steps=3, logger=logger, log_every_n_steps=1,
+            callbacks=[LearningRateMonitor(logging_interval="step")]).fit(module(), classification_data())
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    # The tiny classifier has two parameter groups.
+    assert [key for key in header if key.startswith("lr-")] == ["lr-AdamW/pg1", "lr-AdamW/pg2"], header
