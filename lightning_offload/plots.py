@@ -4,14 +4,16 @@ Reads every run directory below the given paths (a directory holding the ``histo
 and its ``summary.json`` when the run finished) and writes PNGs:
 
 - ``eval_vs_step.png`` and ``eval_vs_time.png``: the evaluation loss (and the task's metric when it is not the loss)
-  against optimizer steps and against wall time since the start of ``fit`` (projector fits included);
+  against optimizer steps and against wall time since the start of ``fit``, with each run's projector fit shaded;
 - ``link_bytes.png``: bytes over the link per step, each way;
-- ``memory.png``: optimizer state on the device and on the host, and the device's peak memory on a GPU run;
+- ``memory.png``: training state on the device (parameters, gradients, optimizer state) and optimizer state on the
+  host, the same quantities as ``summary.md``, and the device's peak memory on a GPU run;
 - ``step_time.png``: median seconds per step;
 - ``summary.md``: one table row per finished run (the figures of its ``summary.json``), also printed.
 
-Runs are labelled by the overrides that differ between them (``offload=zero``, ``offload.strategy.rank=0.125``),
-so a sweep's legend says what was swept.
+Every figure's title says what was run (model, task, steps). Runs are labelled by the overrides that differ between
+them (``offload=zero``, ``offload.strategy.rank=0.125``), so a sweep's legend says what was swept; each run has its
+own line style and marker, so curves that coincide (``zero`` and ``none`` train identically) stay visible.
 """
 
 from __future__ import annotations
@@ -89,22 +91,56 @@ def _metric_names(runs: list[Run]) -> list[str]:
     return names
 
 
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X"]
+
+
+def context(runs: list[Run]) -> str:
+    """What the runs ran, for figure titles: model, task and steps (each once when shared, else listed)."""
+    summaries = [run.summary for run in runs if run.summary is not None]
+
+    def shared(key: str, unit: str = "") -> str:
+        values = list(dict.fromkeys(str(s.get(key)) for s in summaries if s.get(key) is not None))
+        return ", ".join(values) + unit if values else ""
+
+    parts = [shared("model"), shared("task"), shared("steps", " steps")]
+    return " · ".join(p for p in parts if p) or ", ".join(run.label for run in runs)
+
+
+def _fit_span(run: Run) -> tuple[float, float] | None:
+    """Wall-clock span of the run's initial projector fit: it ends where the first step starts."""
+    seconds = (run.summary or {}).get("projector_fit_seconds")
+    first = next((r for r in run.history if r.get("kind") == "train"), None)
+    if not seconds or first is None:
+        return None
+    end = first["wall_seconds"] - first.get("step_seconds", 0.0)
+    return max(0.0, end - seconds), end
+
+
 def _curves(runs: list[Run], x_key: str, x_label: str, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     metrics = _metric_names(runs)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        for run in runs:
+        for index, run in enumerate(runs):
+            style = dict(linestyle=LINE_STYLES[index % len(LINE_STYLES)], marker=MARKERS[index % len(MARKERS)],
+                         markersize=4, markerfacecolor="none", linewidth=1.6, alpha=0.9)
             points = [(r[x_key], r[metric]) for r in run.evaluations() if metric in r]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", markersize=3, label=run.label)
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            (line,) = ax.plot(xs, ys, label=run.label, **style)
+            span = _fit_span(run) if x_key == "wall_seconds" else None
+            if span is not None:
+                ax.axvspan(*span, color=line.get_color(), alpha=0.12, linewidth=0,
+                           label=f"projector fit ({run.label})")
         ax.set_xlabel(x_label)
         ax.set_ylabel(metric)
         ax.set_title(f"{metric} against {x_label.split(' (')[0]}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle(context(runs), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -123,7 +159,7 @@ def _bars(runs: list[Run], series: dict[str, list[float]], ylabel: str, title: s
         ax.bar_label(bars, fmt="%.3g", fontsize=7)
     ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(f"{title}\n{context(runs)}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=8)
@@ -142,11 +178,29 @@ def _mib(value: float | None) -> float | None:
     return None if value is None else value / MIB
 
 
+#: For language modelling the summary's metric is the loss itself; the table shows the next-token accuracy (or the
+#: perplexity) from the evaluations instead, so its metric column says something the loss column does not.
+LM_METRICS = ("val/token_acc", "val/ppl")
+
+
+def display_metric(run: Run) -> tuple[str, float | None, float | None] | None:
+    """``(name, before, after)`` of the run's metric column: the task's metric, or an LM's token accuracy."""
+    s = run.summary or {}
+    if s.get("metric") and s["metric"] != "val/loss":
+        return s["metric"], s.get("metric_before"), s.get("metric_after")
+    evaluations = run.evaluations()
+    for name in LM_METRICS:
+        values = [r[name] for r in evaluations if name in r]
+        if values:
+            return name, values[0], values[-1]
+    return None
+
+
 def summary_table(runs: list[Run]) -> str:
-    """A Markdown table of the finished runs' summaries."""
+    """A Markdown table of the finished runs' summaries (memory columns as in ``memory.png``)."""
     header = ("| run | steps | eval loss | metric | s / step | link MiB / step (to host, to device) | "
-              "device training state MiB | host state MiB |")
-    lines = [header, "|---" * (header.count("|") - 1) + "|"]
+              "device training state MiB | host optimizer state MiB | device peak MiB |")
+    lines = [f"{context(runs)}", "", header, "|---" * (header.count("|") - 1) + "|"]
 
     def num(value: Any, fmt: str) -> str:
         return "–" if value is None else format(value, fmt)
@@ -155,13 +209,14 @@ def summary_table(runs: list[Run]) -> str:
         s = run.summary
         if s is None:
             continue
-        metric = "" if s["metric"] == "val/loss" else (f"{s['metric']} {num(s['metric_before'], '.4f')} → "
-                                                       f"{num(s['metric_after'], '.4f')}")
+        shown = display_metric(run)
+        metric = "" if shown is None else f"{shown[0]} {num(shown[1], '.4f')} → {num(shown[2], '.4f')}"
         lines.append(
             f"| {run.label} | {s['steps']} | {num(s['loss_before'], '.4f')} → {num(s['loss_after'], '.4f')} | "
             f"{metric} | {num(s['median_step_seconds'], '.2f')} | "
             f"{s['link_bytes_to_host_per_step'] / MIB:.1f}, {s['link_bytes_to_device_per_step'] / MIB:.1f} | "
-            f"{num(_mib(s.get('device_trainable_bytes')), '.1f')} | {s['host_state_bytes'] / MIB:.1f} |")
+            f"{num(_mib(s.get('device_trainable_bytes')), '.1f')} | {s['host_state_bytes'] / MIB:.1f} | "
+            f"{num(_mib(s.get('device_peak_bytes')), '.0f')} |")
     return "\n".join(lines)
 
 
@@ -186,9 +241,11 @@ def plot_runs(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLik
             "to host": [_summary_value(r, "link_bytes_to_host_per_step") / MIB for r in finished],
             "to device": [_summary_value(r, "link_bytes_to_device_per_step") / MIB for r in finished],
         }, "MiB per step", "Link bytes per step", out / "link_bytes.png"))
+        # The same two quantities as summary.md's memory columns.
         memory = {
-            "optimizer state on device": [_summary_value(r, "device_state_bytes") / MIB for r in finished],
-            "optimizer state on host": [_summary_value(r, "host_state_bytes") / MIB for r in finished],
+            "device training state (params, grads, optimizer)": [
+                _summary_value(r, "device_trainable_bytes") / MIB for r in finished],
+            "host optimizer state": [_summary_value(r, "host_state_bytes") / MIB for r in finished],
         }
         # Peak memory is measured only on CUDA (on a CPU run the "device" is the host process itself).
         if any(r.summary.get("device_peak_bytes") is not None for r in finished):

@@ -57,8 +57,19 @@ def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict
     written = sorted(p.name for p in out.glob("*.png"))
     assert written == ["eval_vs_step.png", "eval_vs_time.png", "link_bytes.png", "memory.png", "step_time.png"]
     table = (out / "summary.md").read_text().splitlines()
-    assert len(table) == 2 + 3 and all(f"| offload={name} | 4 |" in "\n".join(table) for name in ("lsp", "zero",
+    assert len(table) == 4 + 3 and all(f"| offload={name} | 4 |" in "\n".join(table) for name in ("lsp", "zero",
                                                                                                   "none"))
+    assert table[0] == "tiny-llama (h128, 2 layers) · bible_lm · 4 steps"  # what was run, as in every figure title
+    for row in table[4:]:
+        assert "| val/token_acc 0." in row  # a language model's metric column is filled
+        assert row.endswith("| – |")  # no device peak on a CPU run
+    # The projector fit is shaded on the time axis: it spans the seconds the summary reports, before the first step.
+    from lightning_offload.plots import _fit_span
+
+    (lsp,) = [run for run in runs if run.label == "offload=lsp"]
+    start, end = _fit_span(lsp)
+    assert end - start == pytest.approx(lsp.summary["projector_fit_seconds"], rel=1e-6) or start == 0.0
+    assert all(_fit_span(run) is None for run in runs if run is not lsp)
     for name in written:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
