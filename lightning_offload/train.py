@@ -13,13 +13,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.callbacks import ProjectorRefit
@@ -293,7 +294,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     Returns:
         ``(metrics, objects)``: the final metrics (the trainer's callback metrics plus ``summary/*``), and the
         objects built (``cfg``, ``model``, ``datamodule``, ``policy``, ``module``, ``trainer``, ``callbacks``,
-        ``loggers``, ``recorder``).
+        ``loggers``, ``recorder``) with the run's ``summary`` (what ``summary.json`` holds).
     """
     check_optim(cfg.optim)  # before anything is built: a bad setting costs no model load
     if cfg.get("seed") is not None:
@@ -351,7 +352,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     metrics.update(after)
     metrics.update(scalars)
     objects = {"cfg": cfg, "model": lm, "datamodule": datamodule, "policy": policy, "module": module,
-               "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder}
+               "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder,
+               "summary": summary}
     return metrics, objects
 
 
@@ -373,6 +375,27 @@ def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
     if name not in metrics:
         raise KeyError(f"optimized_metric={name!r} was not produced by this run; available: {sorted(metrics)}.")
     return float(metrics[name])
+
+
+def compose_config(overrides: Sequence[str] = (), output_dir: str | Path | None = None) -> DictConfig:
+    """The command line's config with ``overrides``, composed from Python (benchmarks, notebooks, tests).
+
+    Args:
+        overrides: Hydra overrides, as on the command line (``["offload=zero", "trainer.max_steps=50"]``).
+        output_dir: the run directory (history, summary); default: the directory Hydra's settings name.
+
+    Returns:
+        The config :func:`train` takes, with ``paths.output_dir`` resolved.
+    """
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=null_group_overrides(list(overrides)), return_hydra_config=True)
+    HydraConfig().set_config(cfg)  # ${hydra:...} interpolations resolve against it, as in a command-line run
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir) if output_dir is not None else cfg.hydra.run.dir
+        del cfg["hydra"]  # the task function never sees the hydra node
+    return cfg
 
 
 def error_paragraph(error: BaseException) -> str:

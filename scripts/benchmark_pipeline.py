@@ -14,10 +14,10 @@ import json
 import statistics
 from dataclasses import asdict
 
-from lightning_offload.finetune import FinetuneConfig, FinetuneResult, run_finetune
+from lightning_offload.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
 
-def hidden_share(result: FinetuneResult) -> float:
+def hidden_share(result: BenchmarkRun) -> float:
     """Share of the step's host work (Adam + copies) during which the device was not waiting for it."""
     lanes = result.timeline_seconds_per_step
     work = lanes.get("host_seconds", 0.0) + lanes.get("link_to_device_seconds", 0.0)
@@ -31,22 +31,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--model", default="smollm2_135m", help="a conf/model option (tiny_llama: a smoke run)")
     parser.add_argument("--strategies", nargs="+", default=["lsp_offload", "zero_offload"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    runs: dict[tuple[str, bool], list[FinetuneResult]] = {}
+    runs: dict[tuple[str, bool], list[BenchmarkRun]] = {}
     for repeat in range(args.repeats):
         for strategy in args.strategies:
             for pipelined in (False, True):
-                config = FinetuneConfig(strategy=strategy, steps=args.steps, precision=args.precision,
-                                        pipelined=pipelined, eval_blocks=8)
-                result = run_finetune(config)
+                recipe = recipe_overrides(steps=args.steps, precision=args.precision, eval_blocks=8, model=args.model)
+                result = run_benchmark(recipe + method_overrides(strategy, pipelined=pipelined))
                 runs.setdefault((strategy, pipelined), []).append(result)
                 print(f"[repeat {repeat}] {strategy} pipelined={pipelined}: {result.median_step_seconds:.3f} s/step, "
                       f"timeline {result.timeline_seconds_per_step}", flush=True)
 
-    print(f"\nSmolLM2-135M, {args.steps} steps of 4×128 tokens, {args.precision}, {args.repeats} repeats\n")
+    print(f"\n{args.model}, {args.steps} steps of 4×128 tokens, {args.precision}, {args.repeats} repeats\n")
     print("| strategy | synchronous s/step | pipelined s/step | pipelined / synchronous | host work ms/step "
           "| device waited ms/step (pipelined) | host work hidden |")
     print("|---|---|---|---|---|---|---|")

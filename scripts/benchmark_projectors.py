@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lightning_offload.finetune import FinetuneConfig, run_finetune
+from lightning_offload.benchmark_run import method_overrides, recipe_overrides, run_benchmark
 
 # SmolLM2-135M's projected layers per block: (out, in) of q, k, v, o, gate, up, down; 30 blocks.
 SMOLLM2_LAYERS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
@@ -78,23 +78,12 @@ def projected_state_floats(method: str, rank: float, lora_rank: int, galore_rank
     return total
 
 
-def config_for(method: str, projected_lr: float, rank: float, args: argparse.Namespace) -> FinetuneConfig:
-    common = dict(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size, lr=args.lr,
-                  projected_lr=projected_lr, precision=args.precision, eval_blocks=args.eval_blocks, seed=args.seed,
-                  rank=rank, density=args.density, log_every_n_steps=max(1, args.steps))
-    if method == "adamw":
-        return FinetuneConfig(strategy="none", method="full", **common)
-    if method == "frozen":
-        return FinetuneConfig(strategy="none", method="frozen", **common)
-    if method == "lsp_learned":
-        return FinetuneConfig(strategy="lsp_offload", projectors="learned", **common)
-    if method == "lsp_random":
-        return FinetuneConfig(strategy="lsp_offload", projectors="random", **common)
-    if method == "galore":
-        return FinetuneConfig(strategy="none", method="galore", galore_rank=galore_rank_for(rank), **common)
-    if method == "lora":
-        return FinetuneConfig(strategy="none", method="lora", lora_rank=args.lora_rank, **common)
-    raise ValueError(method)
+def overrides_for(method: str, projected_lr: float, rank: float, args: argparse.Namespace) -> list[str]:
+    """The run of ``method`` at ``rank``, as overrides of the command line's config."""
+    recipe = recipe_overrides(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
+                              eval_blocks=args.eval_blocks, precision=args.precision, lr=args.lr, seed=args.seed)
+    return recipe + method_overrides(method, rank=rank, density=args.density, projected_lr=projected_lr,
+                                     lora_rank=args.lora_rank, galore_rank=galore_rank_for(rank))
 
 
 def _key(method: str, rank: float, projected_lr: float) -> str:
@@ -112,11 +101,10 @@ def _run(method: str, rank: float, projected_lr: float, args: argparse.Namespace
     key = _key(method, rank, projected_lr)
     if key in store["runs"]:
         return
-    result = run_finetune(config_for(method, projected_lr, rank, args))
-    record = {**asdict(result), "median_step_seconds": result.median_step_seconds, "method": method, "rank": rank,
-              "projected_lr": projected_lr}
-    record.pop("config")
-    record["config"] = asdict(result.config)
+    result = run_benchmark(overrides_for(method, projected_lr, rank, args))
+    record = {**asdict(result), "method": method, "rank": rank, "projected_lr": projected_lr,
+              "config": {"density": args.density, "steps": args.steps, "precision": args.precision, "lr": args.lr,
+                         "seed": args.seed}}
     store["runs"][key] = record
     with open(args.out + ".partial", "w") as handle:
         json.dump(store, handle, indent=1)

@@ -10,8 +10,10 @@ from lightning_offload.baselines import (
     layer_param_groups,
     projectable_layers,
 )
-from lightning_offload.finetune import FinetuneConfig, build_module
+from lightning_offload import LSPOffloadStrategy
 from lightning_offload.models.tiny import tiny_llama
+from lightning_offload.module import CausalLMModule
+from lightning_offload.policies import OffloadPolicy
 from tiny_modules import tiny_hf_model, token_data
 
 PROJECTED = {f"model.layers.{b}.{m}" for b in range(2) for m in (
@@ -75,18 +77,24 @@ def test_layer_groups_give_the_projectable_layers_their_own_lr():
     assert sum(len(g["params"]) for g in groups) == len([p for p in model.parameters() if p.requires_grad])
 
 
-def test_the_finetune_harness_builds_each_method():
-    wide = tiny_llama(vocab_size=64, hidden=128, intermediate=256, heads=4, kv_heads=2)  # the harness: min_dim 128
-    frozen = build_module(FinetuneConfig(strategy="none", method="frozen", lr=1e-4, projected_lr=1e-3), wide)
+def _module(policy: OffloadPolicy, model: torch.nn.Module, lr: float = 1e-4) -> CausalLMModule:
+    # What train() builds for a language-modelling task (lightning_offload.train.build_module), minus the data.
+    return CausalLMModule(policy.prepare(model), lr=lr, weight_decay=0.0,
+                          optimizer_factory=policy.optimizer_factory(lr, 0.0))
+
+
+def test_policies_build_each_method():
+    wide = tiny_llama(vocab_size=64, hidden=128, intermediate=256, heads=4, kv_heads=2)  # the configs: min_dim 128
+    frozen = _module(OffloadPolicy(name="none", strategy="auto", method="frozen", projected_lr=1e-3), wide)
     assert not frozen.model.model.layers[0].mlp.up_proj.weight.requires_grad
     assert frozen.model.model.embed_tokens.weight.requires_grad
     optimizer = frozen.configure_optimizers()
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == 1e-4  # nothing at 1e-3
-    lora = build_module(FinetuneConfig(strategy="none", method="lora", lora_rank=2, lr=1e-4, projected_lr=1e-3),
-                        tiny_llama(vocab_size=64, hidden=128, intermediate=256, heads=4, kv_heads=2))
+    lora = _module(OffloadPolicy(name="lora", strategy="auto", method="lora", lora_rank=2, projected_lr=1e-3),
+                   tiny_llama(vocab_size=64, hidden=128, intermediate=256, heads=4, kv_heads=2))
     (adapters, *_) = lora.configure_optimizers().param_groups
     assert adapters["lr"] == 1e-3 and len(adapters["params"]) == 2 * 2 * 5  # A and B on q, o, gate, up, down × 2
     with pytest.raises(ValueError, match="method='lora' trains the projectable layers itself"):
-        build_module(FinetuneConfig(strategy="lsp_offload", method="lora"), tiny_hf_model("llama"))
+        OffloadPolicy(name="lsp", strategy=LSPOffloadStrategy(), method="lora")
     with pytest.raises(ValueError, match="method='dora' is not one of"):
-        build_module(FinetuneConfig(strategy="none", method="dora"), tiny_hf_model("llama"))
+        OffloadPolicy(name="none", strategy="auto", method="dora")

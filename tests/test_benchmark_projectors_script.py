@@ -47,10 +47,10 @@ def test_report_gives_each_method_its_share_of_adamws_gain_over_frozen():
 
 def test_shared_rate_protocol_runs_every_method_at_the_users_rate(monkeypatch, tmp_path):
     bench = _script()
-    configs = []
+    runs = []
 
     def fake_run(method, rank, projected_lr, args, store):
-        configs.append(bench.config_for(method, projected_lr, rank, args))
+        runs.append(bench.overrides_for(method, projected_lr, rank, args))
 
     monkeypatch.setattr(bench, "_run", fake_run)
     monkeypatch.setattr(bench, "report", lambda store, args: "")
@@ -58,11 +58,19 @@ def test_shared_rate_protocol_runs_every_method_at_the_users_rate(monkeypatch, t
                                      "--lr", "2e-4", "--methods", "adamw", "frozen", "lsp_learned", "lsp_random",
                                      "--compression", "0.125"])
     bench.main()
-    assert {(c.method, c.strategy, c.projectors, c.rank) for c in configs} >= {
-        ("full", "none", "learned", 0.25), ("frozen", "none", "learned", 0.25),
-        ("full", "lsp_offload", "learned", 0.125), ("full", "lsp_offload", "random", 0.125)}
-    assert len(configs) == 6
-    assert all(c.lr == 2e-4 and c.projected_lr == 2e-4 for c in configs), "one rate for every parameter"
+
+    def setting(overrides, key):
+        return next((o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")), None)
+
+    cells = {(setting(o, "offload"), setting(o, "offload.method"), setting(o, "offload.strategy.projectors"),
+              setting(o, "offload.strategy.rank")) for o in runs}
+    assert cells == {("none", None, None, None), ("none", "frozen", None, None), ("lsp", None, "learned", "0.25"),
+                     ("lsp", None, "random", "0.25"), ("lsp", None, "learned", "0.125"),
+                     ("lsp", None, "random", "0.125")}
+    assert len(runs) == 6
+    # One rate for every parameter: the optimizer's and the projected layers'.
+    assert all(setting(o, "optim.lr") == "0.0002" and setting(o, "offload.projected_lr") == "0.0002" for o in runs)
+    assert all(setting(o, "model") == "smollm2_135m" and setting(o, "data") == "bible_lm" for o in runs)
 
 
 def test_shared_lr_script_reports_shares_per_seed_and_their_mean():

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
@@ -21,7 +20,7 @@ from lightning_offload.module import CausalLMModule
 from lightning_offload.policies import OffloadPolicy
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.train import CONFIG_DIR, train
+from lightning_offload.train import CONFIG_DIR, compose_config, train
 
 GROUPS = ("model", "data", "offload", "trainer", "logger", "callbacks", "experiment", "hparams_search", "debug",
           "paths")
@@ -40,14 +39,10 @@ def _isolated(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
 
 def compose_cfg(overrides: list[str], out: Path | None = None) -> DictConfig:
     """The real config with overrides, as the CLI composes it, writing into ``out``."""
-    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    HydraConfig().set_config(cfg)  # ${hydra:...} interpolations resolve against it, as in a CLI run
-    with open_dict(cfg):
-        if out is not None:
-            cfg.paths.output_dir = str(out)
+    cfg = compose_config(overrides, out)
+    if out is not None:
+        with open_dict(cfg):
             cfg.paths.log_dir = str(out)
-        del cfg["hydra"]  # the task function never sees the hydra node
     return cfg
 
 
