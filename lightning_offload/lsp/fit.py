@@ -82,58 +82,44 @@ class _SparseProduct(torch.autograd.Function):
 
 def cross_gram(left: SparseProjector, right: SparseProjector) -> Tensor:
     """``L Rᵀ`` (``d_L × d_R``) of two projectors of the same dimension, in fp32, without densifying either."""
-    plan = GramPlan(left.indices, left.dim_out, right.indices, right.dim_out)
-    return plan.gram(left.values.float(), right.values.float())
+    return gram(left.values.float(), left.indices, left.dim_out, right.values.float(), right.indices, right.dim_out)
 
 
-class GramPlan:
-    """How to sum ``P Qᵀ`` from the ``r·r'`` products inside each column, in a fixed order.
+def gram(
+    values: Tensor, indices: Tensor, dim_out: int,
+    values_r: Tensor | None = None, indices_r: Tensor | None = None, dim_out_r: int | None = None,
+) -> Tensor:
+    """``P Pᵀ`` (or ``P Qᵀ``) from the ``r²`` products inside each column: ``O(n·r²)`` work, differentiable.
 
-    ``(P Qᵀ)[a, b] = Σ_j Σ_{k, l: P's k-th row of column j is a, Q's l-th is b} p_jk·q_jl``. Scattering the products with
-    ``index_put(accumulate=True)`` is non-deterministic on the CPU with more than one thread (atomic float adds in
-    whatever order threads arrive), which made two identical fits differ. Here the products are sorted once by target
-    entry and each entry is one segment sum (``segment_reduce``: each segment summed serially in a fixed order), so
-    the result is bit-identical for any thread count. The sort depends only on the indices, which a fit keeps fixed,
-    so it is computed once per layer fit.
-
-    Args:
-        indices: ``(n, r)`` indices of ``P``; ``dim_out`` its compressed size.
-        indices_r: ``(n, r')`` indices of ``Q``; ``dim_out_r`` its compressed size.
+    The products are summed into their entries in a fixed order, so the result is bit-identical from run to run for
+    any thread count: ``index_add`` on the CPU (``index_put(accumulate=True)`` there adds with atomics from several
+    threads, in whatever order they arrive, which made identical fits differ), ``index_put(accumulate=True)`` on
+    CUDA (where it sorts first, and ``index_add`` would use atomics).
     """
-
-    def __init__(self, indices: Tensor, dim_out: int, indices_r: Tensor, dim_out_r: int) -> None:
-        n, r = indices.shape
-        r_r = indices_r.shape[1]
-        rows = indices.unsqueeze(2).expand(n, r, r_r).reshape(-1)
-        cols = indices_r.unsqueeze(1).expand(n, r, r_r).reshape(-1)
-        keys = rows * dim_out_r + cols
-        self.order = torch.argsort(keys, stable=True)
-        self.targets, self.lengths = torch.unique_consecutive(keys[self.order], return_counts=True)
-        self.shape = (dim_out, dim_out_r)
-
-    @classmethod
-    def of(cls, projector: SparseProjector) -> GramPlan:
-        """The plan of ``P Pᵀ``."""
-        return cls(projector.indices, projector.dim_out, projector.indices, projector.dim_out)
-
-    def gram(self, values: Tensor, values_r: Tensor) -> Tensor:
-        """``P Qᵀ`` for the ``(n, r)`` values of ``P`` and ``(n, r')`` of ``Q``; differentiable in both."""
-        products = (values.unsqueeze(2) * values_r.unsqueeze(1)).reshape(-1)
-        sums = torch.segment_reduce(products[self.order], "sum", lengths=self.lengths)
-        flat = sums.new_zeros(self.shape[0] * self.shape[1])
-        return flat.index_put((self.targets,), sums).reshape(self.shape)  # targets are distinct: nothing accumulates
+    if values_r is None:
+        values_r, indices_r, dim_out_r = values, indices, dim_out
+    n, r = indices.shape
+    r_r = indices_r.shape[1]
+    keys = (indices.unsqueeze(2) * dim_out_r + indices_r.unsqueeze(1)).reshape(-1)  # flat entry of each product
+    products = (values.unsqueeze(2) * values_r.unsqueeze(1)).reshape(-1)
+    flat = values.new_zeros(dim_out * dim_out_r)
+    if flat.device.type == "cuda":
+        flat = flat.index_put((keys,), products, accumulate=True)
+    else:
+        flat = flat.index_add(0, keys, products)
+    return flat.reshape(dim_out, dim_out_r)
 
 
 def _error_squared(
-    a: Tensor, pattern_a: SparsityPattern, plan_a: GramPlan, b: Tensor, pattern_b: SparsityPattern, plan_b: GramPlan,
+    a: Tensor, pattern_a: SparsityPattern, idx_a: Tensor, b: Tensor, pattern_b: SparsityPattern, idx_b: Tensor,
     grad: Tensor, grad_sq: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """``(err(G)², ‖S‖²)`` for projectors with flat values ``a``, ``b`` (see the module docstring)."""
     d_o, d_i = pattern_a.shape[0], pattern_b.shape[0]
     compressed_out = _SparseProduct.apply(a.reshape(-1), pattern_a, grad)  # A G: d_o × i
     s = _SparseProduct.apply(b.reshape(-1), pattern_b, compressed_out.t().contiguous()).t()  # A G Bᵀ: d_o × d_i
-    gram_a = plan_a.gram(a, a)
-    gram_b = plan_b.gram(b, b)
+    gram_a = gram(a, idx_a, d_o)
+    gram_b = gram(b, idx_b, d_i)
     reconstruction_sq = ((gram_a @ s @ gram_b) * s).sum()
     s_sq = s.square().sum()
     return (reconstruction_sq - 2 * s_sq + grad_sq) / grad_sq, s_sq
@@ -156,8 +142,8 @@ def reconstruction_error(proj_out: SparseProjector, proj_in: SparseProjector, gr
         if not bool(torch.isfinite(grad_sq)) or float(grad_sq) == 0.0:
             return math.nan  # no subspace to measure against
         err_sq, _ = _error_squared(
-            proj_out.values.float(), proj_out.pattern(), GramPlan.of(proj_out),
-            proj_in.values.float(), proj_in.pattern(), GramPlan.of(proj_in), grad, grad_sq,
+            proj_out.values.float(), proj_out.pattern(), proj_out.indices,
+            proj_in.values.float(), proj_in.pattern(), proj_in.indices, grad, grad_sq,
         )
     return float(err_sq.clamp_min(0.0).sqrt())
 
@@ -199,7 +185,6 @@ class LayerFit:
         self.idx_a, self.idx_b = proj_out.indices, proj_in.indices
         self.pattern_a = proj_out.pattern()
         self.pattern_b = proj_in.pattern()
-        self.plan_a, self.plan_b = GramPlan.of(proj_out), GramPlan.of(proj_in)  # the indices stay fixed in a fit
         self.a = proj_out.values.detach().float().clone().requires_grad_(True)
         self.b = proj_in.values.detach().float().clone().requires_grad_(True)
         self.adam = torch.optim.Adam([self.a, self.b], lr=settings.lr)
@@ -227,8 +212,8 @@ class LayerFit:
         errors: list[float] = []
         for step in range(iterations + 1):
             with torch.enable_grad():
-                err_sq, s_sq = _error_squared(self.a, self.pattern_a, self.plan_a, self.b, self.pattern_b,
-                                              self.plan_b, grad, grad_sq)
+                err_sq, s_sq = _error_squared(self.a, self.pattern_a, self.idx_a, self.b, self.pattern_b,
+                                              self.idx_b, grad, grad_sq)
                 errors.append(float(err_sq.detach().clamp_min(0.0).sqrt()))
                 self.norm_ratio = float((s_sq.detach() / grad_sq).sqrt())
                 if errors[-1] <= self.settings.target_error:
