@@ -105,3 +105,29 @@ def test_detach_restores_plain_forward():
 def test_mismatched_projectors_are_refused():
     with pytest.raises(ValueError, match=r"must compress \(10, 12\)"):
         ProjectedWeight("m", nn.Linear(12, 10), *_projectors(12, 10))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(12, 10), lambda: Conv1D(10, 12)], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
+def test_forwards_without_a_weight_gradient_compute_no_compressed_input(make, mode, monkeypatch):
+    torch.manual_seed(0)
+    projected = make()
+    layer = ProjectedWeight("layer", projected, *_projectors(10, 12))
+    x = torch.randn(3, 7, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer._original_forward(x)  # the plain module's output, under autocast as in bf16-mixed
+    compressions = []
+    real = SparseProjector.compress_rows
+    monkeypatch.setattr(SparseProjector, "compress_rows", lambda self, m: compressions.append(m.shape) or real(self, m))
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
+    if mode == "frozen":
+        projected.weight.requires_grad_(False)
+    with context() if context else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = projected(x)
+    assert compressions == []  # no B Xᵀ: nothing will ever use it
+    assert torch.equal(out, expected)
+    assert layer.open_backwards == 0 and not layer.has_grad
+    # A training forward still keeps B Xᵀ (d_i × tokens).
+    projected.weight.requires_grad_(True)
+    projected(x).sum().backward()
+    assert compressions[0] == (12, 21) and layer.has_grad

@@ -209,7 +209,9 @@ def update_scale(proj_out: SparseProjector, proj_in: SparseProjector) -> float:
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     """Replacement ``forward`` bound onto a projected module."""
     state: ProjectedWeight = self._lsp_state
-    if state.sampling:
+    if state.sampling or not (torch.is_grad_enabled() and self.weight.requires_grad):
+        # No weight gradient can be asked of this call (evaluation, generation, a frozen weight; or a fit sampling
+        # full gradients): the plain forward, with nothing kept for backward and no B Xᵀ computed.
         return state._original_forward(x)
     # A layer called twice in one forward is complete only after both backwards. A forward that runs inside backward
     # is a checkpoint's recomputation of one already counted, so it is not counted again.
