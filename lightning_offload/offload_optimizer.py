@@ -17,6 +17,7 @@ PyTorch's own, with one step counter per tensor.
 from __future__ import annotations
 
 import math
+import resource
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -65,7 +66,11 @@ class _Slot:
     adam: torch.optim.Adam
     layer: ProjectedWeight | None = None
     device_update: Tensor | None = None
+    # The update as it crosses to the device, in the dtype that crosses: Z in the link dtype (projected), or the
+    # parameter's own dtype for a low-precision dense parameter (bf16: 2 bytes per element cross, not the master's 4).
     host_update: Tensor | None = None
+    # fp32 working copy of a gradient that lands narrower (link_dtype="bf16"): preallocated, so no host job allocates.
+    host_grad_fp32: Tensor | None = None
     host_l2: Tensor | None = None
     generator: torch.Generator | None = None
     # Per step:
@@ -208,7 +213,12 @@ class OffloadOptimizer(Optimizer):
                     adam = _host_adam(master, {**hparams, "decoupled_weight_decay": decoupled})
                     grad = _pinned_zeros(param.shape, pin, self.link_dtype)
                     name = names.get(id(param), f"param{len(slots)}")
-                    slots.append(_Slot(name, param, group, master, grad, adam))
+                    slots.append(_Slot(
+                        name, param, group, master, grad, adam,
+                        host_update=_pinned_zeros(param.shape, pin, param.dtype) if param.dtype != master.dtype
+                        else None,
+                        host_grad_fp32=torch.zeros(param.shape) if self.link_dtype != torch.float32 else None,
+                    ))
                     continue
                 shape = layer.compressed_shape
                 z = _pinned_zeros(shape, pin)
@@ -222,6 +232,7 @@ class OffloadOptimizer(Optimizer):
                         device_update=torch.zeros(shape, dtype=self.link_dtype, device=self.device),
                         host_update=_pinned_zeros(shape, pin, self.link_dtype) if self.link_dtype != z.dtype else None,
                         host_l2=_pinned_zeros(shape, pin) if group.get("weight_decay") and not decoupled else None,
+                        host_grad_fp32=torch.zeros(shape) if self.link_dtype != torch.float32 else None,
                         generator=generator,
                     )
                 )
@@ -420,7 +431,7 @@ class OffloadOptimizer(Optimizer):
                 self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
             step.bytes_device_to_host += slot.host_grad.numel() * slot.host_grad.element_size()
             self._prepare(slot, step)
-            slot.job = self.worker.submit(partial(self._host_job, slot, clip, compute_done), slot.name)
+            slot.job = self.worker.submit(partial(self._host_job, slot, clip, compute_done, step), slot.name)
             slot.pending = True
             if slot.layer is not None:
                 # S may only be cleared once its copy has read it.
@@ -462,13 +473,15 @@ class OffloadOptimizer(Optimizer):
             step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
         step.bytes_host_to_device += slot.device_update.numel() * slot.device_update.element_size()
 
-    def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any) -> None:
+    def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any,
+                  step: StepTelemetry) -> None:
         """Worker thread: wait for the gradient, step Adam, send the update back."""
+        faults = _thread_minor_faults()
         start = time.perf_counter()
         self.link.host_wait(slot.to_host_event)
         landed = time.perf_counter()
-        # In place: the landing buffer is rewritten by the next step's copy anyway.
-        grad = slot.host_grad if slot.host_grad.dtype == torch.float32 else slot.host_grad.float()
+        # In place: the landing buffer (or its fp32 working copy) is rewritten by the next step's copy anyway.
+        grad = slot.host_grad if slot.host_grad_fp32 is None else slot.host_grad_fp32.copy_(slot.host_grad)
         if clip is not None:
             if clip[0] == "norm":
                 grad.mul_(clip[1])
@@ -492,10 +505,17 @@ class OffloadOptimizer(Optimizer):
                 source = slot.host_update
             slot.to_device_event = self.link.to_device(source, slot.device_update, after=compute_done)
         else:
-            slot.to_device_event = self.link.to_device(slot.host_param, slot.param.data, after=compute_done)
+            source = slot.host_param
+            if slot.host_update is not None:
+                # Rounded to the parameter's dtype on the host (the same round-to-nearest the device would do), so
+                # only the parameter's bytes cross.
+                source = slot.host_update.copy_(source)
+            slot.to_device_event = self.link.to_device(source, slot.param.data, after=compute_done)
         # The host buffers are rewritten next step: wait until this copy has read them.
         self.link.host_wait(slot.to_device_event)
         sent = time.perf_counter()
+        # One worker thread runs the jobs one after another, so the step's figure needs no lock.
+        step.host_page_faults += _thread_minor_faults() - faults
         self._timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
         self._timeline.add("host", slot.name, landed, stepped)
         self._timeline.add("link_to_device", slot.name, stepped, sent)
@@ -627,7 +647,8 @@ class OffloadOptimizer(Optimizer):
     def _state_tensors(self) -> list[Tensor]:
         tensors: list[Tensor] = []
         for slot in self.slots:
-            tensors += [t for t in (slot.host_param, slot.host_grad, slot.host_update, slot.host_l2) if t is not None]
+            tensors += [t for t in (slot.host_param, slot.host_grad, slot.host_update, slot.host_grad_fp32, slot.host_l2)
+                        if t is not None]
             tensors += [v for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
         return tensors
 
@@ -697,6 +718,16 @@ class OffloadOptimizer(Optimizer):
                 slot.host_param.copy_(master if master is not None else slot.param.detach())
         self.telemetry.load_state_dict(state_dict["telemetry"])
         self.telemetry.host_state_bytes = self.host_state_bytes()
+
+
+def _thread_minor_faults() -> int:
+    """Minor page faults of the calling thread so far (Linux's per-thread count; 0 where there is none)."""
+    if _RUSAGE_THREAD is None:
+        return 0
+    return resource.getrusage(_RUSAGE_THREAD).ru_minflt
+
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def _host_adam(tensor: Tensor, hparams: dict[str, Any]) -> torch.optim.Adam:

@@ -18,12 +18,15 @@ class StepTelemetry:
         bytes_host_to_device: update / parameter bytes copied back.
         host_optimizer_seconds: wall time of the host Adam work (all host optimizers of the step).
         skipped: 1.0 when the step was skipped for non-finite gradients, else 0.0.
+        host_page_faults: minor page faults the host worker took during the step's jobs (Linux; 0 elsewhere). In
+            steady state it should be 0: every host buffer is preallocated, and a fault means a fresh allocation.
     """
 
     bytes_device_to_host: float = 0.0
     bytes_host_to_device: float = 0.0
     host_optimizer_seconds: float = 0.0
     skipped: float = 0.0
+    host_page_faults: float = 0.0
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""Host jobs allocate nothing in steady state: every host buffer is preallocated (and the bytes counted are the bytes
+that cross)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.offload_optimizer import OffloadOptimizer
+from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
+
+
+class _Ops(TorchDispatchMode):
+    """Records every aten op a host job runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _CoupledL2LM(TinyCausalLM):
+    """Adam with coupled L2: the host adds λ·A W Bᵀ to each compressed gradient."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+
+def _allocates(op: str) -> bool:
+    # In-place ops end in "_"; a detach is a view; profiler markers are not tensor ops.
+    name = op.split(".")[1] if op.startswith("aten.") else ""
+    return op.startswith("aten.") and not name.endswith("_") and name not in ("detach", "view", "alias")
+
+
+CASES = {
+    "zero-fp32": (lambda: ZeroOffloadStrategy(), "32-true"),
+    "zero-bf16-link-bf16-true": (lambda: ZeroOffloadStrategy(link_dtype="bf16"), "bf16-true"),
+    "lsp-bf16-link-bf16-mixed": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
+                                                            link_dtype="bf16"), "bf16-mixed"),
+    "lsp-bf16-true-l2": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16), "bf16-true"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
+    make, precision = CASES[case]
+    jobs: list[list[str]] = []
+    run_job = OffloadOptimizer._host_job
+
+    def recorded(self, *args, **kwargs):
+        mode = _Ops()
+        with mode:
+            run_job(self, *args, **kwargs)
+        jobs.append(mode.ops)
+
+    monkeypatch.setattr(OffloadOptimizer, "_host_job", recorded)
+    module = (_CoupledL2LM if case.endswith("l2") else TinyCausalLM)(tiny_hf_model("llama"))
+    if precision == "bf16-true":
+        module = module.to(torch.bfloat16)
+    strategy = make()
+    trainer(strategy, max_steps=4, precision=precision, gradient_clip_val=1.0).fit(module, token_data())
+    per_step = len(strategy.offload_optimizer.slots)
+    assert len(jobs) == 4 * per_step
+    first, steady = jobs[:per_step], jobs[per_step:]
+    assert any(_allocates(op) for ops in first for op in ops)  # Adam's moments are created at its first step
+    allocations = sorted({op for ops in steady for op in ops if _allocates(op)})
+    assert allocations == [], allocations
+
+
+def test_a_bf16_dense_parameter_crosses_back_as_bf16():
+    strategy = ZeroOffloadStrategy()
+    module = TinyCausalLM(tiny_hf_model("llama")).to(torch.bfloat16)
+    trainer(strategy, max_steps=2, precision="bf16-true").fit(module, token_data())
+    dense = [slot for slot in strategy.offload_optimizer.slots if slot.layer is None]
+    assert dense and all(slot.host_update.dtype == torch.bfloat16 for slot in dense)
+    # What telemetry counts is what crosses: the parameter's 2 bytes per element back to the device.
+    counted = strategy.offload_optimizer.telemetry.last.bytes_host_to_device
+    assert counted == sum(slot.param.numel() * 2 for slot in dense)
