@@ -1,15 +1,25 @@
 """One prepared GPU benchmark: offloaded vs native training of a LLaMA-architecture model in bf16.
 
-For a ~1.3B LLaMA shape (random init) it measures, each method in its own subprocess (so an out-of-memory or a
-crash cannot poison the next): plain AdamW on the device ("native"), ``zero_offload``, ``lsp_offload``, and where
+For a ~1.3B LLaMA shape (random init, built directly in bf16) it measures, each method in its own subprocess (so an
+out-of-memory or a crash cannot poison the next) and at each batch of ``--batches``: plain AdamW on the device
+("native"), LoRA on the device (a reference point: peft, rank 16), ``zero_offload``, ``lsp_offload``, and where
 installed DeepSpeed ZeRO-Offload (``deepspeed_stage_2_offload``, pinned memory, its CPU Adam) and torchao's
-``CPUOffloadOptimizer`` — median step time, peak device memory, link bytes per step — and MEFT (``meft_offload``,
-base frozen, adapters of ``MEFT_NEURONS`` neurons per FFN) with routing on the host and on the device, which adds the
-share of adapter rows moved per step and the host time of the row updates. Then it searches the largest
-LLaMA shape that trains with ``lsp_offload`` under a 24 GiB and a 4 GiB device-memory cap
-(``torch.cuda.set_per_process_memory_fraction``).
+``CPUOffloadOptimizer`` (stepped under manual optimization: Lightning does not take it from
+``configure_optimizers``) — median step time, peak device memory, link bytes per step each way — and MEFT
+(``meft_offload``, base frozen, adapters of ``MEFT_NEURONS`` neurons per FFN) with routing on the host and on the
+device, which adds the share of adapter rows moved per step and the host time of the row updates.
 
-    python scripts/gpu_bench.py --out gpu_bench.json            # on a GPU machine (~10 minutes)
+So that one run explains itself, each offload method also reports its step split by the strategy's timeline (device
+compute, device waiting for updates, link each way, host Adam: medians of the steady steps), the host worker's page
+faults per step, and one profiled step summarised by kernel class (``--profile``). Then it searches the largest
+LLaMA shape that trains with ``lsp_offload`` under a 24 GiB and a 4 GiB device-memory cap
+(``torch.cuda.set_per_process_memory_fraction``, gradient checkpointing on). On a GPU it first runs the CUDA
+versions of the pipeline, equivalence and checkpoint tests (``LIGHTNING_OFFLOAD_TEST_ACCELERATOR=cuda``).
+
+The report is written as it goes (``--out``: the JSON, and a Markdown table beside it), so a run cut short keeps
+what it measured.
+
+    python scripts/gpu_bench.py --out gpu_bench.json            # on a GPU machine (~8 minutes)
     python scripts/gpu_bench.py --smoke                          # tiny shape on the CPU: checks the script runs
 """
 
@@ -32,14 +42,97 @@ SHAPES: dict[str, dict[str, int]] = {
     "llama_6b7": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000),
     "llama_13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824, vocab=32000),
 }
-METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload", "torchao_offload", "meft_host_routing",
-           "meft_device_routing")
+METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "deepspeed_offload", "torchao_offload",
+           "meft_host_routing", "meft_device_routing")
+#: Tests whose CUDA versions run before the benchmark on a GPU machine.
+GPU_TESTS = ("tests/test_pipeline.py", "tests/test_strategy_equivalence.py", "tests/test_checkpoint.py",
+             "tests/test_host_jobs.py")
 # MEFT adapter sizes per shape: (neurons, top_k, experts, experts per token).
 MEFT_NEURONS: dict[str, tuple[int, int, int, int]] = {"tiny": (256, 8, 16, 4)}
 MEFT_DEFAULT = (8192, 16, 64, 8)
 
 
-def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: float | None) -> dict[str, Any]:
+def _step_split(telemetry: Any) -> dict[str, Any]:
+    """Median busy seconds per timeline lane over the steady steps, and the host worker's page faults per step."""
+    if telemetry is None or not telemetry.completed:
+        return {}
+    steps = [metrics for _, metrics in telemetry.completed]
+    steady = steps[2:] or steps  # the first steps include allocation and warm-up
+
+    def median(key: str) -> float:
+        values = [m[key] for m in steady if key in m]
+        return statistics.median(values) if values else 0.0
+
+    lanes = sorted({key for m in steady for key in m if key.startswith("offload/timeline/")})
+    return {"step_split_seconds": {key.removeprefix("offload/timeline/"): median(key) for key in lanes},
+            "host_optimizer_seconds_per_step": median("offload/host_optimizer_seconds"),
+            "host_page_faults_per_step": median("offload/host_page_faults")}
+
+
+class _ProfiledStep:
+    """One training step under ``torch.profiler``, summarised by kernel class (device time where there is one)."""
+
+    CLASSES = (("gemm", ("gemm", "matmul", "mm", "cutlass", "cublas", "addmm", "bmm", "linear")),
+               ("sparse", ("sparse", "csr", "spmm", "sddmm", "index_add", "index_put", "gather", "scatter")),
+               ("copy", ("copy", "memcpy", "to_copy")), ("adam", ("adam",)), ("attention", ("attention", "sdpa",
+                                                                                         "flash")),
+               ("elementwise", ("mul", "add", "div", "sub", "silu", "exp", "pow", "sqrt", "round", "clamp", "neg")))
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+
+    def record(self, profiler: Any, on_device: bool) -> None:
+        for event in profiler.key_averages():
+            # Self times only: an op's total includes the ops and kernels under it, which are listed themselves.
+            if on_device:
+                seconds = getattr(event, "self_device_time_total", None)
+                if seconds is None:
+                    seconds = getattr(event, "self_cuda_time_total", 0.0)
+            else:
+                seconds = event.self_cpu_time_total
+            if seconds:
+                self.events.append((event.key, float(seconds) / 1e6))
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, seconds in self.events:
+            name = key.lower()
+            kind = next((k for k, words in self.CLASSES if any(w in name for w in words)), "other")
+            out[kind] = out.get(kind, 0.0) + seconds
+        return {k: round(v, 6) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def _profile_step(trainer: Any, module: Any) -> _ProfiledStep:
+    """Profiles the third training step (steady state) of ``trainer.fit``."""
+    import lightning.pytorch as pl
+    import torch
+
+    profiled = _ProfiledStep()
+
+    class Profile(pl.Callback):
+        def __init__(self) -> None:
+            self.profiler: Any = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 2:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                profiled.record(self.profiler, on_device=torch.cuda.is_available())
+                self.profiler = None
+
+    trainer.callbacks.append(Profile())
+    return profiled
+
+
+def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: float | None,
+            profile_step: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps of one method on one shape in this process; return its measurements."""
     import lightning.pytorch as pl
     import torch
@@ -61,8 +154,16 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     class Synthetic(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
+            # Built in bf16 directly: an fp32 init of a 6.7B shape alone would not fit a 24 GiB cap.
             with torch.device("cuda" if cuda else "cpu"):
-                self.model = LlamaForCausalLM(config).to(torch.bfloat16)
+                self.model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+            if method == "lora_device":
+                from lightning_offload.baselines import add_lora
+
+                self.model = add_lora(self.model, rank=16, min_dim=min(128, s["hidden"]), train_others=False)
+            self.manual = method == "torchao_offload"
+            self.automatic_optimization = not self.manual
+            self.offloaded: Any = None
             if cap_gib is not None:
                 # Under a memory cap the question is whether the shape fits at all: recompute activations.
                 self.model.gradient_checkpointing_enable()
@@ -81,17 +182,28 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             ids = torch.randint(0, s["vocab"], (batch_size, seq), device=self.device)
-            return self.model(input_ids=ids, labels=ids).loss
+            loss = self.model(input_ids=ids, labels=ids).loss
+            if self.manual:
+                # torchao's optimizer is not a torch.optim.Optimizer: stepped here, outside Lightning's loop.
+                self.manual_backward(loss)
+                self.offloaded.step()
+                self.offloaded.zero_grad()
+            return loss
+
+        def on_fit_start(self) -> None:
+            if self.manual:
+                from torchao.optim import CPUOffloadOptimizer
+
+                trainable = [p for p in self.parameters() if p.requires_grad]
+                self.offloaded = CPUOffloadOptimizer(trainable, torch.optim.AdamW, fused=True, lr=1e-5)
 
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(range(steps), batch_size=1)
 
         def configure_optimizers(self) -> Any:
             trainable = [p for p in self.parameters() if p.requires_grad]  # MEFT: the routers only
-            if method == "torchao_offload":
-                from torchao.optim import CPUOffloadOptimizer
-
-                return CPUOffloadOptimizer(trainable, torch.optim.AdamW, fused=True, lr=1e-5)
+            if self.manual:
+                return None  # built in on_fit_start and stepped in training_step
             if method == "deepspeed_offload":
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -100,7 +212,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
 
     batch_size = batch
     module = Synthetic()
-    strategy: Any = {"native": "auto", "torchao_offload": "auto"}.get(method)
+    strategy: Any = {"native": "auto", "torchao_offload": "auto", "lora_device": "auto"}.get(method)
     if method.startswith("meft"):
         neurons, top_k, experts, per_token = MEFT_NEURONS.get(shape, MEFT_DEFAULT)
         lightning_offload.inject_meft(module.model, lightning_offload.MEFTConfig(
@@ -121,6 +233,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         strategy=strategy, accelerator="auto", devices=1, precision="bf16-true", max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
+    profile = _profile_step(trainer, module) if profile_step else None
     trainer.fit(module)
     telemetry = getattr(getattr(trainer.strategy, "offload_optimizer", None), "telemetry", None)
     params = sum(p.numel() for p in module.parameters())
@@ -137,29 +250,94 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     return {
         "method": method,
         "shape": shape,
+        "batch": batch,
+        "seq": seq,
         "parameters": params,
+        **_step_split(telemetry),
+        **({"profile": profile.summary()} if profile is not None else {}),
         "median_step_seconds": statistics.median(module.times[2:] or module.times),
         "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "link_bytes_per_step": (
             telemetry.last.bytes_device_to_host + telemetry.last.bytes_host_to_device if telemetry is not None
             else (4 * params if method.endswith("_offload") else 0)  # bf16 gradient out + bf16 params back
         ),
+        "link_bytes_to_host_per_step": telemetry.last.bytes_device_to_host if telemetry is not None else None,
+        "link_bytes_to_device_per_step": telemetry.last.bytes_host_to_device if telemetry is not None else None,
         "link_bytes_measured": telemetry is not None,
         **meft,
     }
 
 
-def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | None = None) -> dict[str, Any]:
+def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | None = None,
+         batch: int | None = None, profile: bool = False) -> dict[str, Any]:
+    batch = batch if batch is not None else args.batches[0]
     command = [sys.executable, __file__, "--single", method, "--shape", shape, "--steps", str(args.steps),
-               "--batch", str(args.batch), "--seq", str(args.seq)]
+               "--batches", str(batch), "--seq", str(args.seq)]
     if cap_gib is not None:
         command += ["--cap-gib", str(cap_gib)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if profile:
+        command += ["--profile"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"method": method, "shape": shape, "batch": batch, "error": f"timed out after {args.timeout} s"}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return {"method": method, "shape": shape, "error": " | ".join(tail) or f"exit {done.returncode}"}
+    return {"method": method, "shape": shape, "batch": batch, "error": " | ".join(tail) or f"exit {done.returncode}"}
+
+
+def _gpu_tests(timeout: int) -> dict[str, Any]:
+    """The CUDA versions of the pipeline, equivalence and checkpoint tests (the tests' Trainer takes its accelerator
+    from ``LIGHTNING_OFFLOAD_TEST_ACCELERATOR``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LIGHTNING_OFFLOAD_TEST_ACCELERATOR": "cuda"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not smollm2", *GPU_TESTS],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "summary": f"timed out after {timeout} s"}
+    lines = done.stdout.strip().splitlines()
+    return {"passed": done.returncode == 0, "summary": lines[-1] if lines else f"exit {done.returncode}"}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown table (written next to the JSON)."""
+    gib, mib = 2**30, 2**20
+    lines = [f"Shape {report['shape']}, seq {report.get('seq')}; GPU tests: {report.get('gpu_tests', {}).get('summary', 'not run')}",
+             "", "| method | batch | s / step | × native | peak device GiB | link MiB / step (to host, to device) | "
+             "host Adam s / step | device wait s / step | host page faults / step | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(value: Any, fmt: str) -> str:
+        return "–" if value is None else format(value, fmt)
+
+    for m in report["methods"]:
+        split = m.get("step_split_seconds", {})
+        to_host, to_device = m.get("link_bytes_to_host_per_step"), m.get("link_bytes_to_device_per_step")
+        link = (f"{to_host / mib:.1f}, {to_device / mib:.1f}" if to_host is not None and to_device is not None
+                else num(m.get("link_bytes_per_step") and m["link_bytes_per_step"] / mib, ".1f"))
+        peak = m.get("peak_device_bytes")
+        lines.append(f"| {m['method']} | {m.get('batch', '–')} | {num(m.get('median_step_seconds'), '.3f')} | "
+                     f"{num(m.get('x_native'), '.2f')} | {num(peak and peak / gib, '.1f')} | {link} | "
+                     f"{num(m.get('host_optimizer_seconds_per_step'), '.3f')} | "
+                     f"{num(split.get('device_wait_seconds'), '.3f')} | {num(m.get('host_page_faults_per_step'), '.0f')} "
+                     f"| {m.get('error', m.get('skipped', ''))} |")
+    for cap, largest in report.get("largest_under_cap", {}).items():
+        lines.append(f"\nLargest shape under {cap}: {largest and largest['shape']}")
+    return "\n".join(lines)
+
+
+def _write(report: dict[str, Any], out: str | None) -> None:
+    # Written after every measurement: a run cut short (time limit, crash) keeps what it measured.
+    if not out:
+        return
+    with open(out + ".partial", "w") as handle:
+        json.dump(report, handle, indent=1)
+    os.replace(out + ".partial", out)
+    with open(os.path.splitext(out)[0] + ".md", "w") as handle:
+        handle.write(markdown(report) + "\n")
 
 
 def _available(method: str) -> bool:
@@ -178,44 +356,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU allowed, no memory-cap search")
     parser.add_argument("--shape", default="llama_1b3", choices=SHAPES)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 16], help="batch sizes (sequences of --seq)")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--no-gpu-tests", action="store_true", help="skip the CUDA tests before the benchmark")
+    parser.add_argument("--no-cap-search", action="store_true", help="skip the largest-shape search under caps")
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--single", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.single:
-        result = _single(args.single, args.shape, args.steps, args.batch, args.seq, args.cap_gib)
+        result = _single(args.single, args.shape, args.steps, args.batches[0], args.seq, args.cap_gib, args.profile)
         print("RESULT " + json.dumps(result), flush=True)
         return result
     if args.smoke:
-        args.shape, args.steps, args.batch, args.seq = "tiny", 4, 2, 32
+        args.shape, args.steps, args.batches, args.seq = "tiny", 4, [2], 32
 
-    report: dict[str, Any] = {"shape": args.shape, "methods": [], "largest_under_cap": {}}
-    for method in METHODS:
-        if not _available(method):
-            report["methods"].append({"method": method, "skipped": "not installed"})
-            continue
-        report["methods"].append(_run(method, args.shape, args))
-        print(json.dumps(report["methods"][-1]), flush=True)
-    if not args.smoke:
+    report: dict[str, Any] = {"shape": args.shape, "seq": args.seq, "methods": [], "largest_under_cap": {}}
+    import torch
+
+    if torch.cuda.is_available() and not args.no_gpu_tests:
+        report["gpu_tests"] = _gpu_tests(args.timeout)
+        print(f"GPU tests: {report['gpu_tests']}", flush=True)
+        _write(report, args.out)
+    for batch in args.batches:
+        for method in args.methods:
+            if not _available(method):
+                report["methods"].append({"method": method, "batch": batch, "skipped": "not installed"})
+                continue
+            # The first batch size profiles one step of each method; the rest measure time only.
+            report["methods"].append(_run(method, args.shape, args, batch=batch, profile=batch == args.batches[0]))
+            native = next((m for m in report["methods"] if m.get("method") == "native" and m.get("batch") == batch
+                           and "error" not in m), None)
+            entry = report["methods"][-1]
+            if native and "median_step_seconds" in entry:
+                entry["x_native"] = entry["median_step_seconds"] / native["median_step_seconds"]
+            print(json.dumps(entry), flush=True)
+            _write(report, args.out)
+    if not args.smoke and not args.no_cap_search:
         for cap in (24.0, 4.0):
             largest = None
             for shape in ("llama_1b3", "llama_2b7", "llama_6b7", "llama_13b"):
-                result = _run("lsp_offload", shape, argparse.Namespace(**{**vars(args), "steps": 3}), cap_gib=cap)
+                result = _run("lsp_offload", shape, argparse.Namespace(**{**vars(args), "steps": 3}), cap_gib=cap,
+                              batch=1 if cap < 8 else args.batches[0])
                 if "error" in result:
                     break
                 largest = result
             report["largest_under_cap"][f"{cap:g}GiB"] = largest
             print(f"largest under {cap:g} GiB: {largest and largest['shape']}", flush=True)
-    native = next((m for m in report["methods"] if m.get("method") == "native" and "error" not in m), None)
-    for entry in report["methods"]:
-        if native and "median_step_seconds" in entry:
-            entry["x_native"] = entry["median_step_seconds"] / native["median_step_seconds"]
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+            _write(report, args.out)
+    _write(report, args.out)
     return report
 
 

@@ -12,9 +12,18 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     spec.loader.exec_module(gpu_bench)
     report = gpu_bench.main(["--smoke", "--out", str(tmp_path / "report.json")])
     by_method = {entry["method"]: entry for entry in report["methods"]}
-    for method in ("native", "zero_offload", "lsp_offload"):
+    for method in ("native", "lora_device", "zero_offload", "lsp_offload"):
         assert "error" not in by_method[method], by_method[method]
         assert by_method[method]["median_step_seconds"] > 0
+        assert by_method[method]["profile"]  # one profiled step, by kernel class
+    # The offload methods explain their step: timeline lanes, host time, page faults, bytes each way.
+    for method in ("zero_offload", "lsp_offload"):
+        entry = by_method[method]
+        assert {"device_seconds", "host_seconds", "device_wait_seconds"} <= set(entry["step_split_seconds"])
+        assert entry["host_optimizer_seconds_per_step"] > 0 and entry["host_page_faults_per_step"] >= 0
+        assert entry["link_bytes_to_host_per_step"] > 0 and entry["link_bytes_to_device_per_step"] > 0
+    table = (tmp_path / "report.md").read_text()
+    assert "| lsp_offload | 2 |" in table and "| native | 2 |" in table
     assert by_method["lsp_offload"]["link_bytes_measured"]
     assert 0 < by_method["lsp_offload"]["link_bytes_per_step"] < by_method["zero_offload"]["link_bytes_per_step"]
     for method in ("meft_host_routing", "meft_device_routing"):

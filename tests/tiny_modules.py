@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +75,8 @@ def classification_data(n: int = 64, in_dim: int = 16, batch_size: int = 8, seed
 
 def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
     defaults = dict(
-        accelerator="cpu",
+        # scripts/gpu_bench.py runs the pipeline, equivalence and checkpoint tests again with "cuda" here.
+        accelerator=os.environ.get("LIGHTNING_OFFLOAD_TEST_ACCELERATOR", "cpu"),
         devices=1,
         max_steps=6,
         logger=False,
