@@ -19,7 +19,8 @@ versions of the pipeline, equivalence and checkpoint tests (``LIGHTNING_OFFLOAD_
 The report is written as it goes (``--out``: the JSON, and a Markdown table beside it), so a run cut short keeps
 what it measured.
 
-    python scripts/gpu_bench.py --out gpu_bench.json            # on a GPU machine (~8 minutes)
+    python scripts/gpu_bench.py --out gpu_bench.json            # on a GPU machine (not yet timed in this form;
+                                                                 # trim with --methods, --no-cap-search)
     python scripts/gpu_bench.py --smoke                          # tiny shape on the CPU: checks the script runs
 """
 
@@ -44,6 +45,8 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "deepspeed_offload", "torchao_offload",
            "meft_host_routing", "meft_device_routing")
+#: Methods also measured at the batch sizes after the first (MEFT and the references only at the first: time).
+BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload")
 #: Tests whose CUDA versions run before the benchmark on a GPU machine.
 GPU_TESTS = ("tests/test_pipeline.py", "tests/test_strategy_equivalence.py", "tests/test_checkpoint.py",
              "tests/test_host_jobs.py")
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 16], help="batch sizes (sequences of --seq)")
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per method run (and for the GPU tests)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--no-gpu-tests", action="store_true", help="skip the CUDA tests before the benchmark")
     parser.add_argument("--no-cap-search", action="store_true", help="skip the largest-shape search under caps")
@@ -383,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _write(report, args.out)
     for batch in args.batches:
         for method in args.methods:
+            if batch != args.batches[0] and method not in BATCH_SWEEP_METHODS:
+                continue
             if not _available(method):
                 report["methods"].append({"method": method, "batch": batch, "skipped": "not installed"})
                 continue
