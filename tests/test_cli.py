@@ -198,7 +198,11 @@ def test_a_missing_bible_fails_before_the_trainer_is_built(tmp_path: Path, monke
 
     from lightning_offload.train import error_paragraph, train
 
+    from lightning_offload.data import bible
+
     monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path / "empty-cache"))  # nothing tokenised yet
+    for cached in (bible.load_verses, bible.load_books, bible.load_genres):
+        cached.cache_clear()  # an earlier test in this process may have read the text already
 
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
