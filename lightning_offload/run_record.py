@@ -53,8 +53,8 @@ class RunRecorder(pl.Callback):
 
     A step line holds ``step``, ``wall_seconds`` (since the start of ``fit``), ``step_seconds``, the logged
     ``train/*`` metrics and the strategy's ``offload/*`` (and ``meft/*``) telemetry when it has any. A validation
-    line holds ``step``, ``wall_seconds`` and the ``val/*`` metrics. Lines are flushed as written, so a crashed run
-    keeps its history.
+    line holds ``step``, ``wall_seconds`` and the ``val/*`` metrics. Lines are appended as soon as they are complete
+    (see below: at most one step late), and a run that fails with an exception writes every line it has.
 
     A pipelined offload optimizer finishes a step's host work during the next step, so that step's ``offload/*``
     figures arrive one step late. Its line waits for them (with any line after it, to keep the order) and carries

@@ -92,7 +92,6 @@ def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: 
     The policy's method (frozen layers, LoRA) is applied to the network that trains, and its optimizer factory
     (AdamW with the projected-layer lr, or GaLore) builds the optimizer.
     """
-    check_optim(optim)
     factory = policy.optimizer_factory(optim.lr, optim.weight_decay)
     num_classes = getattr(datamodule, "num_classes", None)
     if num_classes is not None:
@@ -409,13 +408,15 @@ def error_paragraph(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def _log_to_files(message: str, error: BaseException) -> None:
-    # The run's train.log keeps the whole traceback; the terminal gets one paragraph.
+def _log_to_files(message: str, error: BaseException) -> str | None:
+    """Writes ``message`` with the traceback to the log files only (the run's train.log); returns the first one's
+    path. The terminal gets one paragraph instead."""
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None,
                             (type(error), error, error.__traceback__))
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for handler in files:
+        handler.handle(record)
+    return files[0].baseFilename if files else None
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
@@ -425,9 +426,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        _log_to_files("The run failed.", error)
-        where = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
-                     None)
+        where = _log_to_files("The run failed.", error)
         raise SystemExit(f"lightning-offload-train: {error_paragraph(error)}"
                          + (f"\n(Traceback in {where}; HYDRA_FULL_ERROR=1 prints it here.)" if where else "")) from None
     finally:

@@ -24,18 +24,6 @@ from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.module import CausalLMModule
 
 
-class _Steps(pl.Callback):
-    """Keeps each completed step's telemetry (pipelined figures arrive one step late)."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        telemetry = trainer.strategy.offload_optimizer.telemetry
-        while len(self.steps) < len(telemetry.completed) and telemetry.completed:
-            self.steps.append(telemetry.completed[len(self.steps)][1])
-
-
 def measure(strategy_name: str, precision: str, link_dtype: str, steps: int, warmup: int, vocab: int,
             hidden: int) -> dict[str, float]:
     """Median host figures per steady step of one configuration."""
@@ -49,15 +37,12 @@ def measure(strategy_name: str, precision: str, link_dtype: str, steps: int, war
                                                  "labels": torch.stack([r[0] for r in rows])})
     strategy = (LSPOffloadStrategy(projectors="random", link_dtype=link_dtype) if strategy_name == "lsp_offload"
                 else ZeroOffloadStrategy(link_dtype=link_dtype))
-    record = _Steps()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, max_steps=steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[record])
+                         enable_model_summary=False)
     trainer.fit(CausalLMModule(model, lr=1e-4), train_dataloaders=loader)
-    strategy.synchronize()
-    telemetry = strategy.offload_optimizer.telemetry
-    record.steps += [m for n, m in telemetry.completed if n > len(record.steps)]
-    steady = record.steps[warmup:]
+    # Every step's figures, the last one's included (fit's end settles it); the telemetry keeps the latest 64.
+    steady = [metrics for _, metrics in strategy.offload_optimizer.telemetry.completed][warmup:]
     elements = sum(slot.host_param.numel() for slot in strategy.offload_optimizer.slots)
     seconds = statistics.median(s["offload/host_optimizer_seconds"] for s in steady)
     return {"faults": statistics.median(s["offload/host_page_faults"] for s in steady),
@@ -74,6 +59,9 @@ def main() -> None:
                         help="with --vocab 32000 --hidden 512 the embedding (64 MiB in fp32) is above glibc's largest "
                              "heap reuse size, so a per-step allocation of it shows up as page faults")
     args = parser.parse_args()
+    if not args.warmup < args.steps <= 64:
+        parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup} and be at most 64 (the telemetry "
+                     f"keeps the latest 64 steps' figures).")
     print(f"small LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}), 8x128 tokens, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}\n")
     print("| strategy | precision | link | host elements / step | host page faults / step (median, max) "
