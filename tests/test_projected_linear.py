@@ -131,3 +131,54 @@ def test_forwards_without_a_weight_gradient_compute_no_compressed_input(make, mo
     projected.weight.requires_grad_(True)
     projected(x).sum().backward()
     assert compressions[0] == (12, 21) and layer.has_grad
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(40, 30), lambda: Conv1D(30, 40)], ids=["linear", "conv1d"])
+def test_fused_update_in_blocks_equals_the_dense_update_in_fp32(make, monkeypatch):
+    import lightning_offload.lsp.linear as linear
+
+    module = make()
+    a, b = _projectors(30, 40, d_out=8, d_in=10, r=3)
+    layer = ProjectedWeight("m", module, a, b)
+    layer.update_scale = 1.7  # as a learned fit sets it
+    before = _math_weight(module).detach().clone()
+    u = torch.randn(8, 10)
+    # 7 rows of 40 (or 30) per block: several blocks and a ragged last one.
+    monkeypatch.setitem(linear._UPDATE_BLOCK_ELEMENTS, "cpu", 7 * module.weight.shape[1])
+    layer.apply_update(u, decay=0.95, stochastic_generator=None)
+    expected = before * 0.95 + 1.7 * (a.to_dense().t() @ u @ b.to_dense())
+    torch.testing.assert_close(_math_weight(module).detach(), expected)
+
+
+def test_fused_bf16_update_is_unbiased_and_reproducible_from_the_saved_generator(monkeypatch):
+    import lightning_offload.lsp.linear as linear
+
+    monkeypatch.setitem(linear._UPDATE_BLOCK_ELEMENTS, "cpu", 5 * 48)
+    module = nn.Linear(48, 36, bias=False).to(torch.bfloat16)
+    layer = ProjectedWeight("m", module, *_projectors(36, 48, d_out=12, d_in=16, r=3, seed=3))
+    start = module.weight.detach().clone()
+    u = torch.randn(12, 16, generator=torch.Generator().manual_seed(4)) * 1e-3  # below half a bf16 ulp mostly
+    exact = start.float() * 0.999 + layer.proj_out.to_dense().t() @ u @ layer.proj_in.to_dense()
+    generator = torch.Generator().manual_seed(5)
+    draws = []
+    for _ in range(400):
+        with torch.no_grad():
+            module.weight.copy_(start)
+        layer.apply_update(u, 0.999, generator)
+        draws.append(module.weight.float().clone())
+    mean = torch.stack(draws).mean(0)
+    ulp = start.float().abs().clamp_min(1e-3) * 2.0**-7
+    # Each draw is one of the two bf16 neighbours: the mean of 400 has a standard error below ulp/40.
+    assert ((mean - exact).abs() <= ulp / 10).float().mean() > 0.99
+    assert not torch.equal(draws[0], draws[1])  # the rounding is random, not nearest
+    # Reproducible: the generator's state, saved and restored, replays the same rounding.
+    state = generator.get_state()
+    with torch.no_grad():
+        module.weight.copy_(start)
+    layer.apply_update(u, 0.999, generator)
+    first = module.weight.detach().clone()
+    generator.set_state(state)
+    with torch.no_grad():
+        module.weight.copy_(start)
+    layer.apply_update(u, 0.999, generator)
+    assert torch.equal(module.weight, first)

@@ -77,3 +77,38 @@ def test_products_stay_fp32_under_autocast():
         expanded = p.expand_rows(compressed)
     assert compressed.dtype == expanded.dtype == torch.float32
     torch.testing.assert_close(compressed, p.to_dense() @ x)
+
+
+def test_storage_is_canonical_and_narrow_without_changing_the_matrix():
+    indices = torch.tensor([[3, 0], [1, 2], [2, 3]])
+    values = torch.tensor([[0.5, -1.0], [2.0, 3.0], [-4.0, 0.25]])
+    p = SparseProjector(indices, values, 4)
+    assert p.indices.dtype == torch.int16  # 4 rows fit 16-bit row numbers
+    assert p.indices.tolist() == [[0, 3], [1, 2], [2, 3]]  # ascending within each column
+    dense = torch.zeros(4, 3)
+    dense[indices, torch.arange(3).unsqueeze(1).expand_as(indices)] = values
+    torch.testing.assert_close(p.to_dense(), dense)
+    assert SparseProjector.random(40_000, 40_000, 1, generator=torch.Generator().manual_seed(0)).indices.dtype == \
+        torch.int32
+
+
+def test_only_indices_values_and_one_permutation_are_held():
+    p = SparseProjector.random(512, 128, 8, generator=torch.Generator().manual_seed(6))
+    p.compress_rows(torch.randn(512, 4))
+    p.expand_rows(torch.randn(128, 4))
+    nnz = 512 * 8
+    # int16 indices (2 B), fp32 values (4 B), int32 permutation to P's row order (4 B), P's row pointers.
+    assert p.nbytes() == nnz * (2 + 4 + 4) + (128 + 1) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expanding_a_slice_of_rows_equals_those_rows_of_the_full_product(dtype):
+    p = SparseProjector.random(70, 20, 4, generator=torch.Generator().manual_seed(7))
+    u = torch.randn(20, 9).to(dtype)
+    full = p.to_dense().t() @ u.float()
+    for rows in (slice(0, 70), slice(0, 13), slice(13, 50), slice(64, 70)):
+        torch.testing.assert_close(p.expand_rows(u, rows), full[rows])
+    torch.testing.assert_close(p.compress_rows(torch.randn(70, 5, generator=torch.Generator().manual_seed(1))
+                                               .to(dtype)),
+                               p.to_dense() @ torch.randn(70, 5, generator=torch.Generator().manual_seed(1))
+                               .to(dtype).float())

@@ -61,7 +61,7 @@ def test_fit_gradient_of_the_values_matches_dense_autograd():
 
     def dense(indices, values, d):
         return torch.zeros(d, indices.shape[0]).index_put(
-            (indices, torch.arange(indices.shape[0]).unsqueeze(1).expand_as(indices)), values)
+            (indices.long(), torch.arange(indices.shape[0]).unsqueeze(1).expand_as(indices)), values)
 
     da, db = dense(proj_out.indices, a, 12), dense(proj_in.indices, b, 10)
     ((da.T @ da @ grad @ db.T @ db - grad).norm() / grad.norm()).square().backward()

@@ -74,7 +74,7 @@ class _SparseProduct(torch.autograd.Function):
             # ∂/∂P[a, j] = Σ_m grad[a, m]·M[j, m], wanted only on P's pattern: a sampled product (SDDMM).
             sampled = torch.sparse.sampled_addmm(pattern.matrix(values), grad, matrix.t(), beta=0.0)
             grad_values = torch.empty_like(values)
-            grad_values[pattern.order] = sampled.values()
+            grad_values[pattern.order.long()] = sampled.values()
         if ctx.needs_input_grad[2]:
             grad_matrix = torch.sparse.mm(pattern.transposed(values), grad)
         return grad_values, None, grad_matrix
@@ -100,7 +100,8 @@ def gram(
         values_r, indices_r, dim_out_r = values, indices, dim_out
     n, r = indices.shape
     r_r = indices_r.shape[1]
-    keys = (indices.unsqueeze(2) * dim_out_r + indices_r.unsqueeze(1)).reshape(-1)  # flat entry of each product
+    # int64: the stored indices are narrow (int16), and the flat entry numbers go up to d_L·d_R.
+    keys = (indices.long().unsqueeze(2) * dim_out_r + indices_r.long().unsqueeze(1)).reshape(-1)
     products = (values.unsqueeze(2) * values_r.unsqueeze(1)).reshape(-1)
     flat = values.new_zeros(dim_out * dim_out_r)
     if flat.device.type == "cuda":

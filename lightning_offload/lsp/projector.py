@@ -1,12 +1,22 @@
 """Sparse projectors: exactly ``r`` nonzeros per column, stored as indices plus values.
 
 A projector ``P`` maps a dimension of size ``n`` to a compressed dimension of size ``d`` (``P`` is ``d × n``).
-Column ``j`` of ``P`` holds ``r`` nonzeros at the distinct rows ``indices[j, :]`` with weights
+Column ``j`` of ``P`` holds ``r`` nonzeros at the distinct rows ``indices[j, :]`` (ascending) with weights
 ``values[j, :]``. It is never densified: :meth:`SparseProjector.compress_rows` (``M ↦ P M``) and
 :meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) are sparse CSR products, ``O(n · r)`` work per column of ``M``.
 On this project's 2-core CPU they beat per-slot scatter/gather kernels along the last dimension by 5–20× (row
 layouts are contiguous; MKL's sparse kernels are multi-threaded), and they equal a dense product up to
 summation order.
+
+Storage (device bytes per nonzero): the indices in the smallest integer type that holds ``d`` (int16 below 32768
+rows, 2 bytes), the values in fp32 (4), and one int32 permutation (4) from ``P``'s row-major order to the
+``(n, r)`` order. ``Pᵀ`` in CSR *is* the ``(n, r)`` layout (row pointers ``0, r, 2r, …``), so its products read
+indices and values in place; ``P`` in CSR reads the values through the permutation. Nothing else is cached: the
+value copies and second index arrays a CSR cache would hold (~40 bytes per nonzero) are formed per product and
+freed with it.
+
+Products run in fp32 on the CPU (its sparse kernels have no bf16 path) and in the input's own dtype on CUDA
+(cuSPARSE accumulates in fp32), with fp32 as the fallback if a dtype is refused there.
 """
 
 from __future__ import annotations
@@ -22,41 +32,66 @@ from torch import Tensor
 _INDEX_CHUNK = 1024
 
 
+def index_dtype(dim_out: int) -> torch.dtype:
+    """The smallest integer type that holds row numbers ``0 … dim_out − 1`` (int16 or int32)."""
+    if dim_out <= torch.iinfo(torch.int16).max + 1:
+        return torch.int16
+    if dim_out <= torch.iinfo(torch.int32).max + 1:
+        return torch.int32
+    raise ValueError(f"A projector to {dim_out} dims is beyond int32 row numbers; use a rank below 2**31.")
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the products used here are stable
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
 class SparsityPattern:
-    """The CSR structure of ``P`` (``d × n``) and ``Pᵀ`` for fixed indices; values are supplied per call.
+    """The CSR structure of ``P`` (``d × n``) and ``Pᵀ`` (``n × d``) for fixed indices; values are supplied per call.
 
-    Shared by the training products (:meth:`SparseProjector.compress_rows`) and the fit, whose value gradients
-    come back in CSR order and are mapped to the ``(n, r)`` layout through ``order``.
+    Shared by the training products (:meth:`SparseProjector.compress_rows`) and the fit, whose value gradients come
+    back in ``P``'s CSR order and are mapped to the ``(n, r)`` layout through ``order``.
 
-    ``order`` / ``order_t`` map CSR value positions to positions in the flattened ``(n, r)`` values.
+    Holds two int32 arrays: ``crow`` (``d + 1`` row pointers of ``P``) and ``order`` (``n·r``: for each nonzero of
+    ``P`` in row-major order, its position in the flattened ``(n, r)`` values). Column numbers of ``P`` are
+    ``order // r``; ``Pᵀ``'s structure is the indices themselves.
     """
 
     def __init__(self, indices: Tensor, dim_out: int) -> None:
         n, r = indices.shape
         device = indices.device
-        rows = indices.reshape(-1)
-        cols = torch.arange(n, device=device).repeat_interleave(r)
+        rows = indices.reshape(-1).long()
+        # Stable sort by compressed row keeps columns ascending within each row (they are generated ascending).
+        self.order = torch.sort(rows, stable=True).indices.to(torch.int32)
+        self.crow = torch.cat([rows.new_zeros(1), torch.bincount(rows, minlength=dim_out).cumsum(0)]).to(torch.int32)
+        self.indices = indices
         self.shape = (dim_out, n)
-        self.order = torch.argsort(rows * n + cols)  # row-major over P: sorted by compressed row, then column
-        self.crow = torch.cat([rows.new_zeros(1), torch.bincount(rows, minlength=dim_out).cumsum(0)])
-        self.col = cols[self.order]
-        self.order_t = torch.argsort(cols * dim_out + rows)  # row-major over Pᵀ: by column j, then row
-        self.crow_t = torch.arange(0, n * r + 1, r, device=device)
-        self.col_t = rows[self.order_t]
+        self.nnz_per_column = r
+
+    def nbytes(self) -> int:
+        """Device bytes this structure holds."""
+        return self.order.numel() * 4 + self.crow.numel() * 4
 
     def matrix(self, values: Tensor) -> Tensor:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "sparse CSR support is in beta": the products used here are stable
-            return torch.sparse_csr_tensor(self.crow, self.col, values[self.order], self.shape)
+        """``P`` in CSR with the given flattened ``(n, r)`` values (gathered into ``P``'s order for this call)."""
+        col = torch.div(self.order, self.nnz_per_column, rounding_mode="floor")
+        return _csr(self.crow, col, values.reshape(-1)[self.order], self.shape)
 
-    def transposed(self, values: Tensor) -> Tensor:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.order_t], self.shape[::-1])
+    def transposed(self, values: Tensor, rows: slice | None = None) -> Tensor:
+        """``Pᵀ`` in CSR (or its rows ``rows``: a slice of the input dimension), reading ``values`` in place."""
+        n, r = self.shape[1], self.nnz_per_column
+        start, stop = (0, n) if rows is None else (rows.start or 0, n if rows.stop is None else rows.stop)
+        crow = torch.arange(0, (stop - start) * r + 1, r, dtype=torch.int32, device=self.crow.device)
+        col = self.indices[start:stop].reshape(-1).to(torch.int32)
+        return _csr(crow, col, values.reshape(n, r)[start:stop].reshape(-1), (stop - start, self.shape[0]))
 
 
 class SparseProjector:
     """A ``d × n`` matrix with exactly ``r`` distinct nonzero rows in every column.
+
+    The indices of each column are stored in ascending order (the values permuted alongside: the same matrix), in
+    :func:`index_dtype`'s integer type.
 
     Args:
         indices: ``(n, r)`` integer tensor; row ``j`` lists the distinct compressed coordinates that input
@@ -85,10 +120,12 @@ class SparseProjector:
             raise ValueError(f"Projector indices must lie in [0, {dim_out}); got [{int(indices.min())}, "
                              f"{int(indices.max())}].")
         if r > 1:
-            ordered = indices.sort(dim=1).values
+            ordered, position = indices.sort(dim=1)
             if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
                 raise ValueError("Projector indices collide: every column needs r distinct rows.")
-        self.indices = indices.to(torch.long)
+            if not torch.equal(ordered, indices):
+                indices, values = ordered, values.gather(1, position)
+        self.indices = indices.to(index_dtype(dim_out))
         self.values = values
         self.dim_out = int(dim_out)
 
@@ -155,30 +192,25 @@ class SparseProjector:
         return self.indices.shape[1]
 
     def compress_rows(self, matrix: Tensor) -> Tensor:
-        """Return ``P · matrix``: maps ``(n, m)`` to ``(d, m)`` in fp32 by a sparse (CSR) matrix product.
+        """Return ``P · matrix``: maps ``(n, m)`` to ``(d, m)`` by a sparse (CSR) matrix product.
 
-        The sparse product reads each input row ``r`` times and never materialises ``P`` densely; it runs in fp32
-        because CPU sparse kernels have no bf16 path (the result is small: ``d`` rows).
+        The product reads each input row ``r`` times and never materialises ``P`` densely. It runs in
+        :func:`product_dtype` (fp32 on the CPU; the input's dtype on CUDA) and returns that dtype.
         """
-        # Autocast would send the product to bf16, which CPU sparse kernels lack; these products are fp32 by design.
+        dtype = product_dtype(matrix)
+        # Autocast would pick the product's dtype itself; here it is chosen above, per device.
         with torch.autocast(matrix.device.type, enabled=False):
-            return torch.sparse.mm(self._csr(), matrix.float())
+            return torch.sparse.mm(self.pattern().matrix(self.values.detach().to(dtype)), matrix.to(dtype))
 
-    def expand_rows(self, matrix: Tensor) -> Tensor:
-        """Return ``Pᵀ · matrix``: maps ``(d, m)`` to ``(n, m)`` in fp32 by a sparse (CSR) matrix product."""
+    def expand_rows(self, matrix: Tensor, rows: slice | None = None) -> Tensor:
+        """Return ``Pᵀ · matrix`` (``(d, m)`` to ``(n, m)``), or only its ``rows`` (a slice of ``0 … n``).
+
+        Same dtype rule as :meth:`compress_rows`. A slice reads only its rows' indices and values, which is how an
+        update is expanded block by block without a weight-sized temporary.
+        """
+        dtype = product_dtype(matrix)
         with torch.autocast(matrix.device.type, enabled=False):
-            return torch.sparse.mm(self._csr(transposed=True), matrix.float())
-
-    def _csr(self, transposed: bool = False) -> Tensor:
-        """``P`` (``d × n``) or ``Pᵀ`` (``n × d``) in CSR form, derived from (indices, values) and cached until
-        either is replaced or edited in place."""
-        key = (self.indices.data_ptr(), self.indices._version, self.values.data_ptr(), self.values._version)
-        if getattr(self, "_csr_key", None) != key:
-            values = self.values.detach().float().reshape(-1)
-            pattern = self.pattern()
-            self._csr_forms = (pattern.matrix(values), pattern.transposed(values))
-            self._csr_key = key
-        return self._csr_forms[1 if transposed else 0]
+            return torch.sparse.mm(self.pattern().transposed(self.values.detach().to(dtype), rows), matrix.to(dtype))
 
     def pattern(self) -> SparsityPattern:
         """The CSR structure of this projector's indices (cached until the indices change)."""
@@ -188,11 +220,17 @@ class SparseProjector:
             self._pattern_key = key
         return self._pattern
 
+    def nbytes(self) -> int:
+        """Device bytes held: indices, values and the CSR structure (built on first use, then kept)."""
+        held = self.indices.numel() * self.indices.element_size() + self.values.numel() * self.values.element_size()
+        pattern = getattr(self, "_pattern", None)
+        return held + (pattern.nbytes() if pattern is not None else 0)
+
     def to_dense(self) -> Tensor:
         """The ``d × n`` matrix; for tests and diagnostics only, never on the training path."""
         dense = torch.zeros(self.dim_out, self.dim_in, dtype=self.values.dtype, device=self.values.device)
         cols = torch.arange(self.dim_in, device=self.indices.device).unsqueeze(1).expand_as(self.indices)
-        dense[self.indices, cols] = self.values
+        dense[self.indices.long(), cols] = self.values
         return dense
 
     def to(self, device: torch.device | str) -> SparseProjector:
@@ -208,6 +246,35 @@ class SparseProjector:
     def from_state_dict(cls, state: dict[str, Any], device: torch.device | str | None = None) -> SparseProjector:
         """Inverse of :meth:`state_dict`."""
         return cls(state["indices"].to(device), state["values"].to(device), int(state["dim_out"]))
+
+
+# (device, dtype) → whether this CUDA build's sparse CSR product takes the dtype; probed once per pair.
+_SPARSE_DTYPE_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def product_dtype(matrix: Tensor) -> torch.dtype:
+    """The dtype a projector product on ``matrix`` runs in.
+
+    fp32 on the CPU, whose sparse kernels have no bf16/fp16 path, and for fp32 or fp64 input. On CUDA, bf16 and
+    fp16 inputs are multiplied in their own dtype (cuSPARSE accumulates in fp32 and reads half the bytes), unless
+    the build refuses it, found by one tiny product per device and dtype, in which case fp32 is used and said once.
+    """
+    dtype = matrix.dtype
+    if matrix.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return torch.float32
+    key = (str(matrix.device), dtype)
+    if key not in _SPARSE_DTYPE_SUPPORT:
+        try:
+            probe = _csr(torch.tensor([0, 1], dtype=torch.int32, device=matrix.device),
+                         torch.zeros(1, dtype=torch.int32, device=matrix.device),
+                         torch.ones(1, dtype=dtype, device=matrix.device), (1, 1))
+            torch.sparse.mm(probe, torch.ones(1, 1, dtype=dtype, device=matrix.device))
+            _SPARSE_DTYPE_SUPPORT[key] = True
+        except RuntimeError as error:
+            _SPARSE_DTYPE_SUPPORT[key] = False
+            warnings.warn(f"Sparse products in {dtype} are not available on {matrix.device} ({error}); projections "
+                          f"run in fp32 there (slower, and twice the bytes).", stacklevel=2)
+    return dtype if _SPARSE_DTYPE_SUPPORT[key] else torch.float32
 
 
 class ProjectorFactory(Protocol):
