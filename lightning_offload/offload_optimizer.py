@@ -77,7 +77,6 @@ class _Slot:
     sent_round: int = -1
     sent_version: int = -1
     to_host_event: Any = None
-    grad_ref: Tensor | None = None
     job: Job | None = None
     to_device_event: Any = None
     decay: float = 1.0
@@ -376,8 +375,8 @@ class OffloadOptimizer(Optimizer):
         grad = slot.layer.grad_buffer if slot.layer is not None else slot.param.grad
         if grad.dtype != self.link_dtype:
             grad = grad.to(self.link_dtype)  # narrow on the device: half the bytes cross the link
-        # Keep the source alive until the copy landed: autograd or zero_grad may drop the last reference.
-        slot.grad_ref = grad
+        # No reference is kept: the link marks the source as in use by its copy stream, so its memory is not reused
+        # before the copy has read it, and S is freed as soon as the layer releases it (zero_grad, in step).
         slot.to_host_event = self.link.to_host(grad, slot.host_grad)
         slot.sent_round = self._round
         slot.sent_version = slot.layer.grad_version if slot.layer is not None else 0
@@ -434,8 +433,8 @@ class OffloadOptimizer(Optimizer):
             slot.job = self.worker.submit(partial(self._host_job, slot, clip, compute_done, step), slot.name)
             slot.pending = True
             if slot.layer is not None:
-                # S may only be cleared once its copy has read it.
-                self.link.device_wait(slot.to_host_event)
+                # S is released, not cleared: its copy may still be reading it, and the link keeps its memory from
+                # being reused until then (no wait on the compute stream).
                 slot.layer.zero_grad()
         self._pending_telemetry = step
         self._round += 1
@@ -537,7 +536,6 @@ class OffloadOptimizer(Optimizer):
             slot.layer.apply_update(slot.device_update, slot.decay, slot.generator)
         slot.pending = False
         slot.job = None
-        slot.grad_ref = None
 
     @property
     def optimizer(self) -> Optimizer:
@@ -580,7 +578,6 @@ class OffloadOptimizer(Optimizer):
         for slot in self.slots:
             self.link.host_wait(slot.to_host_event)  # copies already under way must land before S is cleared
             slot.to_host_event = None
-            slot.grad_ref = None
         for layer in self.projected_layers:
             layer.zero_grad()
         self._timeline = StepTimeline()

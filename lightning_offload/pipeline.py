@@ -107,7 +107,8 @@ class Link:
     def to_host(self, source: Tensor, destination: Tensor) -> Any:
         """Start copying a device tensor into a host buffer; returns an event (``None`` when already done).
 
-        The caller must keep ``source`` alive and unmodified until the event completed (see :meth:`device_wait`).
+        The caller need not keep ``source`` alive (the caching allocator holds its memory until the copy has read
+        it), but must not modify it in place before the event completed (see :meth:`device_wait`).
         """
         if not self.is_cuda:
             destination.copy_(source)
@@ -117,6 +118,9 @@ class Link:
             # The copy stream must not read the gradient before the compute stream finished writing it.
             self.to_host_stream.wait_event(produced)
             destination.copy_(source, non_blocking=True)
+            # Memory allocated on the compute stream and read here: when its last reference goes, the allocator
+            # waits for this stream's work queued so far before handing the memory out again.
+            source.record_stream(self.to_host_stream)
             return self.to_host_stream.record_event()
 
     def to_device(self, source: Tensor, destination: Tensor, after: Any = None) -> Any:

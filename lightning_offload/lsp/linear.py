@@ -54,9 +54,10 @@ class ProjectedWeight:
         # divides each layer's ‖S‖ by it to estimate the full gradient's norm. 1 for random draws, whose
         # projection keeps norms in expectation.
         self.norm_ratio = 1.0
-        # fp32 accumulator of S across micro-batches; projection is linear, so accumulating S equals
-        # compressing the accumulated gradient exactly.
-        self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=module.weight.device)
+        # S in fp32, or None: the first backward's S is kept as it is (no buffer is held between steps), later
+        # micro-batches add into it; projection is linear, so accumulating S equals compressing the accumulated
+        # gradient exactly. Released by zero_grad once the optimizer has sent it (see OffloadOptimizer.step).
+        self.grad_buffer: Tensor | None = None
         self.has_grad = False
         # Called once this layer's gradient of the current backward is complete (all its uses in forward have
         # had their backward): the pipeline starts the device→host copy right then, overlapping the rest of backward.
@@ -99,13 +100,12 @@ class ProjectedWeight:
             raise ValueError(f"Projectors for {self.name} must compress ({out_features}, {in_features}).")
         self.proj_out, self.proj_in = proj_out, proj_in
         self.update_scale = update_scale(proj_out, proj_in)
-        self.grad_buffer = torch.zeros(proj_out.dim_out, proj_in.dim_out, device=self.grad_buffer.device)
+        self.grad_buffer = None
         self.has_grad = False
 
     def accumulate(self, compressed_grad: Tensor) -> None:
-        """Add one backward pass's ``S`` (called from autograd)."""
-        self.grad_buffer.add_(compressed_grad)
-        self.has_grad = True
+        """Add one backward pass's ``S`` (called from autograd; the first one is kept, not copied)."""
+        self._add(compressed_grad)
         self.grad_version += 1
         self.open_backwards = max(self.open_backwards - 1, 0)
         if self.open_backwards == 0 and self.on_grad_ready is not None:
@@ -117,15 +117,20 @@ class ProjectedWeight:
         Projection is linear, so this is exactly the compressed image of that part of the gradient. It does not
         count as the module's own backward: if ``S`` was already sent, the changed version sends it again at the step.
         """
-        self.grad_buffer.add_(self.compress(grad))
-        self.has_grad = True
+        self._add(self.compress(grad))
         self.grad_version += 1
 
+    def _add(self, compressed_grad: Tensor) -> None:
+        if self.grad_buffer is None:
+            self.grad_buffer = compressed_grad.float()
+        else:
+            self.grad_buffer.add_(compressed_grad)
+        self.has_grad = True
+
     def zero_grad(self) -> None:
-        """Clear ``S`` after it has been consumed by an optimizer step (or skipped)."""
-        if self.has_grad:
-            self.grad_buffer.zero_()
-            self.has_grad = False
+        """Release ``S`` after it has been consumed by an optimizer step (or skipped)."""
+        self.grad_buffer = None
+        self.has_grad = False
 
     def reset_forward_count(self) -> None:
         """Forget forward calls whose backward never ran (called before each optimizer step's forward)."""
@@ -262,7 +267,8 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             w_math = w_c.t() if state.transposed else w_c  # o × i
             b_c = bias.to(dtype) if bias is not None else None
             out = F.linear(x_c, w_math, b_c)
-            # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i (fp32, d_i × tokens).
+            # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i (d_i × tokens, in the
+            # product dtype: fp32 on the CPU, the compute dtype on CUDA).
             x_proj = None
             if weight.requires_grad:
                 x_proj = state.proj_in.compress_rows(x_c.detach().reshape(-1, x_c.shape[-1]).t())
@@ -281,9 +287,10 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             w_math = w_c.t() if state.transposed else w_c
             grad_x = grad_out @ w_math
         if x_proj is not None:
-            # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype.
+            # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype: a fresh tensor,
+            # which the layer keeps as its S.
             delta_proj = state.proj_out.compress_rows(grad_out.reshape(-1, grad_out.shape[-1]).t())  # d_o × T
-            state.accumulate(delta_proj @ x_proj.t())
+            state.accumulate(delta_proj.float() @ x_proj.float().t())
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
