@@ -230,6 +230,10 @@ class ProjectorRefit(Callback):
                     fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
                                                       self.settings)
                 before, after = fit.fit(grad, iters_per_sample)
+                park = self._park_device(grad)
+                if park is not None:
+                    # Until this layer's next sample, its fit state waits on the host: the device holds one layer's.
+                    fit.to(park)
             if not math.isnan(before):
                 if initial and fit.samples_seen == 1:
                     record.errors[layer.name] = before  # the norm-scaled random start, on the first usable gradient
@@ -286,6 +290,12 @@ class ProjectorRefit(Callback):
         if self.log:
             for logger in trainer.loggers:
                 logger.log_metrics({**record.metrics(), "projector_refit/fits_done": float(self.fits_done)}, step=step)
+
+    @staticmethod
+    def _park_device(grad: Tensor) -> torch.device | None:
+        """Where a layer's fit state waits between its samples: the host, when the gradients are on an accelerator
+        (``None``: stay where it is)."""
+        return torch.device("cpu") if grad.device.type != "cpu" else None
 
     def _threads_for(self, grad: Tensor) -> int:
         """Threads for one layer's fit products: ``fit_threads``, or one per 256K gradient elements."""

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
-from lightning_offload.pipeline import HostWorker, Job, Link, StepTimeline, TimelineRecorder
+from lightning_offload.pipeline import HostWorker, Job, Link, StepTimeline, TimelineRecorder, UpdateRing
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
@@ -65,7 +65,6 @@ class _Slot:
     host_grad: Tensor
     adam: torch.optim.Adam
     layer: ProjectedWeight | None = None
-    device_update: Tensor | None = None
     # The update as it crosses to the device, in the dtype that crosses: Z in the link dtype (projected), or the
     # parameter's own dtype for a low-precision dense parameter (bf16: 2 bytes per element cross, not the master's 4).
     host_update: Tensor | None = None
@@ -79,6 +78,10 @@ class _Slot:
     to_host_event: Any = None
     job: Job | None = None
     to_device_event: Any = None
+    # A projected update on its way to the device: the buffer it lands in, and its number in the update ring (None
+    # for a one-off allocation).
+    update_on_device: Tensor | None = None
+    ring_index: int | None = None
     decay: float = 1.0
     pending: bool = False
 
@@ -141,6 +144,9 @@ class OffloadOptimizer(Optimizer):
         on_nonfinite: ``"skip"`` skips a step whose gradients hold inf/nan (counted in telemetry); ``"raise"``
             raises :class:`NonFiniteGradientError`. Either way the host state is untouched.
         rounding_seed: seed of the per-tensor generators used for stochastic rounding of low-precision weights.
+        update_buffers: device buffers compressed updates land in (a ring shared by all layers). ``None``: 4 on an
+            accelerator, none on the CPU, where the device is the host and updates are read where the host step
+            wrote them.
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class OffloadOptimizer(Optimizer):
         link_dtype: str = "fp32",
         on_nonfinite: NonFinitePolicy = "skip",
         rounding_seed: int = 0,
+        update_buffers: int | None = None,
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
         if on_nonfinite not in ("skip", "raise"):
@@ -191,6 +198,15 @@ class OffloadOptimizer(Optimizer):
         self.slots = self._build_slots(list(projected), rounding_seed, model)
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
         self._eager_slots = list(self.slots) if model is None else self._attach_hooks(model)
+        projected_slots = [slot for slot in self.slots if slot.layer is not None]
+        self._projected_position = {id(slot): i for i, slot in enumerate(projected_slots)}
+        self._projected_slots = projected_slots
+        if update_buffers is None:
+            update_buffers = 4 if self.device.type != "cpu" else 0
+        self.update_ring: UpdateRing | None = None
+        if update_buffers and projected_slots:
+            largest = max(math.prod(slot.layer.compressed_shape) for slot in projected_slots)
+            self.update_ring = UpdateRing(update_buffers, largest, self.link_dtype, self.device)
         self.telemetry.host_state_bytes = self.host_state_bytes()
 
     # ----------------------------------------------------------------------------------------------- set-up
@@ -228,7 +244,6 @@ class OffloadOptimizer(Optimizer):
                 slots.append(
                     _Slot(
                         layer.name, param, group, z, _pinned_zeros(shape, pin, self.link_dtype), adam, layer=layer,
-                        device_update=torch.zeros(shape, dtype=self.link_dtype, device=self.device),
                         host_update=_pinned_zeros(shape, pin, self.link_dtype) if self.link_dtype != z.dtype else None,
                         host_l2=_pinned_zeros(shape, pin) if group.get("weight_decay") and not decoupled else None,
                         host_grad_fp32=torch.zeros(shape) if self.link_dtype != torch.float32 else None,
@@ -470,13 +485,17 @@ class OffloadOptimizer(Optimizer):
             # Adam's coupled L2 term in the compressed space, A (G + λW) Bᵀ = S + λ·A W Bᵀ, from W before the update.
             slot.host_l2.copy_(slot.layer.compress_weight())
             step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
-        step.bytes_host_to_device += slot.device_update.numel() * slot.device_update.element_size()
+        step.bytes_host_to_device += slot.host_param.numel() * self.link_dtype.itemsize
 
     def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any,
                   step: StepTelemetry) -> None:
         """Worker thread: wait for the gradient, step Adam, send the update back."""
         faults = _thread_minor_faults()
         start = time.perf_counter()
+        if slot.layer is not None:
+            # Z (or its staging copy) is about to be rewritten: the previous update's copy from it must have read it
+            # (long done in practice: this gradient was produced after that update was applied).
+            self.link.host_wait(slot.to_device_event)
         self.link.host_wait(slot.to_host_event)
         landed = time.perf_counter()
         # In place: the landing buffer (or its fp32 working copy) is rewritten by the next step's copy anyway.
@@ -498,11 +517,10 @@ class OffloadOptimizer(Optimizer):
         slot.host_param.grad = None
         stepped = time.perf_counter()
         if slot.layer is not None:
-            source = slot.host_param
             if slot.host_update is not None:
-                slot.host_update.copy_(source)
-                source = slot.host_update
-            slot.to_device_event = self.link.to_device(source, slot.device_update, after=compute_done)
+                slot.host_update.copy_(slot.host_param)  # narrowed to the link dtype on the host
+            # The main thread copies it to the device when the layer is about to need it (_fetch_update): device
+            # buffers for updates are a small ring shared by all layers, not one per layer.
         else:
             source = slot.host_param
             if slot.host_update is not None:
@@ -510,14 +528,13 @@ class OffloadOptimizer(Optimizer):
                 # only the parameter's bytes cross.
                 source = slot.host_update.copy_(source)
             slot.to_device_event = self.link.to_device(source, slot.param.data, after=compute_done)
-        # The host buffers are rewritten next step: wait until this copy has read them.
-        self.link.host_wait(slot.to_device_event)
-        sent = time.perf_counter()
+            # The host buffers are rewritten next step: wait until this copy has read them.
+            self.link.host_wait(slot.to_device_event)
+            self._timeline.add("link_to_device", slot.name, stepped, time.perf_counter())
         # One worker thread runs the jobs one after another, so the step's figure needs no lock.
         step.host_page_faults += _thread_minor_faults() - faults
         self._timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
         self._timeline.add("host", slot.name, landed, stepped)
-        self._timeline.add("link_to_device", slot.name, stepped, sent)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         for slot in self._slots_by_module.get(id(module), ()):
@@ -530,12 +547,62 @@ class OffloadOptimizer(Optimizer):
             return
         start = time.perf_counter()
         self.worker.wait(slot.job)
-        self.link.device_wait(slot.to_device_event)
-        self._timeline.add("device_wait", slot.name, start, time.perf_counter())
         if slot.layer is not None:
-            slot.layer.apply_update(slot.device_update, slot.decay, slot.generator)
+            update = self._fetch_update(slot)
+            self._timeline.add("device_wait", slot.name, start, time.perf_counter())
+            slot.layer.apply_update(update, slot.decay, slot.generator)
+            if slot.ring_index is not None:
+                # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
+                self.update_ring.release(slot.ring_index, self.link.compute_event())
+            slot.update_on_device, slot.ring_index = None, None
+            self._prefetch_after(slot)
+        else:
+            self.link.device_wait(slot.to_device_event)
+            self._timeline.add("device_wait", slot.name, start, time.perf_counter())
         slot.pending = False
         slot.job = None
+
+    def _update_source(self, slot: _Slot) -> Tensor:
+        """The host tensor a projected update crosses from: ``Z`` in the link dtype."""
+        return slot.host_update if slot.host_update is not None else slot.host_param
+
+    def _fetch_update(self, slot: _Slot) -> Tensor:
+        """The device tensor holding ``slot``'s finished update, ordered before the compute that reads it."""
+        if self.update_ring is None:
+            return self._update_source(slot)  # the device is the host: read where the host step wrote it
+        if slot.update_on_device is None:
+            self._start_fetch(slot)  # not prefetched
+        self.link.device_wait(slot.to_device_event)  # the compute stream waits; the host does not
+        return slot.update_on_device
+
+    def _start_fetch(self, slot: _Slot) -> None:
+        """Issue the host→device copy of a finished update into a ring buffer (a one-off buffer if none is free)."""
+        start = time.perf_counter()
+        shape = slot.layer.compressed_shape
+        index = self.update_ring.claim()
+        if index is None:
+            self.update_ring.fallbacks += 1
+            destination, after = torch.empty(shape, dtype=self.link_dtype, device=self.device), None
+        else:
+            destination, after = self.update_ring.view(index, shape), self.update_ring.last_read[index]
+        slot.to_device_event = self.link.to_device(self._update_source(slot), destination, after=after)
+        slot.update_on_device, slot.ring_index = destination, index
+        self._timeline.add("link_to_device", slot.name, start, time.perf_counter())
+
+    def _prefetch_after(self, slot: _Slot) -> None:
+        """Start the copies of the next finished updates in forward order, as far as the ring has free buffers, so
+        the next layers' updates are on the device before their forwards ask for them."""
+        ring = self.update_ring
+        if ring is None:
+            return
+        position = self._projected_position[id(slot)]
+        for later in self._projected_slots[position + 1: position + 1 + len(ring.buffers)]:
+            if not ring.free:
+                return
+            if later.pending and later.update_on_device is None and later.job is not None and later.job.done.is_set():
+                self.worker.check()
+                self._start_fetch(later)
+                ring.prefetched += 1
 
     @property
     def optimizer(self) -> Optimizer:

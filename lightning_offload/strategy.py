@@ -74,6 +74,9 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         pipelined: overlap the host work with device compute: each update is applied right before its module's
             next forward. ``False`` applies every update before the optimizer step returns (same results).
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.
+        update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
+            layers' updates are prefetched into free ones). ``None``: 4 on an accelerator; none on the CPU, where
+            updates are read where the host step wrote them.
     """
 
     strategy_name = "lsp_offload"
@@ -95,6 +98,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         log_telemetry: bool = True,
         pipelined: bool = True,
         link_dtype: str = "fp32",
+        update_buffers: int | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -134,6 +138,11 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         self.log_telemetry = log_telemetry
         self.pipelined = pipelined
         self.link_dtype = link_dtype
+        if update_buffers is not None and (isinstance(update_buffers, bool) or not isinstance(update_buffers, int)
+                                           or update_buffers < 0):
+            raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
+                             f"{update_buffers!r}.")
+        self.update_buffers = update_buffers
         self.offload_optimizer: OffloadOptimizer | None = None
 
     # ---------------------------------------------------------------------------------------- device, precision
@@ -255,6 +264,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             link_dtype=self.link_dtype,
             on_nonfinite=self.on_nonfinite,
             rounding_seed=self.seed,
+            update_buffers=self.update_buffers,
         )
         self.optimizers = [self.offload_optimizer]
 

@@ -409,3 +409,48 @@ def test_fit_threads_are_restored_and_validated(two_threads):
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="fit_threads=0 must be an int ≥ 1, or None"):
         ProjectorRefit(fit_threads=0)
+
+
+def test_a_fit_on_an_accelerator_holds_one_layers_fit_state_there_at_a_time(monkeypatch):
+    # On an accelerator each layer's fit state is parked on the host after its sample. Here the device is the CPU,
+    # so the park decision is forced and the moves are recorded: every layer's state leaves right after its sample.
+    from lightning_offload.lsp import fit as fit_module
+
+    active, peak, parks = set(), [0], []
+    real_fit, real_to = fit_module.LayerFit.fit, fit_module.LayerFit.to
+
+    def fit(self, grad, iterations):
+        active.add(id(self))
+        peak[0] = max(peak[0], len(active))
+        return real_fit(self, grad, iterations)
+
+    def to(self, device):
+        if torch.device(device) == torch.device("cpu") and id(self) in active:
+            active.discard(id(self))
+            parks.append(id(self))
+        return real_to(self, device)
+
+    monkeypatch.setattr(fit_module.LayerFit, "fit", fit)
+    monkeypatch.setattr(fit_module.LayerFit, "to", to)
+    monkeypatch.setattr(ProjectorRefit, "_park_device", staticmethod(lambda grad: torch.device("cpu")))
+    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+    _lm_fit(strategy, callbacks=[ProjectorRefit(num_samples=3, max_iters=6)], max_steps=1)
+    layers = len(strategy.projected_layers)
+    assert layers > 1 and peak[0] == 1
+    assert len(parks) == 3 * layers and len(set(parks)) == layers
+
+
+def test_a_layer_fit_moved_between_samples_continues_exactly():
+    proj_out, proj_in = _pair(96, 64, 24, 16, 3)
+    grads = [torch.randn(96, 4, generator=torch.Generator().manual_seed(s)) @ torch.randn(4, 64) for s in range(3)]
+    settings = FitSettings(max_iters=12, target_error=0.0)
+    staying = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in), settings)
+    moving = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in), settings)
+    for grad in grads:
+        staying.fit(grad, 4)
+        moving.fit(grad, 4)
+        moving.pattern_a = moving.pattern_b = None  # as after a move: the structures are rebuilt where the sample is
+        moving.to("cpu")
+    assert torch.equal(staying.a, moving.a) and torch.equal(staying.b, moving.b)
+    # Values with two Adam moments each (fp32), int16 indices, and Adam's two scalar step counts.
+    assert moving.nbytes() == (96 + 64) * 3 * (4 * 3 + 2) + 2 * 4

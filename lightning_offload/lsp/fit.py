@@ -184,8 +184,8 @@ class LayerFit:
     def __init__(self, proj_out: SparseProjector, proj_in: SparseProjector, settings: FitSettings) -> None:
         self.settings = settings
         self.idx_a, self.idx_b = proj_out.indices, proj_in.indices
-        self.pattern_a = proj_out.pattern()
-        self.pattern_b = proj_in.pattern()
+        self.pattern_a: SparsityPattern | None = proj_out.pattern()
+        self.pattern_b: SparsityPattern | None = proj_in.pattern()
         self.a = proj_out.values.detach().float().clone().requires_grad_(True)
         self.b = proj_in.values.detach().float().clone().requires_grad_(True)
         self.adam = torch.optim.Adam([self.a, self.b], lr=settings.lr)
@@ -210,6 +210,10 @@ class LayerFit:
             # destroy the values. It is skipped, as the training step on such a gradient would be.
             return math.nan, math.nan
         self.samples_seen += 1
+        self.to(grad.device)
+        if self.pattern_a is None:
+            self.pattern_a = SparsityPattern(self.idx_a, self.dims[0])
+            self.pattern_b = SparsityPattern(self.idx_b, self.dims[1])
         errors: list[float] = []
         for step in range(iterations + 1):
             with torch.enable_grad():
@@ -228,6 +232,36 @@ class LayerFit:
             self.adam.step()
             self.iterations += 1
         return errors[0], errors[-1]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the fit's values and Adam state are."""
+        return self.a.device
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the values, their Adam state and the indices to ``device`` (in place; the same tensors stay
+        registered with the fit's Adam). A fit over many layers parks each layer's state on the host between its
+        samples, so the device holds one layer's fit state at a time. The CSR structures are dropped when moving and
+        rebuilt where the next sample is."""
+        device = torch.device(device)
+        if device == self.device:
+            return
+        for tensor in (self.a, self.b):
+            tensor.data = tensor.data.to(device)
+            if tensor.grad is not None:
+                tensor.grad = None  # cleared by the next iteration's zero_grad anyway
+        for state in self.adam.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[key] = value.to(device)
+        self.idx_a, self.idx_b = self.idx_a.to(device), self.idx_b.to(device)
+        self.pattern_a = self.pattern_b = None
+
+    def nbytes(self) -> int:
+        """Bytes of the fit's state: values, their Adam moments and the indices (CSR structures excluded)."""
+        tensors = [self.a, self.b, self.idx_a, self.idx_b]
+        tensors += [v for state in self.adam.state.values() for v in state.values() if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def projectors(self) -> tuple[SparseProjector, SparseProjector]:
         """The fitted ``A`` and ``B`` (same indices, new values)."""
