@@ -54,6 +54,8 @@ class RefitRecord:
         norm_ratios: per refit layer, ``‖S‖/‖G‖`` of the new projectors on the last sampled gradient: the share of
             a full gradient's norm that the compressed gradient keeps (gradient clipping divides by it).
         seconds: wall time of the sampling passes and fits.
+        device_fit_state_bytes: the most fit state (values, their Adam moments, indices) held on the training device
+            at once: one layer's on an accelerator, where the others wait on the host; every layer's on the CPU.
     """
 
     step: int
@@ -63,6 +65,7 @@ class RefitRecord:
     fitted_errors: dict[str, float] = field(default_factory=dict)
     norm_ratios: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    device_fit_state_bytes: int = 0
 
     def metrics(self) -> dict[str, float]:
         """Summary figures for loggers: error min/mean/max over layers before, mean after, counts, time."""
@@ -74,6 +77,7 @@ class RefitRecord:
             "projector_refit/error_max": max(before),
             "projector_refit/layers_refit": float(len(self.refit)),
             "projector_refit/seconds": self.seconds,
+            "projector_refit/device_fit_state_bytes": float(self.device_fit_state_bytes),
         }
         if after:
             out["projector_refit/fitted_error_mean"] = sum(after) / len(after)
@@ -230,6 +234,8 @@ class ProjectorRefit(Callback):
                     fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
                                                       self.settings)
                 before, after = fit.fit(grad, iters_per_sample)
+                held = sum(f.nbytes() for f in fits.values() if f.device == grad.device)
+                record.device_fit_state_bytes = max(record.device_fit_state_bytes, held)
                 park = self._park_device(grad)
                 if park is not None:
                     # Until this layer's next sample, its fit state waits on the host: the device holds one layer's.

@@ -208,6 +208,7 @@ class OffloadOptimizer(Optimizer):
             largest = max(math.prod(slot.layer.compressed_shape) for slot in projected_slots)
             self.update_ring = UpdateRing(update_buffers, largest, self.link_dtype, self.device)
         self.telemetry.host_state_bytes = self.host_state_bytes()
+        self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _build_slots(
@@ -432,6 +433,10 @@ class OffloadOptimizer(Optimizer):
             return loss
 
         step = StepTelemetry()
+        for layer in self.projected_layers:
+            if layer.grad_buffer is not None:
+                step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
+            step.device_saved_projection_bytes += layer.saved_projection_bytes
         # Consumed here; set again by the next clipping call (inside the next closure, or before a manual step).
         clip, self._clip, self._last_norm = self._clip, None, None
         if clip is not None and clip[0] == "norm":
@@ -632,6 +637,7 @@ class OffloadOptimizer(Optimizer):
             self.telemetry.steps += 1
             # Adam allocates its moments lazily at the first step, so the size is re-measured after each.
             self.telemetry.host_state_bytes = self.host_state_bytes()
+            self.telemetry.device_persistent_bytes = self.device_persistent_bytes()  # a refit may change them
             self.timelines.record(self.telemetry.steps, timeline)
             self.telemetry.complete_step()
 
@@ -703,6 +709,15 @@ class OffloadOptimizer(Optimizer):
     def host_state_bytes(self) -> int:
         """Bytes of optimizer state on the host: Adam moments, fp32 masters, ``Z`` and landing/staging buffers."""
         return sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device.type == "cpu")
+
+    def device_persistent_bytes(self) -> dict[str, int]:
+        """Device bytes the offload machinery keeps between steps, by category (see
+        :attr:`~lightning_offload.telemetry.OffloadTelemetry.device_persistent_bytes`). Counted from the tensors'
+        sizes, so it works on any device, ``meta`` included."""
+        return {
+            "projectors": sum(layer.proj_out.nbytes() + layer.proj_in.nbytes() for layer in self.projected_layers),
+            "update_ring": self.update_ring.nbytes() if self.update_ring is not None else 0,
+        }
 
     def device_state_bytes(self) -> int:
         """Bytes of optimizer state found on a non-CPU device (the placement check: expected 0 on a GPU)."""

@@ -20,6 +20,10 @@ class StepTelemetry:
         skipped: 1.0 when the step was skipped for non-finite gradients, else 0.0.
         host_page_faults: minor page faults the host worker took during the step's jobs (Linux; 0 elsewhere). In
             steady state it should be 0: every host buffer is preallocated, and a fault means a fresh allocation.
+        device_compressed_grad_bytes: bytes of the compressed gradients ``S`` held on the device when the step was
+            launched (transient: each is released once sent).
+        device_saved_projection_bytes: bytes of ``B Xᵀ`` the step's forwards kept for backward (transient: the
+            projected layers' share of saved activations, in place of their inputs).
     """
 
     bytes_device_to_host: float = 0.0
@@ -27,6 +31,8 @@ class StepTelemetry:
     host_optimizer_seconds: float = 0.0
     skipped: float = 0.0
     host_page_faults: float = 0.0
+    device_compressed_grad_bytes: float = 0.0
+    device_saved_projection_bytes: float = 0.0
 
 
 @dataclass
@@ -39,6 +45,8 @@ class OffloadTelemetry:
         skipped_steps: steps skipped because a gradient was non-finite.
         host_state_bytes: bytes of optimizer state held on the host (moments, fp32 masters, update buffers).
         device_state_bytes: bytes of optimizer state found on the device — measured, expected to be 0.
+        device_persistent_bytes: bytes the offload machinery keeps on the device between steps, by category:
+            ``projectors`` (indices, values, CSR structure) and ``update_ring`` (buffers updates land in).
         last_timeline: the latest completed step's :class:`~lightning_offload.pipeline.StepTimeline` (busy seconds
             per lane: device compute, link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
@@ -51,6 +59,7 @@ class OffloadTelemetry:
     skipped_steps: int = 0
     host_state_bytes: int = 0
     device_state_bytes: int = 0
+    device_persistent_bytes: dict[str, int] = field(default_factory=dict)
     last_timeline: Any = None
     completed: deque[tuple[int, dict[str, float]]] = field(default_factory=lambda: deque(maxlen=64), repr=False)
 
@@ -67,6 +76,8 @@ class OffloadTelemetry:
                 "offload/device_state_bytes": float(self.device_state_bytes),
             }
         )
+        for category, size in self.device_persistent_bytes.items():
+            flat[f"offload/device_persistent_bytes/{category}"] = float(size)
         return flat
 
     def complete_step(self) -> None:

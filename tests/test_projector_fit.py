@@ -437,6 +437,9 @@ def test_a_fit_on_an_accelerator_holds_one_layers_fit_state_there_at_a_time(monk
     _lm_fit(strategy, callbacks=[ProjectorRefit(num_samples=3, max_iters=6)], max_steps=1)
     layers = len(strategy.projected_layers)
     assert layers > 1 and peak[0] == 1
+    (record,) = [cb for cb in strategy.lightning_module.trainer.callbacks if isinstance(cb, ProjectorRefit)][0].history
+    # The record counts what was on the training device at once (here the CPU, where parked states also are).
+    assert record.device_fit_state_bytes > 0
     assert len(parks) == 3 * layers and len(set(parks)) == layers
 
 

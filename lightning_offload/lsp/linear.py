@@ -65,6 +65,8 @@ class ProjectedWeight:
         # Forward calls (with autograd recording, outside backward) whose backward has not run yet. Not reset by
         # zero_grad, which Lightning calls between training_step and backward; see reset_forward_count.
         self.open_backwards = 0
+        # Bytes of B Xᵀ kept for backward by this step's forwards (telemetry; reset with the forward count).
+        self.saved_projection_bytes = 0
         self.grad_version = 0  # bumped by every accumulation: tells whether a copy already sent is still current
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
         # autograd produces W.grad, one layer at a time; nothing accumulates into S.
@@ -135,6 +137,7 @@ class ProjectedWeight:
     def reset_forward_count(self) -> None:
         """Forget forward calls whose backward never ran (called before each optimizer step's forward)."""
         self.open_backwards = 0
+        self.saved_projection_bytes = 0
 
     def compress(self, matrix: Tensor) -> Tensor:
         """``A M Bᵀ`` in fp32 for a weight-shaped ``M`` (stored layout: transposed for ``Conv1D``)."""
@@ -272,6 +275,7 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             x_proj = None
             if weight.requires_grad:
                 x_proj = state.proj_in.compress_rows(x_c.detach().reshape(-1, x_c.shape[-1]).t())
+                state.saved_projection_bytes += x_proj.numel() * x_proj.element_size()
         ctx.state = state
         ctx.has_bias = bias is not None
         ctx.save_for_backward(w_c, x_proj)
