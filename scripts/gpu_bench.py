@@ -232,9 +232,14 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         strategy = DeepSpeedStrategy(stage=2, offload_optimizer=True, pin_memory=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    fit_peak = _fit_peak_probe(pl, cuda)
+    callbacks: list[Any] = []
+    if method == "lsp_offload":
+        # The strategy's default fit, named here so the probe after it sees the device peak the fit reached.
+        callbacks = [lightning_offload.ProjectorRefit(), fit_peak]
     trainer = pl.Trainer(
         strategy=strategy, accelerator="auto", devices=1, precision="bf16-true", max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
     profile = _profile_step(trainer, module) if profile_step else None
     trainer.fit(module)
@@ -267,7 +272,49 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         "link_bytes_to_host_per_step": telemetry.last.bytes_device_to_host if telemetry is not None else None,
         "link_bytes_to_device_per_step": telemetry.last.bytes_host_to_device if telemetry is not None else None,
         "link_bytes_measured": telemetry is not None,
+        **_device_memory(telemetry, trainer, fit_peak),
         **meft,
+    }
+
+
+def _fit_peak_probe(pl: Any, cuda: bool) -> Any:
+    """A callback measuring the device bytes the initial projector fit added above what training had allocated
+    when it set up (CUDA only). Placed after the :class:`~lightning_offload.ProjectorRefit`, its
+    ``on_train_start`` runs once the fit is done."""
+    import torch
+
+    class FitPeak(pl.Callback):
+        def __init__(self) -> None:
+            self.baseline: int | None = None
+            self.extra: int | None = None
+
+        def setup(self, trainer: Any, module: Any, stage: str) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                self.baseline = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            if cuda and self.baseline is not None:
+                self.extra = torch.cuda.max_memory_allocated() - self.baseline
+
+    return FitPeak()
+
+
+def _device_memory(telemetry: Any, trainer: Any, fit_peak: Any) -> dict[str, Any]:
+    """Device bytes of the offload machinery by category: persistent, transient per step, and the fit's."""
+    if telemetry is None:
+        return {}
+    refits = [cb for cb in trainer.callbacks if type(cb).__name__ == "ProjectorRefit"]
+    initial = refits[0].history[0] if refits and refits[0].history else None
+    return {
+        "device_persistent_bytes": dict(telemetry.device_persistent_bytes),
+        "device_transient_bytes": {
+            "compressed_grads": telemetry.last.device_compressed_grad_bytes,
+            "saved_projections": telemetry.last.device_saved_projection_bytes,
+        },
+        "fit_device_state_bytes": initial.device_fit_state_bytes if initial is not None else None,
+        "fit_extra_peak_bytes": fit_peak.extra,
     }
 
 
@@ -310,8 +357,9 @@ def markdown(report: dict[str, Any]) -> str:
     gib, mib = 2**30, 2**20
     lines = [f"Shape {report['shape']}, seq {report.get('seq')}; GPU tests: {report.get('gpu_tests', {}).get('summary', 'not run')}",
              "", "| method | batch | s / step | × native | peak device GiB | link MiB / step (to host, to device) | "
-             "host Adam s / step | device wait s / step | host page faults / step | error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "host Adam s / step | device wait s / step | host page faults / step | offload device MiB: persistent "
+             "(projectors + ring), transient (S + B Xᵀ), fit (state, extra peak) | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(value: Any, fmt: str) -> str:
         return "–" if value is None else format(value, fmt)
@@ -326,10 +374,23 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{num(m.get('x_native'), '.2f')} | {num(peak and peak / gib, '.1f')} | {link} | "
                      f"{num(m.get('host_optimizer_seconds_per_step'), '.3f')} | "
                      f"{num(split.get('device_wait_seconds'), '.3f')} | {num(m.get('host_page_faults_per_step'), '.0f')} "
-                     f"| {m.get('error', m.get('skipped', ''))} |")
+                     f"| {_memory_cell(m)} | {m.get('error', m.get('skipped', ''))} |")
     for cap, largest in report.get("largest_under_cap", {}).items():
         lines.append(f"\nLargest shape under {cap}: {largest and largest['shape']}")
     return "\n".join(lines)
+
+
+def _memory_cell(m: dict[str, Any]) -> str:
+    persistent = m.get("device_persistent_bytes")
+    if not persistent:
+        return "–"
+    mib = 2**20
+    transient = m.get("device_transient_bytes", {})
+    fit_state, fit_extra = m.get("fit_device_state_bytes"), m.get("fit_extra_peak_bytes")
+    return (f"{persistent.get('projectors', 0) / mib:.1f} + {persistent.get('update_ring', 0) / mib:.1f}; "
+            f"{transient.get('compressed_grads', 0) / mib:.1f} + {transient.get('saved_projections', 0) / mib:.1f}; "
+            f"{'–' if fit_state is None else format(fit_state / mib, '.1f')}, "
+            f"{'–' if fit_extra is None else format(fit_extra / mib, '.1f')}")
 
 
 def _write(report: dict[str, Any], out: str | None) -> None:

@@ -25,6 +25,10 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     table = (tmp_path / "report.md").read_text()
     assert "| lsp_offload | 2 |" in table and "| native | 2 |" in table
     assert by_method["lsp_offload"]["link_bytes_measured"]
+    # Device memory of the offload machinery by category: persistent, per step, and the initial fit's.
+    lsp = by_method["lsp_offload"]
+    assert lsp["device_persistent_bytes"]["projectors"] > 0
+    assert lsp["device_transient_bytes"]["saved_projections"] > 0 and lsp["fit_device_state_bytes"] > 0
     assert 0 < by_method["lsp_offload"]["link_bytes_per_step"] < by_method["zero_offload"]["link_bytes_per_step"]
     for method in ("meft_host_routing", "meft_device_routing"):
         entry = by_method[method]

@@ -182,3 +182,19 @@ def test_fused_bf16_update_is_unbiased_and_reproducible_from_the_saved_generator
         module.weight.copy_(start)
     layer.apply_update(u, 0.999, generator)
     assert torch.equal(module.weight, first)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(24, 20), lambda: Conv1D(20, 24)], ids=["linear", "conv1d"])
+def test_bf16_backward_gives_the_compressed_gradient_within_bf16_rounding(make):
+    torch.manual_seed(3)
+    module = make().to(torch.bfloat16)
+    a, b = _projectors(20, 24, d_out=6, d_in=7, r=2)
+    layer = ProjectedWeight("m", module, a, b)
+    x = torch.randn(5, 9, 24).to(torch.bfloat16)
+    grad_out = torch.randn(5, 9, 20).to(torch.bfloat16)
+    module(x).backward(grad_out)
+    # G = Δᵀ X from the bf16 values, in fp32: the projections read bf16 and accumulate in fp32.
+    full = grad_out.reshape(-1, 20).float().t() @ x.reshape(-1, 24).float()
+    expected = a.to_dense() @ full @ b.to_dense().t()
+    assert layer.grad_buffer.dtype == torch.float32
+    torch.testing.assert_close(layer.grad_buffer, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
