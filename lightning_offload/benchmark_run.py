@@ -34,6 +34,8 @@ class BenchmarkRun:
         trainable_parameters: parameters the run trained.
         projected_layers: layers ``lsp_offload`` projected (0 otherwise).
         timeline_seconds_per_step: median busy seconds per pipeline lane (offload strategies).
+        host_share_before_backward_end: median share of a step's host Adam time spent before its backward ended
+            (speculative host steps).
         initial_fit_seconds, initial_fit_error, initial_fitted_error: the initial projector fit (learned
             projectors): its time, and the mean error of its starting point and of the fitted projectors (held out).
         train_seconds: wall time of ``fit``.
@@ -52,6 +54,7 @@ class BenchmarkRun:
     trainable_parameters: int = 0
     projected_layers: int = 0
     timeline_seconds_per_step: dict[str, float] = field(default_factory=dict)
+    host_share_before_backward_end: float = 0.0
     initial_fit_seconds: float = 0.0
     initial_fit_error: float = float("nan")
     initial_fitted_error: float = float("nan")
@@ -75,7 +78,7 @@ def recipe_overrides(*, steps: int, batch_size: int = 4, block_size: int = 128, 
 
 def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, projected_lr: float | None = None,
                      pipelined: bool = True, link_dtype: str = "fp32", lora_rank: int = 12,
-                     galore_rank: int = 36) -> list[str]:
+                     galore_rank: int = 36, speculative: bool = True) -> list[str]:
     """The offload policy of one compared method, as overrides.
 
     ``none``/``adamw`` is plain (fused) AdamW on the device; ``frozen`` trains everything but the layers
@@ -86,15 +89,15 @@ def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, proje
         ValueError: for a method not in :data:`METHODS`.
     """
     lr = [f"offload.projected_lr={projected_lr}"] if projected_lr is not None else []
-    lsp = [f"offload.strategy.rank={rank}", f"offload.strategy.density={density}",
-           f"offload.strategy.pipelined={str(pipelined).lower()}", f"offload.strategy.link_dtype={link_dtype}"]
+    pipeline = [f"offload.strategy.pipelined={str(pipelined).lower()}",
+                f"offload.strategy.speculative={str(speculative).lower()}", f"offload.strategy.link_dtype={link_dtype}"]
+    lsp = [f"offload.strategy.rank={rank}", f"offload.strategy.density={density}", *pipeline]
     if method in ("none", "adamw"):
         return ["offload=none", *lr]
     if method == "frozen":
         return ["offload=none", "offload.method=frozen", *lr]
     if method == "zero_offload":
-        return ["offload=zero", f"offload.strategy.pipelined={str(pipelined).lower()}",
-                f"offload.strategy.link_dtype={link_dtype}", *lr]
+        return ["offload=zero", *pipeline, *lr]
     if method in ("lsp_offload", "lsp_learned"):
         return ["offload=lsp", "offload.strategy.projectors=learned", *lsp, *lr]
     if method == "lsp_random":
@@ -139,6 +142,8 @@ def run_benchmark(overrides: Sequence[str], output_dir: str | Path | None = None
         projected_layers=len(getattr(objects["trainer"].strategy, "projected_layers", {}) or {}),
         timeline_seconds_per_step={key.removeprefix("offload/timeline/"):
                                    statistics.median(t[key] for t in steady if key in t) for key in lanes},
+        host_share_before_backward_end=statistics.median(
+            [t.get("offload/host_share_before_backward_end", 0.0) for t in steady] or [0.0]),
         initial_fit_seconds=float(summary.get("projector_fit_seconds", 0.0)),
         initial_fit_error=float(summary.get("projector_error_drawn", float("nan"))),
         initial_fitted_error=float(summary.get("projector_error_fitted", float("nan"))),

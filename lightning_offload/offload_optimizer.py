@@ -71,6 +71,7 @@ class _Slot:
     # fp32 working copy of a gradient that lands narrower (link_dtype="bf16"): preallocated, so no host job allocates.
     host_grad_fp32: Tensor | None = None
     host_l2: Tensor | None = None
+    l2_event: Any = None
     generator: torch.Generator | None = None
     # Per step:
     sent_round: int = -1
@@ -84,6 +85,22 @@ class _Slot:
     ring_index: int | None = None
     decay: float = 1.0
     pending: bool = False
+    # The timeline of the step whose job this slot runs now (host spans and the apply's waits are that step's).
+    timeline: StepTimeline | None = None
+    # Speculation (Adam stepped during backward, before the global norm is known): the round it was launched in,
+    # whether its gradient is still the one the step uses, the hyper-parameters and clipping it assumed, and what
+    # rolling it back restores (Adam's state before the step, and the host variable: a dense parameter's fp32 master,
+    # or a projected weight's Z).
+    spec_round: int = -1
+    spec_valid: bool = False
+    spec_hparams: tuple[Any, ...] | None = None
+    spec_clip: tuple[str, float] | None = None
+    backup: dict[str, Tensor] | None = None
+    backup_master: Tensor | None = None
+    backup_had_state: bool = False
+    # fp32 copy of an fp32-link gradient that a speculative step clamps or adds L2 to: the landing buffer must stay
+    # as it arrived, in case the step is redone (allocated at the first such step).
+    host_grad_work: Tensor | None = None
 
     @property
     def projected(self) -> bool:
@@ -147,6 +164,12 @@ class OffloadOptimizer(Optimizer):
         update_buffers: device buffers compressed updates land in (a ring shared by all layers). ``None``: 4 on an
             accelerator, none on the CPU, where the device is the host and updates are read where the host step
             wrote them.
+        speculative: step each tensor's host Adam during backward, as soon as its gradient has landed, assuming the
+            step will be neither clipped by norm nor skipped, with the previous step's value clipping; once the
+            global norm is known, a step whose assumption failed (clipping fired, a non-finite gradient, changed
+            hyper-parameters or gradient) is rolled back from a copy of its state and redone or skipped. Results
+            equal the non-speculative path bit for bit. Costs a host copy of each tensor's Adam state (and a dense
+            parameter's master) per step, and that much host memory.
     """
 
     def __init__(
@@ -160,6 +183,7 @@ class OffloadOptimizer(Optimizer):
         on_nonfinite: NonFinitePolicy = "skip",
         rounding_seed: int = 0,
         update_buffers: int | None = None,
+        speculative: bool = True,
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
         if on_nonfinite not in ("skip", "raise"):
@@ -177,6 +201,11 @@ class OffloadOptimizer(Optimizer):
         self.pipelined = pipelined
         self.link_dtype = LINK_DTYPES[link_dtype]
         self.on_nonfinite = on_nonfinite
+        self.speculative = speculative
+        # What speculative steps assume about clipping: the previous step's value clipping (an elementwise clamp,
+        # known before the norm), else none. Norm clipping is assumed not to fire.
+        self._spec_clip: tuple[str, float] | None = None
+        self._spec_step: StepTelemetry | None = None
         self.telemetry = OffloadTelemetry()
         self.timelines = TimelineRecorder()
         self.link = Link(self.device)
@@ -186,7 +215,10 @@ class OffloadOptimizer(Optimizer):
         self._clip: tuple[str, Tensor | float] | None = None
         self._last_norm: Tensor | None = None
         self._step_start = time.perf_counter()
+        # The timeline of the step being collected (its backward's sends and speculative jobs), and that of the
+        # launched step whose figures complete at the next synchronize.
         self._timeline = StepTimeline()
+        self._pending_timeline: StepTimeline | None = None
         self._pending_telemetry: StepTelemetry | None = None
         # Set by a strategy whose step has gradients outside this optimizer (MEFT's host rows): their norm joins the
         # non-finite check, so one decision covers every gradient of the step.
@@ -226,6 +258,7 @@ class OffloadOptimizer(Optimizer):
                 if layer is None:
                     master = _pinned_zeros(param.shape, pin)
                     master.copy_(param.detach())
+                    backup_master = torch.empty_like(master) if self.speculative else None
                     adam = _host_adam(master, {**hparams, "decoupled_weight_decay": decoupled})
                     grad = _pinned_zeros(param.shape, pin, self.link_dtype)
                     name = names.get(id(param), f"param{len(slots)}")
@@ -234,6 +267,7 @@ class OffloadOptimizer(Optimizer):
                         host_update=_pinned_zeros(param.shape, pin, param.dtype) if param.dtype != master.dtype
                         else None,
                         host_grad_fp32=torch.zeros(param.shape) if self.link_dtype != torch.float32 else None,
+                        backup_master=backup_master,
                     ))
                     continue
                 shape = layer.compressed_shape
@@ -249,6 +283,8 @@ class OffloadOptimizer(Optimizer):
                         host_l2=_pinned_zeros(shape, pin) if group.get("weight_decay") and not decoupled else None,
                         host_grad_fp32=torch.zeros(shape) if self.link_dtype != torch.float32 else None,
                         generator=generator,
+                        # Z holds the last update; a rolled-back step leaves it as it was (small: d_o × d_i).
+                        backup_master=torch.empty_like(z) if self.speculative else None,
                     )
                 )
         if by_param:
@@ -397,6 +433,25 @@ class OffloadOptimizer(Optimizer):
         slot.sent_round = self._round
         slot.sent_version = slot.layer.grad_version if slot.layer is not None else 0
         self._timeline.add("link_to_host", slot.name, start, time.perf_counter())
+        if self._collecting and self.speculative:
+            self._speculate(slot)
+
+    def _speculate(self, slot: _Slot) -> None:
+        """During backward: start this tensor's host step now, on the assumptions of :attr:`speculative`."""
+        if slot.spec_round == self._round:
+            slot.spec_valid = False  # sent again (its gradient changed): the step redoes it with the final gradient
+            return
+        if slot.pending:
+            return  # its previous update is not applied yet: the step takes the ordinary path
+        if self._spec_step is None:
+            self._spec_step = StepTelemetry()
+        slot.spec_hparams = self._hparams(slot)
+        self._prepare_l2(slot, self._spec_step)
+        slot.spec_round, slot.spec_valid, slot.spec_clip = self._round, True, self._spec_clip
+        slot.timeline = self._timeline
+        slot.job = self.worker.submit(
+            partial(self._host_job, slot, slot.spec_clip, None, self._spec_step, self._host_hparams(slot), True),
+            slot.name)
 
     def _is_sent(self, slot: _Slot) -> bool:
         """Whether this step's final gradient is already on its way (sent during backward, not changed since)."""
@@ -407,7 +462,7 @@ class OffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` (forward, backward, clipping hooks), then launch one host Adam step per tensor."""
+        """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor."""
         loss = None
         if closure is not None:
             # No synchronize before the closure: its forward applies the previous step's updates module by module
@@ -418,12 +473,16 @@ class OffloadOptimizer(Optimizer):
             try:
                 with torch.enable_grad():
                     loss = closure()
+            except BaseException:
+                self._roll_back_speculation()  # nothing of a step that never happened may stay in the host state
+                raise
             finally:
                 self._collecting = False
         # Updates of modules this forward did not run, and last step's telemetry, are settled before the next launch.
         self.synchronize()
         backward_end = time.perf_counter()
         self._timeline.add("device", "forward+backward", self._step_start, backward_end)
+        self._timeline.backward_end = backward_end
         norm = self._last_norm if self._last_norm is not None else self.grad_norm()
         if self._last_norm is None and self.external_grad_norm is not None:
             norm = torch.linalg.vector_norm(torch.stack([norm.float().cpu(), self.external_grad_norm().float()]))
@@ -432,7 +491,7 @@ class OffloadOptimizer(Optimizer):
             self._skip_step(norm)
             return loss
 
-        step = StepTelemetry()
+        step, self._spec_step = self._spec_step or StepTelemetry(), None
         for layer in self.projected_layers:
             if layer.grad_buffer is not None:
                 step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
@@ -440,23 +499,45 @@ class OffloadOptimizer(Optimizer):
         # Consumed here; set again by the next clipping call (inside the next closure, or before a manual step).
         clip, self._clip, self._last_norm = self._clip, None, None
         if clip is not None and clip[0] == "norm":
-            clip = ("norm", clip[1].to("cpu", torch.float32))
+            coefficient = clip[1].to("cpu", torch.float32)
+            # A coefficient of exactly 1 (the clamp's ceiling: the norm is under the limit) changes no bit.
+            clip = None if float(coefficient) == 1.0 else ("norm", coefficient)
         compute_done = self.link.compute_event()
         for slot in self.slots:
             has_grad = slot.layer.has_grad if slot.layer is not None else slot.param.grad is not None
+            speculated = slot.spec_round == self._round
             if not has_grad:
+                if speculated:
+                    self._undo(slot)  # its gradient was dropped after it was sent (never the case in Lightning's loop)
                 continue
+            confirmed = (speculated and slot.spec_valid and self._is_sent(slot) and slot.spec_clip == clip
+                         and slot.spec_hparams == self._hparams(slot))
             if not self._is_sent(slot):
                 self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
             step.bytes_device_to_host += slot.host_grad.numel() * slot.host_grad.element_size()
-            self._prepare(slot, step)
-            slot.job = self.worker.submit(partial(self._host_job, slot, clip, compute_done, step), slot.name)
+            self._prepare_decay(slot, step)
+            if confirmed:
+                step.speculative_steps += 1
+                if slot.layer is None:
+                    # Its new master is final: now it may cross to the device.
+                    slot.job = self.worker.submit(partial(self._publish_job, slot, compute_done), slot.name)
+            else:
+                if speculated:
+                    step.rolled_back_steps += 1  # the redo job first restores what the speculative one changed
+                else:
+                    self._prepare_l2(slot, step)
+                    slot.timeline = self._timeline
+                slot.job = self.worker.submit(partial(
+                    self._host_job, slot, clip, compute_done, step, self._host_hparams(slot), False, speculated),
+                    slot.name)
             slot.pending = True
             if slot.layer is not None:
                 # S is released, not cleared: its copy may still be reading it, and the link keeps its memory from
                 # being reused until then (no wait on the compute stream).
                 slot.layer.zero_grad()
+        self._spec_clip = clip if clip is not None and clip[0] == "value" else None
         self._pending_telemetry = step
+        self._pending_timeline, self._timeline = self._timeline, StepTimeline()
         self._round += 1
         # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
         # scheduler's order check does not warn (the user's optimizer never steps itself).
@@ -472,39 +553,68 @@ class OffloadOptimizer(Optimizer):
         """Start the next step's device lane now: work done since the last step (a projector fit) is not the step's."""
         self._step_start = time.perf_counter()
 
-    def _prepare(self, slot: _Slot, step: StepTelemetry) -> None:
-        """Main-thread work before a tensor's host job: hyper-parameters, decay factor, L2 term."""
-        host_group = slot.adam.param_groups[0]
-        for key in _SYNCED_HPARAMS:
-            if key in slot.group and not (slot.layer is not None and key == "weight_decay"):
-                host_group[key] = slot.group[key]
+    def _hparams(self, slot: _Slot) -> tuple[Any, ...]:
+        """The user's hyper-parameters of ``slot``'s group that its host step depends on."""
+        return tuple(slot.group.get(key) for key in _SYNCED_HPARAMS)
+
+    def _host_hparams(self, slot: _Slot) -> dict[str, Any]:
+        """The values ``slot``'s host Adam takes for its next step, read from the user's group now (main thread: a
+        scheduler may change them once the step returns, before the job runs)."""
+        return {key: slot.group[key] for key in _SYNCED_HPARAMS
+                if key in slot.group and not (slot.layer is not None and key == "weight_decay")}
+
+    def _prepare_l2(self, slot: _Slot, step: StepTelemetry) -> None:
+        """Adam's coupled L2 term of a projected weight in the compressed space, ``A (G + λW) Bᵀ = S + λ·A W Bᵀ``,
+        from ``W`` before the update (main thread: it reads the device weight)."""
+        if slot.layer is None or slot.host_l2 is None or _is_decoupled(self.wrapped, slot.group):
+            return
+        # On the copy stream, like the gradient: the host job waits for it, the main thread does not.
+        slot.l2_event = self.link.to_host(slot.layer.compress_weight(), slot.host_l2)
+        step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
+
+    def _prepare_decay(self, slot: _Slot, step: StepTelemetry) -> None:
+        """Main thread, at the step: the decoupled decay factor and the bytes that cross back."""
         if slot.layer is None:
             step.bytes_host_to_device += slot.param.numel() * slot.param.element_size()
             return
         slot.decay = 1.0
-        weight_decay = slot.group.get("weight_decay", 0.0)
         if _is_decoupled(self.wrapped, slot.group):
             # Captured now: a scheduler may change lr before the update is applied.
-            slot.decay = 1.0 - slot.group["lr"] * weight_decay
-        elif weight_decay:
-            # Adam's coupled L2 term in the compressed space, A (G + λW) Bᵀ = S + λ·A W Bᵀ, from W before the update.
-            slot.host_l2.copy_(slot.layer.compress_weight())
-            step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
+            slot.decay = 1.0 - slot.group["lr"] * slot.group.get("weight_decay", 0.0)
         step.bytes_host_to_device += slot.host_param.numel() * self.link_dtype.itemsize
 
     def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any,
-                  step: StepTelemetry) -> None:
-        """Worker thread: wait for the gradient, step Adam, send the update back."""
+                  step: StepTelemetry, hparams: dict[str, Any], speculative: bool = False, redo: bool = False) -> None:
+        """Worker thread: wait for the gradient, step Adam, and (dense parameters, unless speculative) send the new
+        value back.
+
+        Args:
+            hparams: the host Adam's hyper-parameters for this step (read by the main thread when it was launched).
+            speculative: keep what rolling the step back needs, and leave the gradient's landing buffer as it
+                arrived; a dense parameter's value is sent by :meth:`_publish_job` once the step is confirmed.
+            redo: first roll back this tensor's speculative step (it ran earlier in this worker's queue).
+        """
         faults = _thread_minor_faults()
         start = time.perf_counter()
+        if redo:
+            self._restore(slot)
+        slot.adam.param_groups[0].update(hparams)
         if slot.layer is not None:
             # Z (or its staging copy) is about to be rewritten: the previous update's copy from it must have read it
             # (long done in practice: this gradient was produced after that update was applied).
             self.link.host_wait(slot.to_device_event)
         self.link.host_wait(slot.to_host_event)
+        self.link.host_wait(slot.l2_event)
         landed = time.perf_counter()
-        # In place: the landing buffer (or its fp32 working copy) is rewritten by the next step's copy anyway.
+        if speculative:
+            self._backup(slot)
+        # In place: the landing buffer (or its fp32 working copy) is rewritten by the next step's copy anyway; a
+        # speculative step that changes the gradient works on a copy, which a redo then does not need.
         grad = slot.host_grad if slot.host_grad_fp32 is None else slot.host_grad_fp32.copy_(slot.host_grad)
+        if speculative and grad is slot.host_grad and (clip is not None or slot.host_l2 is not None):
+            if slot.host_grad_work is None:
+                slot.host_grad_work = torch.empty_like(slot.host_grad)
+            grad = slot.host_grad_work.copy_(slot.host_grad)
         if clip is not None:
             if clip[0] == "norm":
                 grad.mul_(clip[1])
@@ -513,33 +623,86 @@ class OffloadOptimizer(Optimizer):
         if slot.host_l2 is not None:
             # As torch's Adam: the gradient is clipped first, then λW is added — after the sign flip under
             # maximize, so L2 always pulls towards zero. The host Adam flips the whole sum, hence the sign here.
-            sign = -1.0 if slot.group.get("maximize", False) else 1.0
+            group = slot.adam.param_groups[0]
+            sign = -1.0 if group.get("maximize", False) else 1.0
             grad.add_(slot.host_l2, alpha=sign * slot.group["weight_decay"])
         if slot.layer is not None:
             slot.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
         slot.host_param.grad = grad
         slot.adam.step()
         slot.host_param.grad = None
+        if self.speculative and slot.backup is None:
+            # Allocated at the first step (when Adam creates its state), so no later step allocates.
+            state = slot.adam.state[slot.host_param]
+            slot.backup = {key: torch.empty_like(value) for key, value in state.items() if torch.is_tensor(value)}
         stepped = time.perf_counter()
+        timeline = slot.timeline if slot.timeline is not None else self._timeline
         if slot.layer is not None:
             if slot.host_update is not None:
                 slot.host_update.copy_(slot.host_param)  # narrowed to the link dtype on the host
             # The main thread copies it to the device when the layer is about to need it (_fetch_update): device
             # buffers for updates are a small ring shared by all layers, not one per layer.
-        else:
-            source = slot.host_param
-            if slot.host_update is not None:
-                # Rounded to the parameter's dtype on the host (the same round-to-nearest the device would do), so
-                # only the parameter's bytes cross.
-                source = slot.host_update.copy_(source)
-            slot.to_device_event = self.link.to_device(source, slot.param.data, after=compute_done)
-            # The host buffers are rewritten next step: wait until this copy has read them.
-            self.link.host_wait(slot.to_device_event)
-            self._timeline.add("link_to_device", slot.name, stepped, time.perf_counter())
+        elif not speculative:
+            self._send_value(slot, compute_done, stepped)
         # One worker thread runs the jobs one after another, so the step's figure needs no lock.
         step.host_page_faults += _thread_minor_faults() - faults
-        self._timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
-        self._timeline.add("host", slot.name, landed, stepped)
+        timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
+        timeline.add("host", slot.name, landed, stepped)
+
+    def _send_value(self, slot: _Slot, compute_done: Any, start: float) -> None:
+        """Worker thread: copy a dense parameter's new value to the device and wait until the copy has read it."""
+        source = slot.host_param
+        if slot.host_update is not None:
+            # Rounded to the parameter's dtype on the host (the same round-to-nearest the device would do), so
+            # only the parameter's bytes cross.
+            source = slot.host_update.copy_(source)
+        slot.to_device_event = self.link.to_device(source, slot.param.data, after=compute_done)
+        # The host buffers are rewritten next step: wait until this copy has read them.
+        self.link.host_wait(slot.to_device_event)
+        timeline = slot.timeline if slot.timeline is not None else self._timeline
+        timeline.add("link_to_device", slot.name, start, time.perf_counter())
+
+    def _publish_job(self, slot: _Slot, compute_done: Any) -> None:
+        """Worker thread: send a confirmed speculative step's new dense value to the device."""
+        self._send_value(slot, compute_done, time.perf_counter())
+
+    def _backup(self, slot: _Slot) -> None:
+        """Worker thread, before a speculative step: keep what :meth:`_restore` needs (into preallocated buffers)."""
+        state = slot.adam.state.get(slot.host_param)
+        slot.backup_had_state = bool(state)
+        if state:
+            if slot.backup is None:  # state restored from a checkpoint: this process has not stepped it yet
+                slot.backup = {key: torch.empty_like(value) for key, value in state.items() if torch.is_tensor(value)}
+            for key, saved in slot.backup.items():
+                saved.copy_(state[key])
+        if slot.backup_master is not None:
+            slot.backup_master.copy_(slot.host_param)
+
+    def _restore(self, slot: _Slot) -> None:
+        """Put ``slot``'s host state back as it was before its speculative step (exactly: copies, no arithmetic)."""
+        if not slot.backup_had_state:
+            slot.adam.state.pop(slot.host_param, None)  # the step created the state: it did not exist before
+        else:
+            state = slot.adam.state[slot.host_param]
+            for key, saved in slot.backup.items():
+                state[key].copy_(saved)
+        if slot.backup_master is not None:
+            slot.host_param.copy_(slot.backup_master)
+
+    def _undo(self, slot: _Slot) -> None:
+        """Main thread: roll back a speculative step that will not be confirmed (waits for it first)."""
+        if slot.spec_round != self._round:
+            return
+        if slot.job is not None:
+            self.worker.wait(slot.job)
+        self._restore(slot)
+        slot.job, slot.spec_round, slot.spec_valid = None, -1, False
+
+    def _roll_back_speculation(self) -> None:
+        """Undo every speculative step of the current round (a skipped step, or a closure that failed)."""
+        for slot in self.slots:
+            self._undo(slot)
+        self._spec_step = None
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         for slot in self._slots_by_module.get(id(module), ()):
@@ -554,7 +717,7 @@ class OffloadOptimizer(Optimizer):
         self.worker.wait(slot.job)
         if slot.layer is not None:
             update = self._fetch_update(slot)
-            self._timeline.add("device_wait", slot.name, start, time.perf_counter())
+            slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
             slot.layer.apply_update(update, slot.decay, slot.generator)
             if slot.ring_index is not None:
                 # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
@@ -563,7 +726,7 @@ class OffloadOptimizer(Optimizer):
             self._prefetch_after(slot)
         else:
             self.link.device_wait(slot.to_device_event)
-            self._timeline.add("device_wait", slot.name, start, time.perf_counter())
+            slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
         slot.pending = False
         slot.job = None
 
@@ -592,7 +755,7 @@ class OffloadOptimizer(Optimizer):
             destination, after = self.update_ring.view(index, shape), self.update_ring.last_read[index]
         slot.to_device_event = self.link.to_device(self._update_source(slot), destination, after=after)
         slot.update_on_device, slot.ring_index = destination, index
-        self._timeline.add("link_to_device", slot.name, start, time.perf_counter())
+        slot.timeline.add("link_to_device", slot.name, start, time.perf_counter())
 
     def _prefetch_after(self, slot: _Slot) -> None:
         """Start the copies of the next finished updates in forward order, as far as the ring has free buffers, so
@@ -630,8 +793,9 @@ class OffloadOptimizer(Optimizer):
         if self._pending_telemetry is not None:
             step = self._pending_telemetry
             self._pending_telemetry = None
-            timeline, self._timeline = self._timeline, StepTimeline()
+            timeline, self._pending_timeline = self._pending_timeline, None
             step.host_optimizer_seconds = timeline.busy("host")
+            step.host_share_before_backward_end = timeline.share_before("host", timeline.backward_end)
             self.telemetry.last = step
             self.telemetry.last_timeline = timeline
             self.telemetry.steps += 1
@@ -643,6 +807,7 @@ class OffloadOptimizer(Optimizer):
 
     def _skip_step(self, norm: Tensor) -> None:
         self._clip, self._last_norm = None, None
+        self._roll_back_speculation()  # the host state must be as if this step never began
         if self.on_nonfinite == "raise":
             raise NonFiniteGradientError(
                 f"Non-finite gradient (global norm {float(norm)}) at optimizer step {self.telemetry.steps}. The host "
@@ -726,8 +891,9 @@ class OffloadOptimizer(Optimizer):
     def _state_tensors(self) -> list[Tensor]:
         tensors: list[Tensor] = []
         for slot in self.slots:
-            tensors += [t for t in (slot.host_param, slot.host_grad, slot.host_update, slot.host_grad_fp32, slot.host_l2)
-                        if t is not None]
+            tensors += [t for t in (slot.host_param, slot.host_grad, slot.host_update, slot.host_grad_fp32, slot.host_l2,
+                                    slot.backup_master, slot.host_grad_work) if t is not None]
+            tensors += list(slot.backup.values()) if slot.backup is not None else []
             tensors += [v for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
         return tensors
 

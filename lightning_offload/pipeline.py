@@ -224,6 +224,8 @@ class StepTimeline:
     """
 
     spans: list[Span] = field(default_factory=list)
+    # When the step's backward ended (host clock); None until then.
+    backward_end: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, lane: str, name: str, start: float, end: float) -> None:
@@ -234,6 +236,15 @@ class StepTimeline:
     def busy(self, lane: str) -> float:
         """Total seconds recorded on ``lane``."""
         return sum(span.end - span.start for span in self.spans if span.lane == lane)
+
+    def share_before(self, lane: str, moment: float | None) -> float:
+        """The share of ``lane``'s busy seconds that lie before ``moment`` (0 when the lane was idle or ``moment``
+        is unknown)."""
+        total = self.busy(lane)
+        if moment is None or total == 0.0:
+            return 0.0
+        early = sum(max(0.0, min(span.end, moment) - span.start) for span in self.spans if span.lane == lane)
+        return early / total
 
     def chrome_events(self, step: int, origin: float) -> list[dict[str, Any]]:
         """The spans as Chrome-trace "complete" events (microseconds), one thread row per lane."""

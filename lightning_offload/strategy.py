@@ -77,6 +77,9 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
             layers' updates are prefetched into free ones). ``None``: 4 on an accelerator; none on the CPU, where
             updates are read where the host step wrote them.
+        speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
+            back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
+            non-speculative path bit for bit (see :class:`~lightning_offload.offload_optimizer.OffloadOptimizer`).
     """
 
     strategy_name = "lsp_offload"
@@ -99,6 +102,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         pipelined: bool = True,
         link_dtype: str = "fp32",
         update_buffers: int | None = None,
+        speculative: bool = True,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -143,6 +147,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
                              f"{update_buffers!r}.")
         self.update_buffers = update_buffers
+        self.speculative = bool(speculative)
         self.offload_optimizer: OffloadOptimizer | None = None
 
     # ---------------------------------------------------------------------------------------- device, precision
@@ -265,6 +270,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             on_nonfinite=self.on_nonfinite,
             rounding_seed=self.seed,
             update_buffers=self.update_buffers,
+            speculative=self.speculative,
         )
         self.optimizers = [self.offload_optimizer]
 

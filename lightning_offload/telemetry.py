@@ -20,6 +20,10 @@ class StepTelemetry:
         skipped: 1.0 when the step was skipped for non-finite gradients, else 0.0.
         host_page_faults: minor page faults the host worker took during the step's jobs (Linux; 0 elsewhere). In
             steady state it should be 0: every host buffer is preallocated, and a fault means a fresh allocation.
+        speculative_steps: tensors whose host step ran during backward and was confirmed at the step.
+        rolled_back_steps: tensors whose speculative step was rolled back and redone (clipping fired, a gradient or
+            hyper-parameter changed after it started).
+        host_share_before_backward_end: share of the step's host Adam seconds that ran before its backward ended.
         device_compressed_grad_bytes: bytes of the compressed gradients ``S`` held on the device when the step was
             launched (transient: each is released once sent).
         device_saved_projection_bytes: bytes of ``B Xᵀ`` the step's forwards kept for backward (transient: the
@@ -31,6 +35,9 @@ class StepTelemetry:
     host_optimizer_seconds: float = 0.0
     skipped: float = 0.0
     host_page_faults: float = 0.0
+    speculative_steps: float = 0.0
+    rolled_back_steps: float = 0.0
+    host_share_before_backward_end: float = 0.0
     device_compressed_grad_bytes: float = 0.0
     device_saved_projection_bytes: float = 0.0
 
