@@ -165,7 +165,8 @@ class OffloadOptimizer(Optimizer):
             accelerator, none on the CPU, where the device is the host and updates are read where the host step
             wrote them.
         speculative: step each tensor's host Adam during backward, as soon as its gradient has landed, assuming the
-            step will be neither clipped by norm nor skipped, with the previous step's value clipping; once the
+            step will be neither clipped by norm nor skipped, with the previous step's value clipping (not after a
+            step whose norm clipping fired: the next one would most likely be redone); once the
             global norm is known, a step whose assumption failed (clipping fired, a non-finite gradient, changed
             hyper-parameters or gradient) is rolled back from a copy of its state and redone or skipped. Results
             equal the non-speculative path bit for bit. Costs a host copy of each tensor's Adam state (and a dense
@@ -205,6 +206,9 @@ class OffloadOptimizer(Optimizer):
         # What speculative steps assume about clipping: the previous step's value clipping (an elementwise clamp,
         # known before the norm), else none. Norm clipping is assumed not to fire.
         self._spec_clip: tuple[str, float] | None = None
+        # Whether norm clipping fired at the last step taken: then the next step is not speculated, since its
+        # speculative work would most likely be redone (clipping tends to fire for stretches of training).
+        self._norm_clip_fired = False
         self._spec_step: StepTelemetry | None = None
         self.telemetry = OffloadTelemetry()
         self.timelines = TimelineRecorder()
@@ -441,8 +445,8 @@ class OffloadOptimizer(Optimizer):
         if slot.spec_round == self._round:
             slot.spec_valid = False  # sent again (its gradient changed): the step redoes it with the final gradient
             return
-        if slot.pending:
-            return  # its previous update is not applied yet: the step takes the ordinary path
+        if slot.pending or self._norm_clip_fired:
+            return  # its previous update is not applied yet, or clipping will likely fire: the ordinary path
         if self._spec_step is None:
             self._spec_step = StepTelemetry()
         slot.spec_hparams = self._hparams(slot)
@@ -536,6 +540,7 @@ class OffloadOptimizer(Optimizer):
                 # being reused until then (no wait on the compute stream).
                 slot.layer.zero_grad()
         self._spec_clip = clip if clip is not None and clip[0] == "value" else None
+        self._norm_clip_fired = clip is not None and clip[0] == "norm"
         self._pending_telemetry = step
         self._pending_timeline, self._timeline = self._timeline, StepTimeline()
         self._round += 1

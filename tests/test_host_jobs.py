@@ -43,6 +43,9 @@ CASES = {
     "lsp-bf16-link-bf16-mixed": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
                                                             link_dtype="bf16"), "bf16-mixed"),
     "lsp-bf16-true-l2": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16), "bf16-true"),
+    # Clipping that never fires: every step is speculated (backups, working copies) and confirmed.
+    "lsp-fp32-l2-speculated": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16),
+                               "32-true"),
 }
 
 
@@ -59,15 +62,21 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
         jobs.setdefault(id(step), []).append(mode.ops)
 
     monkeypatch.setattr(OffloadOptimizer, "_host_job", recorded)
-    module = (_CoupledL2LM if case.endswith("l2") else TinyCausalLM)(tiny_hf_model("llama"))
+    module = (_CoupledL2LM if "l2" in case else TinyCausalLM)(tiny_hf_model("llama"))
     if precision == "bf16-true":
         module = module.to(torch.bfloat16)
     strategy = make()
-    trainer(strategy, max_steps=4, precision=precision, gradient_clip_val=1.0).fit(module, token_data())
+    speculated = case.endswith("speculated")
+    trainer(strategy, max_steps=4, precision=precision, gradient_clip_val=1e6 if speculated else 1.0).fit(
+        module, token_data())
     per_step = len(strategy.offload_optimizer.slots)
     steps = list(jobs.values())
-    # Clipping at 1.0 fires here: each tensor's speculative step is redone, two jobs per tensor per step.
-    assert len(steps) == 4 and all(len(step) == 2 * per_step for step in steps)
+    # Clipping at 1.0 fires: the first step's speculative jobs are redone (two per tensor); the later steps are not
+    # speculated (clipping fired the step before), one job per tensor. Unclipped: one speculative job per tensor.
+    assert len(steps) == 4 and len(steps[0]) == (1 if speculated else 2) * per_step
+    assert all(len(step) == per_step for step in steps[1:])
+    confirmed = [m["offload/speculative_steps"] for _, m in strategy.offload_optimizer.telemetry.completed]
+    assert confirmed == ([per_step] * 4 if speculated else [0] * 4)
     first, steady = steps[0], [ops for step in steps[1:] for ops in step]
     assert any(_allocates(op) for ops in first for op in ops)  # Adam's moments are created at its first step
     allocations = sorted({op for ops in steady for op in ops if _allocates(op)})

@@ -7,6 +7,8 @@ it on others: clipping that fires on some steps only (norm and value), a non-fin
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -77,14 +79,27 @@ def test_speculative_steps_equal_steps_started_after_backward(kind, algorithm, p
     assert all(m["offload/speculative_steps"] == 0 for _, m in plain_optimizer.telemetry.completed)
 
 
+class SlowEmbeddingBackward(TinyCausalLM):
+    """Backward spends 50 ms at its very end (the embedding's output gradient), after every block's gradient."""
+
+    def training_step(self, batch, batch_idx):
+        def slow_backward(module, args, output):
+            output.register_hook(lambda grad: time.sleep(0.05))  # returns None: the output stays as it is
+
+        handle = self.model.get_input_embeddings().register_forward_hook(slow_backward)
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            handle.remove()
+
+
 def test_speculation_starts_host_work_before_backward_ends():
-    module = TinyCausalLM(tiny_hf_model("llama"))
     strategy = ZeroOffloadStrategy()
-    trainer(strategy, max_steps=4).fit(module, token_data())
+    trainer(strategy, max_steps=4).fit(SlowEmbeddingBackward(tiny_hf_model("llama")), token_data())
     shares = [m["offload/host_share_before_backward_end"] for _, m in strategy.offload_optimizer.telemetry.completed]
-    assert all(share > 0 for share in shares)
+    assert all(share > 0 for share in shares), shares
     plain = ZeroOffloadStrategy(speculative=False)
-    trainer(plain, max_steps=4).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
+    trainer(plain, max_steps=4).fit(SlowEmbeddingBackward(tiny_hf_model("llama")), token_data())
     assert all(m["offload/host_share_before_backward_end"] == 0 for _, m in plain.offload_optimizer.telemetry.completed)
 
 
