@@ -170,7 +170,8 @@ class OffloadOptimizer(Optimizer):
             global norm is known, a step whose assumption failed (clipping fired, a non-finite gradient, changed
             hyper-parameters or gradient) is rolled back from a copy of its state and redone or skipped. Results
             equal the non-speculative path bit for bit. Costs a host copy of each tensor's Adam state (and a dense
-            parameter's master) per step, and that much host memory.
+            parameter's master) per step, and that much host memory. ``None``: on for an accelerator, off on the
+            CPU, where host and "device" share the cores (measured: it only adds contention there).
     """
 
     def __init__(
@@ -184,7 +185,7 @@ class OffloadOptimizer(Optimizer):
         on_nonfinite: NonFinitePolicy = "skip",
         rounding_seed: int = 0,
         update_buffers: int | None = None,
-        speculative: bool = True,
+        speculative: bool | None = None,
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
         if on_nonfinite not in ("skip", "raise"):
@@ -202,7 +203,9 @@ class OffloadOptimizer(Optimizer):
         self.pipelined = pipelined
         self.link_dtype = LINK_DTYPES[link_dtype]
         self.on_nonfinite = on_nonfinite
-        self.speculative = speculative
+        # On the CPU the "device" and the host share the cores: host work started during backward only competes
+        # with it (and the state copies cost extra), so speculation is for accelerators.
+        self.speculative = speculative if speculative is not None else self.device.type != "cpu"
         # What speculative steps assume about clipping: the previous step's value clipping (an elementwise clamp,
         # known before the norm), else none. Norm clipping is assumed not to fire.
         self._spec_clip: tuple[str, float] | None = None
@@ -601,13 +604,13 @@ class OffloadOptimizer(Optimizer):
         """
         faults = _thread_minor_faults()
         start = time.perf_counter()
+        # The host variable (Z or the fp32 master) and its staging copy are about to be rewritten: the previous
+        # copy from them to the device must have read them. Waited here, not right after issuing that copy, so no
+        # job waits for its own copy (long done in practice: this gradient came from a forward that used it).
+        self.link.host_wait(slot.to_device_event)
         if redo:
             self._restore(slot)
         slot.adam.param_groups[0].update(hparams)
-        if slot.layer is not None:
-            # Z (or its staging copy) is about to be rewritten: the previous update's copy from it must have read it
-            # (long done in practice: this gradient was produced after that update was applied).
-            self.link.host_wait(slot.to_device_event)
         self.link.host_wait(slot.to_host_event)
         self.link.host_wait(slot.l2_event)
         landed = time.perf_counter()
@@ -655,15 +658,14 @@ class OffloadOptimizer(Optimizer):
         timeline.add("host", slot.name, landed, stepped)
 
     def _send_value(self, slot: _Slot, compute_done: Any, start: float) -> None:
-        """Worker thread: copy a dense parameter's new value to the device and wait until the copy has read it."""
+        """Worker thread: start copying a dense parameter's new value to the device (the next job on this tensor,
+        or anything else that writes its host buffers, waits for the copy first)."""
         source = slot.host_param
         if slot.host_update is not None:
             # Rounded to the parameter's dtype on the host (the same round-to-nearest the device would do), so
             # only the parameter's bytes cross.
             source = slot.host_update.copy_(source)
         slot.to_device_event = self.link.to_device(source, slot.param.data, after=compute_done)
-        # The host buffers are rewritten next step: wait until this copy has read them.
-        self.link.host_wait(slot.to_device_event)
         timeline = slot.timeline if slot.timeline is not None else self._timeline
         timeline.add("link_to_device", slot.name, start, time.perf_counter())
 
@@ -951,6 +953,9 @@ class OffloadOptimizer(Optimizer):
                 f"patterns) and optimizer groups."
             )
         self.synchronize()
+        for slot in self.slots:
+            # Host buffers are overwritten below: copies still reading them to the device must have finished.
+            self.link.host_wait(slot.to_device_event)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
         for slot, adam_state in zip(self.slots, state_dict["host_adam"]):

@@ -80,6 +80,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
             back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
             non-speculative path bit for bit (see :class:`~lightning_offload.offload_optimizer.OffloadOptimizer`).
+            ``None``: on for a GPU, off on the CPU (where host and device share the cores).
     """
 
     strategy_name = "lsp_offload"
@@ -102,7 +103,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         pipelined: bool = True,
         link_dtype: str = "fp32",
         update_buffers: int | None = None,
-        speculative: bool = True,
+        speculative: bool | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -147,7 +148,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
                              f"{update_buffers!r}.")
         self.update_buffers = update_buffers
-        self.speculative = bool(speculative)
+        self.speculative = speculative
         self.offload_optimizer: OffloadOptimizer | None = None
 
     # ---------------------------------------------------------------------------------------- device, precision

@@ -47,7 +47,7 @@ def test_the_measurements_tell_the_methods_apart(runs):
 def test_the_overrides_are_the_command_lines():
     assert method_overrides("lsp_random", rank=0.125, density=4, projected_lr=3e-4) == [
         "offload=lsp", "offload.strategy.projectors=random", "offload.strategy.rank=0.125",
-        "offload.strategy.density=4", "offload.strategy.pipelined=true", "offload.strategy.speculative=true",
+        "offload.strategy.density=4", "offload.strategy.pipelined=true", "offload.strategy.speculative=null",
         "offload.strategy.link_dtype=fp32",
         "offload.projected_lr=0.0003"]
     assert "trainer.val_check_interval=null" in recipe_overrides(steps=10)  # evaluation before and after only

@@ -44,8 +44,8 @@ CASES = {
                                                             link_dtype="bf16"), "bf16-mixed"),
     "lsp-bf16-true-l2": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16), "bf16-true"),
     # Clipping that never fires: every step is speculated (backups, working copies) and confirmed.
-    "lsp-fp32-l2-speculated": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16),
-                               "32-true"),
+    "lsp-fp32-l2-speculated": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
+                                                          speculative=True), "32-true"),
 }
 
 
@@ -71,10 +71,9 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
         module, token_data())
     per_step = len(strategy.offload_optimizer.slots)
     steps = list(jobs.values())
-    # Clipping at 1.0 fires: the first step's speculative jobs are redone (two per tensor); the later steps are not
-    # speculated (clipping fired the step before), one job per tensor. Unclipped: one speculative job per tensor.
-    assert len(steps) == 4 and len(steps[0]) == (1 if speculated else 2) * per_step
-    assert all(len(step) == per_step for step in steps[1:])
+    # One job per tensor per step: speculated and confirmed (clipping never fires), or not speculated (the CPU's
+    # default).
+    assert len(steps) == 4 and all(len(step) == per_step for step in steps)
     confirmed = [m["offload/speculative_steps"] for _, m in strategy.offload_optimizer.telemetry.completed]
     assert confirmed == ([per_step] * 4 if speculated else [0] * 4)
     first, steady = steps[0], [ops for step in steps[1:] for ops in step]

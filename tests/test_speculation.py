@@ -1,5 +1,7 @@
 """Host Adam started during backward (speculation) gives the same bits as starting it after the norm is known.
 
+Speculation is on by default only on a GPU; these tests turn it on explicitly on the CPU.
+
 Each tensor's host step starts as soon as its gradient has landed, assuming the step is not clipped by norm, not
 skipped, and clipped by value as the step before was. The runs below break every assumption on some steps and keep
 it on others: clipping that fires on some steps only (norm and value), a non-finite step, accumulation, bf16.
@@ -94,7 +96,7 @@ class SlowEmbeddingBackward(TinyCausalLM):
 
 
 def test_speculation_starts_host_work_before_backward_ends():
-    strategy = ZeroOffloadStrategy()
+    strategy = ZeroOffloadStrategy(speculative=True)
     trainer(strategy, max_steps=4).fit(SlowEmbeddingBackward(tiny_hf_model("llama")), token_data())
     shares = [m["offload/host_share_before_backward_end"] for _, m in strategy.offload_optimizer.telemetry.completed]
     assert all(share > 0 for share in shares), shares
@@ -111,7 +113,7 @@ class FailingAfterBackward(TinyCausalLM):
 
 def test_a_step_that_fails_after_backward_leaves_the_host_state_as_before_it():
     module = FailingAfterBackward(tiny_hf_model("llama"))
-    strategy = ZeroOffloadStrategy()
+    strategy = ZeroOffloadStrategy(speculative=True)
     with pytest.raises(RuntimeError, match="planted after backward"):
         trainer(strategy, max_steps=4).fit(module, token_data())
     optimizer = strategy.offload_optimizer
