@@ -49,7 +49,8 @@ METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "deepspeed_of
 BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload")
 #: Tests whose CUDA versions run before the benchmark on a GPU machine.
 GPU_TESTS = ("tests/test_pipeline.py", "tests/test_strategy_equivalence.py", "tests/test_checkpoint.py",
-             "tests/test_host_jobs.py")
+             "tests/test_host_jobs.py", "tests/test_speculation.py", "tests/test_projected_linear.py",
+             "tests/test_projector.py")
 # MEFT adapter sizes per shape: (neurons, top_k, experts, experts per token).
 MEFT_NEURONS: dict[str, tuple[int, int, int, int]] = {"tiny": (256, 8, 16, 4)}
 MEFT_DEFAULT = (8192, 16, 64, 8)
@@ -69,7 +70,12 @@ def _step_split(telemetry: Any) -> dict[str, Any]:
     lanes = sorted({key for m in steady for key in m if key.startswith("offload/timeline/")})
     return {"step_split_seconds": {key.removeprefix("offload/timeline/"): median(key) for key in lanes},
             "host_optimizer_seconds_per_step": median("offload/host_optimizer_seconds"),
-            "host_page_faults_per_step": median("offload/host_page_faults")}
+            "host_page_faults_per_step": median("offload/host_page_faults"),
+            # Speculative host steps (on by default on a GPU): how much host work ran during backward, and how many
+            # tensors' steps were confirmed or redone.
+            "host_share_before_backward_end": median("offload/host_share_before_backward_end"),
+            "speculative_steps_per_step": median("offload/speculative_steps"),
+            "rolled_back_steps_per_step": median("offload/rolled_back_steps")}
 
 
 class _ProfiledStep:
@@ -357,7 +363,7 @@ def markdown(report: dict[str, Any]) -> str:
     gib, mib = 2**30, 2**20
     lines = [f"Shape {report['shape']}, seq {report.get('seq')}; GPU tests: {report.get('gpu_tests', {}).get('summary', 'not run')}",
              "", "| method | batch | s / step | × native | peak device GiB | link MiB / step (to host, to device) | "
-             "host Adam s / step | device wait s / step | host page faults / step | offload device MiB: persistent "
+             "host Adam s / step (share during backward) | device wait s / step | host page faults / step | offload device MiB: persistent "
              "(projectors + ring), transient (S + B Xᵀ), fit (state, extra peak) | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -372,7 +378,8 @@ def markdown(report: dict[str, Any]) -> str:
         peak = m.get("peak_device_bytes")
         lines.append(f"| {m['method']} | {m.get('batch', '–')} | {num(m.get('median_step_seconds'), '.3f')} | "
                      f"{num(m.get('x_native'), '.2f')} | {num(peak and peak / gib, '.1f')} | {link} | "
-                     f"{num(m.get('host_optimizer_seconds_per_step'), '.3f')} | "
+                     f"{num(m.get('host_optimizer_seconds_per_step'), '.3f')} "
+                     f"({num(m.get('host_share_before_backward_end'), '.0%')}) | "
                      f"{num(split.get('device_wait_seconds'), '.3f')} | {num(m.get('host_page_faults_per_step'), '.0f')} "
                      f"| {_memory_cell(m)} | {m.get('error', m.get('skipped', ''))} |")
     for cap, largest in report.get("largest_under_cap", {}).items():

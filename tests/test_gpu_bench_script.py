@@ -22,6 +22,7 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
         assert {"device_seconds", "host_seconds", "device_wait_seconds"} <= set(entry["step_split_seconds"])
         assert entry["host_optimizer_seconds_per_step"] > 0 and entry["host_page_faults_per_step"] >= 0
         assert entry["link_bytes_to_host_per_step"] > 0 and entry["link_bytes_to_device_per_step"] > 0
+        assert 0 <= entry["host_share_before_backward_end"] <= 1
     table = (tmp_path / "report.md").read_text()
     assert "| lsp_offload | 2 |" in table and "| native | 2 |" in table
     assert by_method["lsp_offload"]["link_bytes_measured"]
