@@ -216,7 +216,8 @@ class OffloadOptimizer(Optimizer):
         self.telemetry = OffloadTelemetry()
         self.timelines = TimelineRecorder()
         self.link = Link(self.device)
-        self.worker = HostWorker()
+        # On an accelerator the worker keeps off one core, so the main thread's kernel launches never wait for one.
+        self.worker = HostWorker(leave_main_a_core=self.device.type != "cpu")
         self._collecting = False
         self._round = 0  # counts launched steps: tells gradients sent for this step from stale ones
         self._clip: tuple[str, Tensor | float] | None = None

@@ -10,9 +10,11 @@ memcpy, streams and events become no-ops, and the worker thread still overlaps h
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,13 +49,31 @@ class HostWorker:
     main thread; the worker stops taking jobs after a failure so nothing runs on half-updated state.
     """
 
-    def __init__(self, name: str = "lightning_offload-host") -> None:
+    def __init__(self, name: str = "lightning_offload-host", leave_main_a_core: bool = False) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self.leave_main_a_core = leave_main_a_core
+        self.cpus: list[int] | None = None  # the cores this worker (and the threads its kernels start) may use
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _restrict_cpus(self) -> None:
+        # With an accelerator the main thread mostly launches kernels, and a launch that waits for a core delays
+        # the device: this thread (and the intra-op threads its first parallel kernel creates, which inherit its
+        # affinity) keeps off one core. Linux only; with fewer than 4 cores the host work needs them all.
+        if not self.leave_main_a_core or not hasattr(os, "sched_setaffinity"):
+            return
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 4:
+            os.sched_setaffinity(0, cpus[1:])  # pid 0: the calling thread only
+            self.cpus = cpus[1:]
+
     def _run(self) -> None:
+        try:
+            self._restrict_cpus()
+        except OSError as error:  # a container may forbid it: the worker runs unrestricted
+            self.cpus = None
+            warnings.warn(f"The host worker could not leave the main thread a core ({error}).", stacklevel=1)
         while True:
             job = self._jobs.get()
             if job is None:

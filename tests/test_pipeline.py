@@ -160,3 +160,23 @@ def test_timeline_is_logged_and_exports_as_a_chrome_trace(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["args"]["step"] for e in spans} == {1, 2, 3, 4}
     assert all(e["dur"] >= 0 for e in spans)
+
+
+@pytest.mark.parametrize("cores, expected", [(8, list(range(1, 8))), (2, None)])
+def test_the_worker_leaves_the_main_thread_a_core_on_an_accelerator(monkeypatch, cores, expected):
+    import lightning_offload.pipeline as pipeline
+
+    calls = []
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(pipeline.os, "sched_setaffinity", lambda pid, cpus: calls.append((pid, list(cpus))),
+                        raising=False)
+    worker = HostWorker(leave_main_a_core=True)
+    worker.wait(worker.submit(lambda: None))
+    worker.close()
+    assert worker.cpus == expected
+    # Set from the worker thread for itself (pid 0), never for the process; below 4 cores it keeps them all.
+    assert calls == ([(0, expected)] if expected else [])
+    unrestricted = HostWorker()  # the CPU default: host and device share every core
+    unrestricted.wait(unrestricted.submit(lambda: None))
+    unrestricted.close()
+    assert unrestricted.cpus is None and len(calls) == (1 if expected else 0)
