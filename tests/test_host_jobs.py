@@ -52,14 +52,15 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
     make, precision = CASES[case]
-    jobs: dict[int, list[list[str]]] = {}  # per optimizer step (its telemetry object), in order
+    # Per optimizer step (its telemetry object, held here so that no later step's object can reuse its id), in order.
+    jobs: dict[int, tuple[object, list[list[str]]]] = {}
     run_job = OffloadOptimizer._host_job
 
     def recorded(self, slot, clip, compute_done, step, *args, **kwargs):
         mode = _Ops()
         with mode:
             run_job(self, slot, clip, compute_done, step, *args, **kwargs)
-        jobs.setdefault(id(step), []).append(mode.ops)
+        jobs.setdefault(id(step), (step, []))[1].append(mode.ops)
 
     monkeypatch.setattr(OffloadOptimizer, "_host_job", recorded)
     module = (_CoupledL2LM if "l2" in case else TinyCausalLM)(tiny_hf_model("llama"))
@@ -70,7 +71,7 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
     trainer(strategy, max_steps=4, precision=precision, gradient_clip_val=1e6 if speculated else 1.0).fit(
         module, token_data())
     per_step = len(strategy.offload_optimizer.slots)
-    steps = list(jobs.values())
+    steps = [ops for _, ops in jobs.values()]
     # One job per tensor per step: speculated and confirmed (clipping never fires), or not speculated (the CPU's
     # default).
     assert len(steps) == 4 and all(len(step) == per_step for step in steps)
