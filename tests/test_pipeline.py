@@ -40,8 +40,7 @@ def test_pipelined_equals_synchronous_exactly(kind, model_kind, precision, link_
     assert strategy.offload_optimizer.telemetry.steps == 8
 
 
-@pytest.mark.parametrize("model_kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("buffers", [1, 3])
+@pytest.mark.parametrize("model_kind, buffers", [("llama", 1), ("gpt2", 3)])
 def test_updates_through_a_small_ring_of_device_buffers_equal_the_direct_path(model_kind, buffers):
     # On the CPU updates are read in place by default; forcing the ring exercises the accelerator's path: claims,
     # prefetches into free buffers, release after the apply, and no fallback allocation when forward order holds.

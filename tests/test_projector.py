@@ -88,17 +88,23 @@ def test_storage_is_canonical_and_narrow_without_changing_the_matrix():
     dense = torch.zeros(4, 3)
     dense[indices, torch.arange(3).unsqueeze(1).expand_as(indices)] = values
     torch.testing.assert_close(p.to_dense(), dense)
-    assert SparseProjector.random(40_000, 40_000, 1, generator=torch.Generator().manual_seed(0)).indices.dtype == \
-        torch.int32
+    # Row numbers from 32768 up need 32 bits.
+    assert SparseProjector(torch.tensor([[40_000]]), torch.ones(1, 1), 40_001).indices.dtype == torch.int32
 
 
 def test_only_indices_values_and_one_permutation_are_held():
     p = SparseProjector.random(512, 128, 8, generator=torch.Generator().manual_seed(6))
-    p.compress_rows(torch.randn(512, 4))
-    p.expand_rows(torch.randn(128, 4))
+    p.pattern()
+    p.expand_rows(torch.randn(128, 4))  # reads indices and values in place
     nnz = 512 * 8
     # int16 indices (2 B), fp32 values (4 B), int32 permutation to P's row order (4 B), P's row pointers.
     assert p.nbytes() == nnz * (2 + 4 + 4) + (128 + 1) * 4
+    # On the CPU only, P's column numbers and ordered values are kept between products, and follow value edits.
+    x = torch.randn(512, 4)
+    p.compress_rows(x)
+    assert p.nbytes() == nnz * (2 + 4 + 4 + 4 + 4) + (128 + 1) * 4
+    p.values.mul_(-0.5)
+    torch.testing.assert_close(p.compress_rows(x), p.to_dense() @ x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
