@@ -93,7 +93,7 @@ class _Slot:
     # or a projected weight's Z).
     spec_round: int = -1
     spec_valid: bool = False
-    spec_hparams: tuple[Any, ...] | None = None
+    spec_settings: tuple[dict[str, Any], float] | None = None
     spec_clip: tuple[str, float] | None = None
     backup: dict[str, Tensor] | None = None
     backup_master: Tensor | None = None
@@ -453,13 +453,12 @@ class OffloadOptimizer(Optimizer):
             return  # its previous update is not applied yet, or clipping will likely fire: the ordinary path
         if self._spec_step is None:
             self._spec_step = StepTelemetry()
-        slot.spec_hparams = self._hparams(slot)
+        slot.spec_settings = self._job_settings(slot)
         self._prepare_l2(slot, self._spec_step)
         slot.spec_round, slot.spec_valid, slot.spec_clip = self._round, True, self._spec_clip
         slot.timeline = self._timeline
         slot.job = self.worker.submit(
-            partial(self._host_job, slot, slot.spec_clip, None, self._spec_step, self._host_hparams(slot), True),
-            slot.name)
+            partial(self._host_job, slot, slot.spec_clip, None, self._spec_step, slot.spec_settings, True), slot.name)
 
     def _is_sent(self, slot: _Slot) -> bool:
         """Whether this step's final gradient is already on its way (sent during backward, not changed since)."""
@@ -518,8 +517,9 @@ class OffloadOptimizer(Optimizer):
                 if speculated:
                     self._undo(slot)  # its gradient was dropped after it was sent (never the case in Lightning's loop)
                 continue
+            settings = self._job_settings(slot)
             confirmed = (speculated and slot.spec_valid and self._is_sent(slot) and slot.spec_clip == clip
-                         and slot.spec_hparams == self._hparams(slot))
+                         and slot.spec_settings == settings)
             if not self._is_sent(slot):
                 self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
             step.bytes_device_to_host += slot.host_grad.numel() * slot.host_grad.element_size()
@@ -535,9 +535,8 @@ class OffloadOptimizer(Optimizer):
                 else:
                     self._prepare_l2(slot, step)
                     slot.timeline = self._timeline
-                slot.job = self.worker.submit(partial(
-                    self._host_job, slot, clip, compute_done, step, self._host_hparams(slot), False, speculated),
-                    slot.name)
+                slot.job = self.worker.submit(
+                    partial(self._host_job, slot, clip, compute_done, step, settings, False, speculated), slot.name)
             slot.pending = True
             if slot.layer is not None:
                 # S is released, not cleared: its copy may still be reading it, and the link keeps its memory from
@@ -562,15 +561,14 @@ class OffloadOptimizer(Optimizer):
         """Start the next step's device lane now: work done since the last step (a projector fit) is not the step's."""
         self._step_start = time.perf_counter()
 
-    def _hparams(self, slot: _Slot) -> tuple[Any, ...]:
-        """The user's hyper-parameters of ``slot``'s group that its host step depends on."""
-        return tuple(slot.group.get(key) for key in _SYNCED_HPARAMS)
-
-    def _host_hparams(self, slot: _Slot) -> dict[str, Any]:
-        """The values ``slot``'s host Adam takes for its next step, read from the user's group now (main thread: a
-        scheduler may change them once the step returns, before the job runs)."""
-        return {key: slot.group[key] for key in _SYNCED_HPARAMS
+    def _job_settings(self, slot: _Slot) -> tuple[dict[str, Any], float]:
+        """What ``slot``'s next host job takes from the user's group, read now on the main thread (a scheduler may
+        change the group once the step returns, before the job runs): the host Adam's hyper-parameters (a projected
+        weight's decay is not Adam's: it is applied to ``W`` or added as L2), and the weight of the coupled L2 term.
+        A speculative step is confirmed only if these are unchanged at the step."""
+        host = {key: slot.group[key] for key in _SYNCED_HPARAMS
                 if key in slot.group and not (slot.layer is not None and key == "weight_decay")}
+        return host, float(slot.group.get("weight_decay", 0.0))
 
     def _prepare_l2(self, slot: _Slot, step: StepTelemetry) -> None:
         """Adam's coupled L2 term of a projected weight in the compressed space, ``A (G + λW) Bᵀ = S + λ·A W Bᵀ``,
@@ -593,12 +591,13 @@ class OffloadOptimizer(Optimizer):
         step.bytes_host_to_device += slot.host_param.numel() * self.link_dtype.itemsize
 
     def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any,
-                  step: StepTelemetry, hparams: dict[str, Any], speculative: bool = False, redo: bool = False) -> None:
+                  step: StepTelemetry, settings: tuple[dict[str, Any], float], speculative: bool = False,
+                  redo: bool = False) -> None:
         """Worker thread: wait for the gradient, step Adam, and (dense parameters, unless speculative) send the new
         value back.
 
         Args:
-            hparams: the host Adam's hyper-parameters for this step (read by the main thread when it was launched).
+            settings: the host Adam's hyper-parameters and the L2 weight for this step (:meth:`_job_settings`).
             speculative: keep what rolling the step back needs, and leave the gradient's landing buffer as it
                 arrived; a dense parameter's value is sent by :meth:`_publish_job` once the step is confirmed.
             redo: first roll back this tensor's speculative step (it ran earlier in this worker's queue).
@@ -611,6 +610,7 @@ class OffloadOptimizer(Optimizer):
         self.link.host_wait(slot.to_device_event)
         if redo:
             self._restore(slot)
+        hparams, l2_weight = settings
         slot.adam.param_groups[0].update(hparams)
         self.link.host_wait(slot.to_host_event)
         self.link.host_wait(slot.l2_event)
@@ -632,20 +632,17 @@ class OffloadOptimizer(Optimizer):
         if slot.host_l2 is not None:
             # As torch's Adam: the gradient is clipped first, then λW is added — after the sign flip under
             # maximize, so L2 always pulls towards zero. The host Adam flips the whole sum, hence the sign here.
-            group = slot.adam.param_groups[0]
-            sign = -1.0 if group.get("maximize", False) else 1.0
-            grad.add_(slot.host_l2, alpha=sign * slot.group["weight_decay"])
+            sign = -1.0 if hparams.get("maximize", False) else 1.0
+            grad.add_(slot.host_l2, alpha=sign * l2_weight)
         if slot.layer is not None:
             slot.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
         slot.host_param.grad = grad
         slot.adam.step()
         slot.host_param.grad = None
         if self.speculative and slot.backup is None:
-            # Allocated at the first step (when Adam creates its state), so no later step allocates.
-            state = slot.adam.state[slot.host_param]
-            slot.backup = {key: torch.empty_like(value) for key, value in state.items() if torch.is_tensor(value)}
+            self._allocate_backup(slot)  # at the first step, when Adam creates its state: no later step allocates
         stepped = time.perf_counter()
-        timeline = slot.timeline if slot.timeline is not None else self._timeline
+        timeline = slot.timeline
         if slot.layer is not None:
             if slot.host_update is not None:
                 slot.host_update.copy_(slot.host_param)  # narrowed to the link dtype on the host
@@ -667,8 +664,7 @@ class OffloadOptimizer(Optimizer):
             # only the parameter's bytes cross.
             source = slot.host_update.copy_(source)
         slot.to_device_event = self.link.to_device(source, slot.param.data, after=compute_done)
-        timeline = slot.timeline if slot.timeline is not None else self._timeline
-        timeline.add("link_to_device", slot.name, start, time.perf_counter())
+        slot.timeline.add("link_to_device", slot.name, start, time.perf_counter())
 
     def _publish_job(self, slot: _Slot, compute_done: Any) -> None:
         """Worker thread: send a confirmed speculative step's new dense value to the device."""
@@ -680,11 +676,17 @@ class OffloadOptimizer(Optimizer):
         slot.backup_had_state = bool(state)
         if state:
             if slot.backup is None:  # state restored from a checkpoint: this process has not stepped it yet
-                slot.backup = {key: torch.empty_like(value) for key, value in state.items() if torch.is_tensor(value)}
+                self._allocate_backup(slot)
             for key, saved in slot.backup.items():
                 saved.copy_(state[key])
         if slot.backup_master is not None:
             slot.backup_master.copy_(slot.host_param)
+
+    @staticmethod
+    def _allocate_backup(slot: _Slot) -> None:
+        """Buffers shaped like ``slot``'s Adam state, for :meth:`_backup`."""
+        state = slot.adam.state[slot.host_param]
+        slot.backup = {key: torch.empty_like(value) for key, value in state.items() if torch.is_tensor(value)}
 
     def _restore(self, slot: _Slot) -> None:
         """Put ``slot``'s host state back as it was before its speculative step (exactly: copies, no arithmetic)."""

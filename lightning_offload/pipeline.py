@@ -10,6 +10,7 @@ memcpy, streams and events become no-ops, and the worker thread still overlaps h
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import threading
@@ -210,10 +211,7 @@ class UpdateRing:
 
     def view(self, index: int, shape: tuple[int, ...]) -> Tensor:
         """Buffer ``index`` as a tensor of ``shape``."""
-        count = 1
-        for size in shape:
-            count *= size
-        return self.buffers[index][:count].view(shape)
+        return self.buffers[index][: math.prod(shape)].view(shape)
 
     def release(self, index: int, read_done: Any) -> None:
         """Return buffer ``index``; ``read_done`` is the event after the kernels that read it."""
