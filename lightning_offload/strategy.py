@@ -148,6 +148,9 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
                              f"{update_buffers!r}.")
         self.update_buffers = update_buffers
+        if speculative is not None and not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
+                            f"{speculative!r}.")
         self.speculative = speculative
         self.offload_optimizer: OffloadOptimizer | None = None
 

@@ -34,6 +34,9 @@ def test_projection_settings_that_do_not_fit_the_model(settings, message):
         (dict(rank="big"), TypeError, r"rank must be an int"),
         (dict(density=0), ValueError, r"density must be a positive int"),
         (dict(on_nonfinite="ignore"), ValueError, r"on_nonfinite must be 'skip' or 'raise', got 'ignore'"),
+        (dict(update_buffers=-1), ValueError, r"update_buffers must be None or an int ≥ 0 .* got -1"),
+        (dict(update_buffers=2.5), ValueError, r"update_buffers must be None or an int ≥ 0 .* got 2.5"),
+        (dict(speculative="yes"), TypeError, r"speculative must be True, False or None .* got 'yes'"),
     ],
 )
 def test_invalid_strategy_arguments(settings, error, message):
