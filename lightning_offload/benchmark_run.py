@@ -78,7 +78,8 @@ def recipe_overrides(*, steps: int, batch_size: int = 4, block_size: int = 128, 
 
 def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, projected_lr: float | None = None,
                      pipelined: bool = True, link_dtype: str = "fp32", lora_rank: int = 12,
-                     galore_rank: int = 36, speculative: bool | None = None) -> list[str]:
+                     galore_rank: int = 36, speculative: bool | None = None, embeddings: str | None = None,
+                     head: str | None = None) -> list[str]:
     """The offload policy of one compared method, as overrides.
 
     ``none``/``adamw`` is plain (fused) AdamW on the device; ``frozen`` trains everything but the layers
@@ -92,6 +93,8 @@ def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, proje
     pipeline = [f"offload.strategy.pipelined={str(pipelined).lower()}",
                 f"offload.strategy.speculative={'null' if speculative is None else str(speculative).lower()}",
                 f"offload.strategy.link_dtype={link_dtype}"]
+    pipeline += [f"offload.strategy.{key}={value}" for key, value in (("embeddings", embeddings), ("head", head))
+                 if value is not None]  # None: the config's default
     lsp = [f"offload.strategy.rank={rank}", f"offload.strategy.density={density}", *pipeline]
     if method in ("none", "adamw"):
         return ["offload=none", *lr]

@@ -29,10 +29,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_offload.device_adam import DeviceAdam
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
 from lightning_offload.pipeline import HostWorker, Job, Link, StepTimeline, TimelineRecorder, UpdateRing
+from lightning_offload.row_adam import HostRowAdam
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
@@ -63,8 +65,14 @@ class _Slot:
     group: dict[str, Any]
     host_param: Tensor
     host_grad: Tensor
-    adam: torch.optim.Adam
+    adam: torch.optim.Adam | None
     layer: ProjectedWeight | None = None
+    # An embedding stepped row-sparsely: its Adam, and the rows of the step in flight (their indices on the host,
+    # how many, and on the device, where the new values are scattered).
+    row_adam: HostRowAdam | None = None
+    host_rows: Tensor | None = None
+    row_count: int = 0
+    rows_on_device: Tensor | None = None
     # The update as it crosses to the device, in the dtype that crosses: Z in the link dtype (projected), or the
     # parameter's own dtype for a low-precision dense parameter (bf16: 2 bytes per element cross, not the master's 4).
     host_update: Tensor | None = None
@@ -172,6 +180,14 @@ class OffloadOptimizer(Optimizer):
             equal the non-speculative path bit for bit. Costs a host copy of each tensor's Adam state (and a dense
             parameter's master) per step, and that much host memory. ``None``: on for an accelerator, off on the
             CPU, where host and "device" share the cores (measured: it only adds contention there).
+        keep_on_device: parameters stepped by a device Adam (:class:`~lightning_offload.device_adam.DeviceAdam`)
+            instead of the host: clipped and checked like the rest, state on the device.
+        row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
+            each way and are stepped (:class:`~lightning_offload.row_adam.HostRowAdam`).
+        frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
+        tied_projected: projected weights also used outside their module (an input embedding tied to a projected
+            head): their update is applied inside the step, and the outside use's gradient compressed, without a
+            warning.
     """
 
     def __init__(
@@ -186,6 +202,10 @@ class OffloadOptimizer(Optimizer):
         rounding_seed: int = 0,
         update_buffers: int | None = None,
         speculative: bool | None = None,
+        keep_on_device: Sequence[Tensor] = (),
+        row_sparse: Sequence[Tensor] = (),
+        frozen: Sequence[Tensor] = (),
+        tied_projected: Sequence[Tensor] = (),
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
         if on_nonfinite not in ("skip", "raise"):
@@ -235,9 +255,20 @@ class OffloadOptimizer(Optimizer):
 
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[_Slot]] = {}
+        on_device = {id(p) for p in keep_on_device}
+        self._left_out = on_device | {id(p) for p in frozen}
+        self._row_sparse = {id(p) for p in row_sparse}
         self.slots = self._build_slots(list(projected), rounding_seed, model)
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
         self._eager_slots = list(self.slots) if model is None else self._attach_hooks(model)
+        tied = {id(p) for p in tied_projected}
+        eager = {id(slot) for slot in self._eager_slots}
+        self._eager_slots += [slot for slot in self.slots if id(slot.param) in tied and id(slot) not in eager]
+        self.device_adam: DeviceAdam | None = None
+        kept = [(p, group, _is_decoupled(optimizer, group)) for group in self.param_groups for p in group["params"]
+                if id(p) in on_device]
+        if kept:
+            self.device_adam = DeviceAdam(kept)
         projected_slots = [slot for slot in self.slots if slot.layer is not None]
         self._projected_position = {id(slot): i for i, slot in enumerate(projected_slots)}
         self._projected_slots = projected_slots
@@ -262,7 +293,12 @@ class OffloadOptimizer(Optimizer):
             hparams = {key: group[key] for key in _SYNCED_HPARAMS if key in group}
             decoupled = _is_decoupled(self.wrapped, group)
             for param in group["params"]:
+                if id(param) in self._left_out:
+                    continue
                 layer = by_param.pop(id(param), None)
+                if layer is None and id(param) in self._row_sparse:
+                    slots.append(self._row_sparse_slot(names.get(id(param), f"param{len(slots)}"), param, group, pin))
+                    continue
                 if layer is None:
                     master = _pinned_zeros(param.shape, pin)
                     master.copy_(param.detach())
@@ -318,6 +354,25 @@ class OffloadOptimizer(Optimizer):
                     lambda param, slot=slot: self._gradient_ready(slot)))
         return slots
 
+    def _row_sparse_slot(self, name: str, param: Tensor, group: dict[str, Any], pin: bool) -> _Slot:
+        """The slot of an embedding stepped row-sparsely: full-size host buffers (a step may touch every row), of
+        which each step uses the first ``rows`` rows."""
+        if param.ndim != 2:
+            raise ValueError(f"embeddings='sparse' steps the rows of a matrix, but {name} has shape "
+                             f"{tuple(param.shape)}. Use embeddings='host' for it.")
+        if group.get("amsgrad"):
+            raise ValueError(f"embeddings='sparse' does not support amsgrad=True (param group of {name}). Use "
+                             f"embeddings='host' or amsgrad=False.")
+        master = _pinned_zeros(param.shape, False)
+        master.copy_(param.detach())
+        return _Slot(
+            name, param, group, master, _pinned_zeros(param.shape, pin, self.link_dtype), None,
+            row_adam=HostRowAdam(master),
+            host_rows=_pinned_zeros((param.shape[0],), pin, torch.int64),
+            host_update=_pinned_zeros(param.shape, pin, param.dtype),
+            host_grad_fp32=torch.zeros(param.shape) if self.link_dtype != torch.float32 else None,
+        )
+
     def _attach_hooks(self, model: torch.nn.Module) -> list[_Slot]:
         """Forward pre-hooks on every module holding an offloaded tensor; returns the slots no hook can serve."""
         by_param = {id(slot.param): slot for slot in self.slots}
@@ -364,6 +419,10 @@ class OffloadOptimizer(Optimizer):
                     ratios.append(slot.layer.norm_ratio)
             elif slot.param.grad is not None:
                 grads.append(slot.param.grad)
+                ratios.append(1.0)
+        for param in self.device_adam.params if self.device_adam is not None else ():
+            if param.grad is not None:
+                grads.append(param.grad)
                 ratios.append(1.0)
         if not grads:
             return torch.zeros((), device=self.device)
@@ -432,6 +491,10 @@ class OffloadOptimizer(Optimizer):
 
     def _send_gradient(self, slot: _Slot) -> None:
         start = time.perf_counter()
+        if slot.row_adam is not None:
+            self._send_rows(slot)
+            self._timeline.add("link_to_host", slot.name, start, time.perf_counter())
+            return
         grad = slot.layer.grad_buffer if slot.layer is not None else slot.param.grad
         if grad.dtype != self.link_dtype:
             grad = grad.to(self.link_dtype)  # narrow on the device: half the bytes cross the link
@@ -444,13 +507,31 @@ class OffloadOptimizer(Optimizer):
         if self._collecting and self.speculative:
             self._speculate(slot)
 
+    def _send_rows(self, slot: _Slot) -> None:
+        """Send the rows of a row-sparse embedding's gradient that are nonzero (the rows of the batch's tokens)."""
+        grad = slot.param.grad
+        # Which rows: the one host↔device synchronisation of this path (their count sizes the copies). An embedding
+        # is the first layer, so its gradient comes last in backward and the wait costs little device time.
+        rows = torch.nonzero(grad.ne(0).any(dim=1)).squeeze(1)
+        count = rows.numel()
+        values = grad.index_select(0, rows)
+        if values.dtype != self.link_dtype:
+            values = values.to(self.link_dtype)
+        # Same copy stream, in order: the event of the second copy covers both.
+        self.link.to_host(rows, slot.host_rows[:count])
+        slot.to_host_event = self.link.to_host(values, slot.host_grad[:count])
+        slot.row_count, slot.rows_on_device = count, rows
+        slot.sent_round, slot.sent_version = self._round, 0
+
     def _speculate(self, slot: _Slot) -> None:
         """During backward: start this tensor's host step now, on the assumptions of :attr:`speculative`."""
         if slot.spec_round == self._round:
             slot.spec_valid = False  # sent again (its gradient changed): the step redoes it with the final gradient
             return
-        if slot.pending or self._norm_clip_fired:
-            return  # its previous update is not applied yet, or clipping will likely fire: the ordinary path
+        if slot.pending or self._norm_clip_fired or slot.row_adam is not None:
+            # Its previous update is not applied yet, or clipping will likely fire: the ordinary path. A row-sparse
+            # embedding's gradient comes last in backward: nothing would be gained by speculating on it.
+            return
         if self._spec_step is None:
             self._spec_step = StepTelemetry()
         slot.spec_settings = self._job_settings(slot)
@@ -522,7 +603,6 @@ class OffloadOptimizer(Optimizer):
                          and slot.spec_settings == settings)
             if not self._is_sent(slot):
                 self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
-            step.bytes_device_to_host += slot.host_grad.numel() * slot.host_grad.element_size()
             self._prepare_decay(slot, step)
             if confirmed:
                 step.speculative_steps += 1
@@ -542,6 +622,9 @@ class OffloadOptimizer(Optimizer):
                 # S is released, not cleared: its copy may still be reading it, and the link keeps its memory from
                 # being reused until then (no wait on the compute stream).
                 slot.layer.zero_grad()
+        if self.device_adam is not None:
+            # Queued on the device after backward, like a native optimizer step: nothing waits for it.
+            self.device_adam.step(clip, lambda group: {k: group[k] for k in _SYNCED_HPARAMS if k in group})
         self._spec_clip = clip if clip is not None and clip[0] == "value" else None
         self._norm_clip_fired = clip is not None and clip[0] == "norm"
         self._pending_telemetry = step
@@ -580,7 +663,18 @@ class OffloadOptimizer(Optimizer):
         step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
 
     def _prepare_decay(self, slot: _Slot, step: StepTelemetry) -> None:
-        """Main thread, at the step: the decoupled decay factor and the bytes that cross back."""
+        """Main thread, at the step: the decoupled decay factor and the bytes that cross each way."""
+        if slot.row_adam is not None:
+            width = slot.param.shape[1]
+            step.bytes_device_to_host += slot.row_count * (width * self.link_dtype.itemsize + 8)
+            step.bytes_host_to_device += slot.row_count * width * slot.param.element_size()
+            step.sparse_rows += slot.row_count
+            if self.update_ring is not None or self.device.type != "cpu":
+                # The rows' new values land here; the apply scatters them into the weight.
+                slot.update_on_device = torch.empty((slot.row_count, width), dtype=slot.param.dtype,
+                                                    device=self.device)
+            return
+        step.bytes_device_to_host += slot.host_grad.numel() * slot.host_grad.element_size()
         if slot.layer is None:
             step.bytes_host_to_device += slot.param.numel() * slot.param.element_size()
             return
@@ -602,6 +696,9 @@ class OffloadOptimizer(Optimizer):
                 arrived; a dense parameter's value is sent by :meth:`_publish_job` once the step is confirmed.
             redo: first roll back this tensor's speculative step (it ran earlier in this worker's queue).
         """
+        if slot.row_adam is not None:
+            self._row_job(slot, clip, compute_done, step, settings)
+            return
         faults = _thread_minor_faults()
         start = time.perf_counter()
         # The host variable (Z or the fp32 master) and its staging copy are about to be rewritten: the previous
@@ -654,6 +751,36 @@ class OffloadOptimizer(Optimizer):
         step.host_page_faults += _thread_minor_faults() - faults
         timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
         timeline.add("host", slot.name, landed, stepped)
+
+    def _row_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any,
+                 step: StepTelemetry, settings: tuple[dict[str, Any], float]) -> None:
+        """Worker thread: step a row-sparse embedding's touched rows and send their new values back."""
+        faults = _thread_minor_faults()
+        start = time.perf_counter()
+        self.link.host_wait(slot.to_device_event)  # the previous values copy must have read the staging buffer
+        self.link.host_wait(slot.to_host_event)
+        landed = time.perf_counter()
+        count = slot.row_count
+        grad = slot.host_grad[:count]
+        if slot.host_grad_fp32 is not None:
+            grad = slot.host_grad_fp32[:count].copy_(grad)
+        if clip is not None:
+            if clip[0] == "norm":
+                grad.mul_(clip[1])
+            else:
+                grad.clamp_(-clip[1], clip[1])
+        hparams, l2_weight = settings
+        values = slot.row_adam.step(
+            slot.host_rows[:count], grad, lr=hparams["lr"], betas=hparams["betas"], eps=hparams["eps"],
+            weight_decay=l2_weight, decoupled=_is_decoupled(self.wrapped, slot.group),
+            maximize=hparams.get("maximize", False))
+        staged = slot.host_update[:count].copy_(values)  # rounded to the parameter's dtype here: its bytes cross
+        stepped = time.perf_counter()
+        if slot.update_on_device is not None:
+            slot.to_device_event = self.link.to_device(staged, slot.update_on_device, after=compute_done)
+        step.host_page_faults += _thread_minor_faults() - faults
+        slot.timeline.add("link_to_host", f"{slot.name} (landing)", start, landed)
+        slot.timeline.add("host", slot.name, landed, stepped)
 
     def _send_value(self, slot: _Slot, compute_done: Any, start: float) -> None:
         """Worker thread: start copying a dense parameter's new value to the device (the next job on this tensor,
@@ -725,7 +852,15 @@ class OffloadOptimizer(Optimizer):
             return
         start = time.perf_counter()
         self.worker.wait(slot.job)
-        if slot.layer is not None:
+        if slot.row_adam is not None:
+            values = slot.host_update[:slot.row_count]  # the device is the host: read where the host wrote them
+            if slot.update_on_device is not None:
+                self.link.device_wait(slot.to_device_event)
+                values = slot.update_on_device
+            slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
+            slot.param.data.index_copy_(0, slot.rows_on_device, values)
+            slot.update_on_device, slot.rows_on_device = None, None
+        elif slot.layer is not None:
             update = self._fetch_update(slot)
             slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
             slot.layer.apply_update(update, slot.decay, slot.generator)
@@ -892,6 +1027,7 @@ class OffloadOptimizer(Optimizer):
         return {
             "projectors": sum(layer.proj_out.nbytes() + layer.proj_in.nbytes() for layer in self.projected_layers),
             "update_ring": self.update_ring.nbytes() if self.update_ring is not None else 0,
+            "device_optimizer": self.device_adam.state_bytes() if self.device_adam is not None else 0,
         }
 
     def device_state_bytes(self) -> int:
@@ -904,7 +1040,10 @@ class OffloadOptimizer(Optimizer):
             tensors += [t for t in (slot.host_param, slot.host_grad, slot.host_update, slot.host_grad_fp32, slot.host_l2,
                                     slot.backup_master, slot.host_grad_work) if t is not None]
             tensors += list(slot.backup.values()) if slot.backup is not None else []
-            tensors += [v for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
+            if slot.row_adam is not None:
+                tensors += [slot.host_rows, *slot.row_adam.state_tensors()]
+            else:
+                tensors += [v for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
         return tensors
 
     # ----------------------------------------------------------------------------------------------- checkpoint
@@ -916,7 +1055,9 @@ class OffloadOptimizer(Optimizer):
             "format": _STATE_FORMAT,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "slots": [slot.name for slot in self.slots],
-            "host_adam": [slot.adam.state_dict() for slot in self.slots],
+            "host_adam": [slot.adam.state_dict() if slot.row_adam is None else slot.row_adam.state_dict()
+                          for slot in self.slots],
+            "device_adam": self.device_adam.state_dict() if self.device_adam is not None else None,
             "projectors": {
                 slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict(),
                             "norm_ratio": slot.layer.norm_ratio}
@@ -962,7 +1103,10 @@ class OffloadOptimizer(Optimizer):
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
         for slot, adam_state in zip(self.slots, state_dict["host_adam"]):
-            slot.adam.load_state_dict(adam_state)
+            if slot.row_adam is not None:
+                slot.row_adam.load_state_dict(adam_state)
+            else:
+                slot.adam.load_state_dict(adam_state)
             if slot.layer is not None:
                 saved = state_dict["projectors"][slot.name]
                 slot.layer.set_projectors(
@@ -974,6 +1118,11 @@ class OffloadOptimizer(Optimizer):
             else:
                 master = state_dict["dense_masters"].get(slot.name)
                 slot.host_param.copy_(master if master is not None else slot.param.detach())
+        if (state_dict.get("device_adam") is None) != (self.device_adam is None):
+            raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
+                             "the same embeddings= and head= settings.")
+        if self.device_adam is not None:
+            self.device_adam.load_state_dict(state_dict["device_adam"])
         self.telemetry.load_state_dict(state_dict["telemetry"])
         self.telemetry.host_state_bytes = self.host_state_bytes()
 

@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_offload.embeddings_head import Placement, plan_placement, validate_placements
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.lsp.targets import select_projected_modules
@@ -81,6 +82,14 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
             non-speculative path bit for bit (see :class:`~lightning_offload.offload_optimizer.OffloadOptimizer`).
             ``None``: on for a GPU, off on the CPU (where host and device share the cores).
+        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
+            the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
+            decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
+            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. See
+            :mod:`lightning_offload.embeddings_head`.
+        head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
+            like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
+            embedding takes this setting.
     """
 
     strategy_name = "lsp_offload"
@@ -104,6 +113,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         link_dtype: str = "fp32",
         update_buffers: int | None = None,
         speculative: bool | None = None,
+        embeddings: str = "host",
+        head: str = "host",
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -152,6 +163,13 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
                             f"{speculative!r}.")
         self.speculative = speculative
+        validate_placements(embeddings, head)
+        if head == "projected" and not projection:
+            raise ValueError(f"head='projected' needs projection, which {self.strategy_name!r} does not do. Use "
+                             f"head='host', 'device' or 'frozen', or strategy='lsp_offload'.")
+        self.embeddings = embeddings
+        self.head = head
+        self.placement = Placement()
         self.offload_optimizer: OffloadOptimizer | None = None
 
     # ---------------------------------------------------------------------------------------- device, precision
@@ -257,6 +275,12 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
                 f"for different hyper-parameters."
             )
         user_optimizer = validate_user_optimizer(self.optimizers[0])
+        trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
+        self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head)
+        for weight in self.placement.frozen:
+            weight.requires_grad_(False)  # no gradient is computed for it at all; restored at teardown
+        for message in self.placement.messages:
+            rank_zero_info(f"{self.strategy_name}: {message}")
         layers = self._attach_projections(user_optimizer) if self.projection else []
         if self.projection and not layers:
             rank_zero_warn(
@@ -275,6 +299,11 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             rounding_seed=self.seed,
             update_buffers=self.update_buffers,
             speculative=self.speculative,
+            keep_on_device=self.placement.device,
+            row_sparse=self.placement.row_sparse,
+            frozen=self.placement.frozen,
+            tied_projected=[m.weight for m in self.placement.projected_heads.values()
+                            if id(m.weight) in self.placement.tied_projected],
         )
         self.optimizers = [self.offload_optimizer]
 
@@ -284,6 +313,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         modules = select_projected_modules(self.lightning_module, self.min_dim, self.target_modules,
                                            self.exclude_modules)
         modules = {name: m for name, m in modules.items() if id(m.weight) in in_optimizer}
+        modules.update(self.placement.projected_heads)
         if self.target_modules is not None and not modules:
             raise ValueError(
                 f"target_modules={self.target_modules} matched no weight that the optimizer trains. Match modules "
@@ -402,6 +432,9 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             self.offload_optimizer.close()
             for layer in self.offload_optimizer.projected_layers:
                 layer.detach()
+        for weight in self.placement.frozen:
+            weight.requires_grad_(True)
+        self.placement = Placement()
         super().teardown()
 
     @classmethod

@@ -28,6 +28,7 @@ class StepTelemetry:
             launched (transient: each is released once sent).
         device_saved_projection_bytes: bytes of ``B Xᵀ`` the step's forwards kept for backward (transient: the
             projected layers' share of saved activations, in place of their inputs).
+        sparse_rows: rows of row-sparse embeddings (``embeddings="sparse"``) that crossed and were stepped.
     """
 
     bytes_device_to_host: float = 0.0
@@ -40,6 +41,7 @@ class StepTelemetry:
     host_share_before_backward_end: float = 0.0
     device_compressed_grad_bytes: float = 0.0
     device_saved_projection_bytes: float = 0.0
+    sparse_rows: float = 0.0
 
 
 @dataclass
@@ -53,7 +55,8 @@ class OffloadTelemetry:
         host_state_bytes: bytes of optimizer state held on the host (moments, fp32 masters, update buffers).
         device_state_bytes: bytes of optimizer state found on the device — measured, expected to be 0.
         device_persistent_bytes: bytes the offload machinery keeps on the device between steps, by category:
-            ``projectors`` (indices, values, CSR structure) and ``update_ring`` (buffers updates land in).
+            ``projectors`` (indices, values, CSR structure), ``update_ring`` (buffers updates land in) and
+            ``device_optimizer`` (state and fp32 masters of parameters kept on the device with a device Adam).
         last_timeline: the latest completed step's :class:`~lightning_offload.pipeline.StepTimeline` (busy seconds
             per lane: device compute, link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),

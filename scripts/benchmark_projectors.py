@@ -82,12 +82,14 @@ def overrides_for(method: str, projected_lr: float, rank: float, args: argparse.
     """The run of ``method`` at ``rank``, as overrides of the command line's config."""
     recipe = recipe_overrides(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
                               eval_blocks=args.eval_blocks, precision=args.precision, lr=args.lr, seed=args.seed)
+    embeddings, head = args.placement.split("/") if args.placement else (None, None)
     return recipe + method_overrides(method, rank=rank, density=args.density, projected_lr=projected_lr,
-                                     lora_rank=args.lora_rank, galore_rank=galore_rank_for(rank))
+                                     lora_rank=args.lora_rank, galore_rank=galore_rank_for(rank),
+                                     embeddings=embeddings, head=head)
 
 
-def _key(method: str, rank: float, projected_lr: float) -> str:
-    return f"{method}|{rank:g}|{projected_lr:g}"
+def _key(method: str, rank: float, projected_lr: float, placement: str | None = None) -> str:
+    return f"{method}|{rank:g}|{projected_lr:g}" + (f"|{placement}" if placement else "")
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -98,11 +100,12 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def _run(method: str, rank: float, projected_lr: float, args: argparse.Namespace, store: dict[str, Any]) -> None:
-    key = _key(method, rank, projected_lr)
+    key = _key(method, rank, projected_lr, args.placement)
     if key in store["runs"]:
         return
     result = run_benchmark(overrides_for(method, projected_lr, rank, args))
     record = {**asdict(result), "method": method, "rank": rank, "projected_lr": projected_lr,
+              "placement": args.placement,
               "config": {"density": args.density, "steps": args.steps, "precision": args.precision, "lr": args.lr,
                          "seed": args.seed}}
     store["runs"][key] = record
@@ -114,7 +117,8 @@ def _run(method: str, rank: float, projected_lr: float, args: argparse.Namespace
 
 
 def _best(store: dict[str, Any], method: str, rank: float) -> list[dict[str, Any]]:
-    runs = [r for r in store["runs"].values() if r["method"] == method and r["rank"] == rank]
+    runs = [r for r in store["runs"].values() if r["method"] == method and r["rank"] == rank
+            and not r.get("placement")]
     return sorted(runs, key=lambda r: r["eval_loss_after"])
 
 
@@ -153,7 +157,14 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
         best = _best(store, method, args.rank)
         if best:
             lines.append(row(best[0]))
-    ranks = sorted({r["rank"] for r in store["runs"].values() if r["rank"] != args.rank}, reverse=True)
+    placed = [r for r in store["runs"].values() if r.get("placement")]
+    if placed:
+        lines += ["", "Embeddings/head placements (`--placement embeddings/head`; the rows above: host/host):", "",
+                  header]
+        for run in sorted(placed, key=lambda r: (r["method"], r["rank"], r["placement"])):
+            lines.append(row(run).replace(f"| {run['method']} |", f"| {run['method']} {run['placement']} |", 1))
+    ranks = sorted({r["rank"] for r in store["runs"].values() if r["rank"] != args.rank and not r.get("placement")},
+                   reverse=True)
     if ranks:
         lines += ["", "Compression frontier (best projected-layer lr per cell):", "", header]
         for rank in ranks:
@@ -181,6 +192,8 @@ def main() -> None:
     parser.add_argument("--compression", nargs="*", type=float, default=[0.125, 0.0625])
     parser.add_argument("--shared-lr", action="store_true",
                         help="the user's protocol: every method, projected layers included, at --lr (no sweep)")
+    parser.add_argument("--placement", default=None,
+                        help="embeddings/head of the offload methods, e.g. sparse/projected (default: the config's)")
     parser.add_argument("--report", action="store_true", help="only print the tables of --out")
     args = parser.parse_args()
     store = _load(args.out)

@@ -1,0 +1,108 @@
+"""Where an offload strategy trains a model's embeddings and output head: the strategies' ``embeddings`` and ``head``.
+
+At a 1.3B LLaMA shape the input embedding and the untied LM head are 131M of the 207M elements a dense host path
+steps each step, and most of the link bytes. These settings move them off that path:
+
+* ``embeddings``: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only the rows of the batch's tokens cross and
+  are stepped, by :class:`~lightning_offload.row_adam.HostRowAdam`), ``"device"`` (a device Adam; its state costs
+  device memory) or ``"frozen"``.
+* ``head``: ``"host"``, ``"projected"`` (compressed by LSP projectors like any Linear), ``"device"`` or
+  ``"frozen"``.
+
+Embeddings are the model's ``nn.Embedding`` modules (token and learned position embeddings); the head is what
+Hugging Face's ``get_output_embeddings`` returns. Task heads (classifiers) are small and always stay on the host.
+A weight tied between the input embedding and the head is one parameter whose gradient is dense in every row (the
+head's share), so it takes the ``head`` setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+EMBEDDING_PLACEMENTS = ("host", "sparse", "device", "frozen")
+HEAD_PLACEMENTS = ("host", "projected", "device", "frozen")
+
+
+def validate_placements(embeddings: str, head: str) -> None:
+    """Raise a ValueError naming the accepted values when ``embeddings`` or ``head`` is not one of them."""
+    if embeddings not in EMBEDDING_PLACEMENTS:
+        raise ValueError(f"embeddings={embeddings!r} is not one of {EMBEDDING_PLACEMENTS}: 'host' steps them densely "
+                         f"on the host (exact), 'sparse' only the batch's rows.")
+    if head not in HEAD_PLACEMENTS:
+        raise ValueError(f"head={head!r} is not one of {HEAD_PLACEMENTS}: 'host' steps it densely on the host "
+                         f"(exact), 'projected' compresses it like any Linear.")
+
+
+@dataclass
+class Placement:
+    """Which trainable parameters leave the dense host path, and how.
+
+    Attributes:
+        device: stepped by a device Adam.
+        row_sparse: embedding weights stepped row-sparsely on the host.
+        frozen: not trained while the strategy runs (``requires_grad`` restored at teardown).
+        projected_heads: head modules to project, by qualified name.
+        tied_projected: identities of projected head weights also used by an embedding lookup (their lookup's
+            gradient is compressed into the head's ``S`` as well).
+        messages: what was decided, one line each, for the log.
+    """
+
+    device: list[Tensor] = field(default_factory=list)
+    row_sparse: list[Tensor] = field(default_factory=list)
+    frozen: list[Tensor] = field(default_factory=list)
+    projected_heads: dict[str, nn.Module] = field(default_factory=dict)
+    tied_projected: set[int] = field(default_factory=set)
+    messages: list[str] = field(default_factory=list)
+
+
+def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: str) -> Placement:
+    """Decide where ``model``'s embeddings and output head train.
+
+    Args:
+        model: the LightningModule (or any module holding the network).
+        trained: identities of the parameters the user's optimizer trains (others are left alone).
+        embeddings: see the module docstring.
+        head: see the module docstring.
+    """
+    validate_placements(embeddings, head)
+    plan = Placement()
+    heads: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        output = getter() if callable(getter) else None
+        if isinstance(output, nn.Linear) and output.weight.requires_grad and id(output.weight) in trained:
+            qualified = next(n for n, m in model.named_modules() if m is output)
+            heads.setdefault(id(output.weight), (qualified, output))
+    embedding_weights = {id(m.weight): name for name, m in model.named_modules()
+                         if isinstance(m, nn.Embedding) and m.weight.requires_grad and id(m.weight) in trained}
+    for weight_id, (name, module) in heads.items():
+        tied = weight_id in embedding_weights
+        if tied:
+            plan.messages.append(f"{name}.weight is tied to the input embedding {embedding_weights[weight_id]}: it "
+                                 f"takes head={head!r} (its gradient is dense in every row).")
+        if head == "projected":
+            plan.projected_heads[name] = module
+            if tied:
+                plan.tied_projected.add(weight_id)
+        elif head == "device":
+            plan.device.append(module.weight)
+        elif head == "frozen":
+            plan.frozen.append(module.weight)
+    by_id = {id(p): p for p in model.parameters()}
+    for weight_id, name in embedding_weights.items():
+        if weight_id in heads:
+            continue
+        weight = by_id[weight_id]
+        if embeddings == "sparse":
+            plan.row_sparse.append(weight)
+        elif embeddings == "device":
+            plan.device.append(weight)
+        elif embeddings == "frozen":
+            plan.frozen.append(weight)
+    if embeddings != "host" and not any(w not in heads for w in embedding_weights):
+        plan.messages.append(f"embeddings={embeddings!r} found no trainable nn.Embedding of its own to apply to.")
+    if head != "host" and not heads:
+        plan.messages.append(f"head={head!r} found no trainable output head (get_output_embeddings) to apply to.")
+    return plan

@@ -1,0 +1,212 @@
+"""Embeddings and the output head off the dense host path: ``embeddings=`` and ``head=`` of the offload strategies.
+
+Each option trains, checkpoints and resumes bit for bit; the row-sparse embedding moves only the batch's rows and
+equals torch's AdamW where its semantics say it must; the device Adam equals torch's AdamW; frozen weights stay put
+and get their ``requires_grad`` back; a tied weight takes the head's setting; bad values are named.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.models.tiny import tiny_llama
+from lightning_offload.row_adam import HostRowAdam
+from tiny_modules import TinyCausalLM, lossless_lsp, params_of, tiny_hf_model, token_data, trainer
+
+EMBEDDING = "model.model.embed_tokens.weight"
+HEAD = "model.lm_head.weight"
+
+
+# ----------------------------------------------------------------------------------------------- HostRowAdam
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2", "maximize"])
+def test_row_adam_equals_torch_adam_on_rows_touched_every_step(kind):
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(12, 5, generator=generator)
+    settings = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    reference = start.clone().requires_grad_(True)
+    optimizer = (torch.optim.AdamW if kind != "adam_l2" else torch.optim.Adam)([reference], **settings,
+                                                                              maximize=kind == "maximize")
+    master = start.clone()
+    row_adam = HostRowAdam(master)
+    rows = torch.arange(12)
+    for _ in range(5):
+        grad = torch.randn(12, 5, generator=generator)
+        reference.grad = grad.clone()
+        optimizer.step()
+        row_adam.step(rows, grad.clone(), **settings, decoupled=kind != "adam_l2", maximize=kind == "maximize")
+    torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(master, start)
+
+
+def test_row_adam_catches_moments_and_decay_up_over_gaps_as_dense_adamw():
+    """A row skipped for some steps gets dense AdamW's moments and weight decay with zero gradients on those steps;
+    only the momentum drift of its weight during the gap is not reproduced."""
+    generator = torch.Generator().manual_seed(1)
+    start = torch.randn(6, 4, generator=generator)
+    settings = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    dense = start.clone().requires_grad_(True)
+    optimizer = torch.optim.AdamW([dense], **settings)
+    row_adam = HostRowAdam(start.clone())
+    schedule = [[0, 1, 2, 3, 4, 5], [0, 1], [0, 1], [0, 1, 2, 3, 4, 5]]  # rows 2..5 miss two steps
+    for touched in schedule:
+        grad = torch.randn(6, 4, generator=generator)
+        mask = torch.zeros(6, 1)
+        mask[touched] = 1.0
+        dense.grad = grad * mask  # zero gradient on the skipped rows
+        optimizer.step()
+        rows = torch.tensor(touched)
+        row_adam.step(rows, grad[rows].clone(), **settings)
+    state = optimizer.state[dense]
+    torch.testing.assert_close(row_adam.exp_avg, state["exp_avg"], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(row_adam.exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-10)
+    # Rows stepped every time are dense AdamW's exactly; the skipped ones differ by the drift they missed only.
+    torch.testing.assert_close(row_adam.param[:2], dense.detach()[:2], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(row_adam.param[2:], dense.detach()[2:], rtol=1e-6, atol=1e-7)
+    assert row_adam.rows_touched == 6
+
+
+# -------------------------------------------------------------------------------------- the options, trained
+def _module(tied: bool = False, weight_decay: float = 0.01) -> TinyCausalLM:
+    if tied:
+        network = tiny_llama(vocab_size=64, hidden=32, intermediate=64, heads=4, kv_heads=2, seed=0,
+                             tie_word_embeddings=True, max_positions=64)
+    else:
+        network = tiny_hf_model("llama")
+    module = TinyCausalLM(network)
+    module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=3e-3,  # type: ignore[method-assign]
+                                                            weight_decay=weight_decay)
+    return module
+
+
+def _strategy(embeddings: str, head: str, **kwargs: Any) -> LSPOffloadStrategy:
+    return LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="random", embeddings=embeddings,
+                              head=head, **kwargs)
+
+
+OPTIONS = [("sparse", "projected"), ("device", "device"), ("frozen", "frozen")]
+
+
+@pytest.mark.parametrize("embeddings, head", OPTIONS, ids=[f"{e}-{h}" for e, h in OPTIONS])
+def test_each_option_trains_checkpoints_and_resumes_bit_for_bit(embeddings, head, tmp_path):
+    # 8 sequences in batches of 4: the checkpoint at step 2 falls on an epoch boundary (Lightning does not
+    # fast-forward a plain DataLoader resumed mid-epoch).
+    data = dict(n=8, batch_size=4)
+    initial = params_of(_module())
+    straight = _module()
+    strategy = _strategy(embeddings, head)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer(strategy, max_steps=4, enable_checkpointing=True, callbacks=[saver]).fit(straight, token_data(**data))
+    (path,) = tmp_path.glob("*step=2.ckpt")
+    resumed = _module()
+    resumed.model.model.embed_tokens.weight.data.add_(1.0)  # everything must come from the checkpoint
+    trainer(_strategy(embeddings, head), max_steps=4).fit(resumed, token_data(**data), ckpt_path=path)
+
+    for name, value in params_of(straight).items():
+        assert torch.equal(params_of(resumed)[name], value), name
+    moved = {name: not torch.equal(value, initial[name]) for name, value in params_of(straight).items()}
+    assert moved["model.model.layers.0.mlp.up_proj.weight"]
+    assert moved[EMBEDDING] == (embeddings != "frozen") and moved[HEAD] == (head != "frozen")
+    # Frozen weights get their gradients back after fit; the user's module is as it was.
+    assert all(p.requires_grad for p in straight.parameters())
+    assert ("model.lm_head" in strategy.projected_layers) == (head == "projected")
+    telemetry = strategy.offload_optimizer.telemetry
+    assert (telemetry.device_persistent_bytes["device_optimizer"] > 0) == (embeddings == "device")
+
+
+class _FirstStepRows(pl.Callback):
+    """Snapshots the embedding before and after the first optimizer step."""
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.before = module.model.model.embed_tokens.weight.detach().clone()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            trainer.strategy.synchronize()
+            self.after = module.model.model.embed_tokens.weight.detach().clone()
+
+
+def test_the_row_sparse_embedding_moves_only_the_batch_rows():
+    module = _module(weight_decay=0.1)  # dense AdamW's decay would move every row
+    strategy = _strategy("sparse", "host")
+    snapshots = _FirstStepRows()
+    data = token_data(batch_size=4)
+    trainer(strategy, max_steps=1, callbacks=[snapshots]).fit(module, data)
+    (ids,) = next(iter(data))
+    batch_rows = torch.unique(ids)
+    changed = torch.nonzero((snapshots.after != snapshots.before).any(dim=1)).squeeze(1)
+    # Stepped: the rows with a nonzero gradient, all of them in the batch (not the padding row, nor a token seen only
+    # in a last position, which predicts nothing); every other row is untouched, decay included.
+    assert set(changed.tolist()) <= set(batch_rows.tolist())
+    assert batch_rows.numel() - 2 <= changed.numel() and batch_rows.numel() < 64
+    assert strategy.offload_optimizer.telemetry.last.sparse_rows == changed.numel()
+
+
+def _repeated_batch() -> DataLoader:
+    # One batch, seen at every step: the same rows are touched each time, where row-sparse Adam must equal dense.
+    (ids,) = next(iter(token_data(batch_size=4)))
+    return DataLoader(TensorDataset(ids), batch_size=4)
+
+
+@pytest.mark.parametrize("clip, accumulate, speculative", [("norm", 2, True), ("value", 1, False)])
+def test_sparse_and_device_embeddings_equal_torch_adamw(clip, accumulate, speculative):
+    """Without decoupled decay a row never touched stays put under dense AdamW too, so with the same rows at every
+    step the row-sparse embedding must equal torch's AdamW; the device Adam must in any case."""
+    settings = dict(max_steps=3, accumulate_grad_batches=accumulate, gradient_clip_val=0.05 if clip == "norm" else
+                    2e-3, gradient_clip_algorithm=clip)
+    reference = _module(weight_decay=0.0)
+    trainer("auto", **settings).fit(reference, _repeated_batch())
+    for embeddings, head in (("sparse", "device"), ("device", "host")):
+        offloaded = _module(weight_decay=0.0)
+        trainer(lossless_lsp(embeddings=embeddings, head=head, speculative=speculative), **settings).fit(
+            offloaded, _repeated_batch())
+        for name, value in params_of(reference).items():
+            torch.testing.assert_close(params_of(offloaded)[name], value, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_tied_weight_takes_the_head_setting_and_is_projected_without_a_warning(caplog):
+    module = _module(tied=True)
+    before = params_of(module)
+    strategy = _strategy("sparse", "projected")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
+        warnings.simplefilter("error", UserWarning)  # no "used outside its module's forward" warning
+        warnings.filterwarnings("ignore", message=".*(LeafSpec|num_workers|does not have many workers).*")
+        trainer(strategy, max_steps=3).fit(module, token_data())
+    assert "tied to the input embedding" in caplog.text
+    assert "model.lm_head" in strategy.projected_layers
+    assert strategy.offload_optimizer.telemetry.last.sparse_rows == 0  # the tied weight is not row-sparse
+    assert not torch.equal(params_of(module)[EMBEDDING], before[EMBEDDING])
+
+
+def test_zero_offload_takes_the_placements_but_cannot_project_the_head():
+    module = _module()
+    strategy = ZeroOffloadStrategy(embeddings="sparse", head="device")
+    trainer(strategy, max_steps=2).fit(module, token_data())
+    assert strategy.offload_optimizer.telemetry.last.sparse_rows > 0
+    with pytest.raises(ValueError, match="head='projected' needs projection"):
+        ZeroOffloadStrategy(head="projected")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(embeddings="rows"), r"embeddings='rows' is not one of \('host', 'sparse', 'device', 'frozen'\)"),
+    (dict(head="lora"), r"head='lora' is not one of \('host', 'projected', 'device', 'frozen'\)"),
+])
+def test_bad_placements_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LSPOffloadStrategy(**kwargs)
+
+
+def test_amsgrad_is_refused_for_a_row_sparse_embedding():
+    module = _module()
+    module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), amsgrad=True)  # type: ignore
+    with pytest.raises(ValueError, match="embeddings='sparse' does not support amsgrad=True"):
+        trainer(_strategy("sparse", "host"), max_steps=1).fit(module, token_data())
