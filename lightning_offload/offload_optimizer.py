@@ -947,6 +947,7 @@ class OffloadOptimizer(Optimizer):
             # Adam allocates its moments lazily at the first step, so the size is re-measured after each.
             self.telemetry.host_state_bytes = self.host_state_bytes()
             self.telemetry.device_persistent_bytes = self.device_persistent_bytes()  # a refit may change them
+            self.telemetry.update_ring_fallbacks = self.update_ring.fallbacks if self.update_ring is not None else 0
             self.timelines.record(self.telemetry.steps, timeline)
             self.telemetry.complete_step()
 

@@ -28,7 +28,8 @@ class HostRowAdam:
       writes it: a row touched at every step gets exactly dense Adam's arithmetic (the catch-up factors are 1).
 
     Coupled L2 (Adam's ``weight_decay``) is added to the touched rows' gradients only; ``amsgrad`` is not supported.
-    Every buffer is preallocated at its largest size so far: steady-state steps allocate nothing large.
+    Workspaces are kept at the most rows a step has touched so far (grown by doubling), so a step allocates only when
+    it touches more rows than every step before it.
 
     Args:
         param: the fp32 host master ``[rows, width]``, updated in place.
@@ -55,8 +56,10 @@ class HostRowAdam:
             self._buffers = [torch.empty(capacity, width) for _ in range(4)]
             self._row_factors = [torch.empty(capacity, 1) for _ in range(3)]
             self._gaps = torch.empty(capacity, 1)
+            self._last = torch.empty(capacity, dtype=torch.int64)
             self._capacity = capacity
-        return (*(b[:count] for b in self._buffers), *(f[:count] for f in self._row_factors), self._gaps[:count])
+        return (*(b[:count] for b in self._buffers), *(f[:count] for f in self._row_factors), self._gaps[:count],
+                self._last[:count])
 
     @torch.no_grad()
     def step(self, rows: Tensor, grad: Tensor, *, lr: float, betas: tuple[float, float], eps: float,
@@ -65,13 +68,17 @@ class HostRowAdam:
         overwritten). Returns the stepped rows' new values (a view of a workspace, valid until the next step)."""
         count = rows.numel()
         self.step_count += 1
-        weight, exp_avg, exp_avg_sq, denom, factor1, factor2, decay, gaps = self._workspace(count)
+        self._rows_touched = count
+        if count == 0:
+            return self.param[:0]  # a step whose batch touched no row (all padding): only the count advances
+        weight, exp_avg, exp_avg_sq, denom, factor1, factor2, decay, gaps, last = self._workspace(count)
         beta1, beta2 = betas
         torch.index_select(self.param, 0, rows, out=weight)
         torch.index_select(self.exp_avg, 0, rows, out=exp_avg)
         torch.index_select(self.exp_avg_sq, 0, rows, out=exp_avg_sq)
         # Steps each row missed: its moments (and decoupled decay) are caught up as dense Adam's would have been.
-        gaps.copy_(self.last_step.index_select(0, rows).unsqueeze(1)).neg_().add_(self.step_count - 1)
+        torch.index_select(self.last_step, 0, rows, out=last)
+        gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)
         torch.pow(beta1, gaps, out=factor1)
         torch.pow(beta2, gaps, out=factor2)
         exp_avg.mul_(factor1)
@@ -94,7 +101,6 @@ class HostRowAdam:
         self.exp_avg.index_copy_(0, rows, exp_avg)
         self.exp_avg_sq.index_copy_(0, rows, exp_avg_sq)
         self.last_step.index_fill_(0, rows, self.step_count)
-        self._rows_touched = count
         return weight
 
     @property
@@ -105,7 +111,7 @@ class HostRowAdam:
     def state_tensors(self) -> list[Tensor]:
         """Every host tensor this optimizer holds (for memory accounting)."""
         return [self.exp_avg, self.exp_avg_sq, self.last_step, *getattr(self, "_buffers", ()),
-                *getattr(self, "_row_factors", ())]
+                *getattr(self, "_row_factors", ()), *([self._gaps, self._last] if self._capacity else [])]
 
     def state_dict(self) -> dict[str, Any]:
         """Moments, the step count and each row's last step (host tensors, shared, not copied)."""

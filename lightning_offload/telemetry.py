@@ -57,6 +57,8 @@ class OffloadTelemetry:
         device_persistent_bytes: bytes the offload machinery keeps on the device between steps, by category:
             ``projectors`` (indices, values, CSR structure), ``update_ring`` (buffers updates land in) and
             ``device_optimizer`` (state and fp32 masters of parameters kept on the device with a device Adam).
+        update_ring_fallbacks: compressed updates so far that found no free buffer in the device update ring and were
+            copied into a one-off allocation instead (costs speed, not correctness; raise ``update_buffers``).
         last_timeline: the latest completed step's :class:`~lightning_offload.pipeline.StepTimeline` (busy seconds
             per lane: device compute, link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
@@ -70,6 +72,7 @@ class OffloadTelemetry:
     host_state_bytes: int = 0
     device_state_bytes: int = 0
     device_persistent_bytes: dict[str, int] = field(default_factory=dict)
+    update_ring_fallbacks: int = 0
     last_timeline: Any = None
     completed: deque[tuple[int, dict[str, float]]] = field(default_factory=lambda: deque(maxlen=64), repr=False)
 
@@ -84,6 +87,7 @@ class OffloadTelemetry:
                 "offload/skipped_steps": float(self.skipped_steps),
                 "offload/host_state_bytes": float(self.host_state_bytes),
                 "offload/device_state_bytes": float(self.device_state_bytes),
+                "offload/update_ring_fallbacks": float(self.update_ring_fallbacks),
             }
         )
         for category, size in self.device_persistent_bytes.items():

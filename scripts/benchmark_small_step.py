@@ -32,6 +32,12 @@ CONFIGS: dict[str, Any] = {
     "lsp_offload, speculative": lambda: LSPOffloadStrategy(projectors="random", speculative=True),
     "zero_offload": lambda: ZeroOffloadStrategy(),
     "zero_offload, speculative": lambda: ZeroOffloadStrategy(speculative=True),
+    # The embeddings and head off the dense host path (the model's tied embedding takes the head's setting).
+    "lsp_offload, host/host": lambda: LSPOffloadStrategy(projectors="random", embeddings="host", head="host"),
+    "lsp_offload, sparse/projected": lambda: LSPOffloadStrategy(projectors="random", embeddings="sparse",
+                                                                head="projected"),
+    "lsp_offload, frozen/frozen": lambda: LSPOffloadStrategy(projectors="random", embeddings="frozen",
+                                                             head="frozen"),
 }
 
 
@@ -49,10 +55,12 @@ class _StepClock(pl.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidden: int) -> float:
+def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidden: int,
+            untied: bool = False) -> float:
     """Median steady step seconds of one configuration."""
     torch.manual_seed(0)
-    model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4)
+    model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4,
+                       tie_word_embeddings=not untied)
     tokens = torch.randint(0, vocab, (8 * steps, 128), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens), batch_size=8,
                         collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows]),
@@ -77,17 +85,19 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--untied", action="store_true", help="an LM head of its own (the default ties it)")
     args = parser.parse_args()
     if "plain fused AdamW" not in args.configs:
         parser.error("--configs must include 'plain fused AdamW': every figure is a ratio to it.")
     results: dict[str, list[float]] = {name: [] for name in args.configs}
     for repeat in range(args.repeats):
         for name in args.configs:
-            seconds = measure(name, args.precision, args.steps, args.warmup, args.vocab, args.hidden)
+            seconds = measure(name, args.precision, args.steps, args.warmup, args.vocab, args.hidden, args.untied)
             results[name].append(seconds)
             print(f"[repeat {repeat}] {name}: {seconds * 1e3:.1f} ms/step", flush=True)
     baseline = statistics.median(results["plain fused AdamW"])
-    print(f"\nsmall LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}), 8×128 tokens, {args.precision}, "
+    print(f"\nsmall LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
+          f"head), 8×128 tokens, {args.precision}, "
           f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
     print("| configuration | ms / step (median) | × plain fused AdamW |")
     print("|---|---|---|")

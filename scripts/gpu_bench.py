@@ -2,7 +2,8 @@
 
 For a ~1.3B LLaMA shape (random init, built directly in bf16) it measures, each method in its own subprocess (so an
 out-of-memory or a crash cannot poison the next) and at each batch of ``--batches``: plain AdamW on the device
-("native"), LoRA on the device (a reference point: peft, rank 16), ``zero_offload``, ``lsp_offload``, and where
+("native"), LoRA on the device (a reference point: peft, rank 16), ``zero_offload``, ``lsp_offload`` at its defaults
+and with embedding and head stepped densely on the host (``lsp_offload_dense_ends``, the previous default), and where
 installed DeepSpeed ZeRO-Offload (``deepspeed_stage_2_offload``, pinned memory, its CPU Adam) and torchao's
 ``CPUOffloadOptimizer`` (stepped under manual optimization: Lightning does not take it from
 ``configure_optimizers``) — median step time, peak device memory, link bytes per step each way — and MEFT
@@ -43,8 +44,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "llama_6b7": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000),
     "llama_13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824, vocab=32000),
 }
-METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "deepspeed_offload", "torchao_offload",
-           "meft_host_routing", "meft_device_routing")
+METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "lsp_offload_dense_ends", "deepspeed_offload",
+           "torchao_offload", "meft_host_routing", "meft_device_routing")
 #: Methods also measured at the batch sizes after the first (MEFT and the references only at the first: time).
 BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload")
 #: Tests whose CUDA versions run before the benchmark on a GPU machine.
@@ -232,6 +233,10 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         strategy = lightning_offload.ZeroOffloadStrategy(link_dtype="bf16")
     elif method == "lsp_offload":
         strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]))
+    elif method == "lsp_offload_dense_ends":
+        # The previous default: embedding and head stepped densely on the host (what the defaults are compared to).
+        strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]),
+                                                        embeddings="host", head="host")
     elif method == "deepspeed_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -240,7 +245,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         torch.cuda.reset_peak_memory_stats()
     fit_peak = _fit_peak_probe(pl, cuda)
     callbacks: list[Any] = []
-    if method == "lsp_offload":
+    if method.startswith("lsp_offload"):
         # The strategy's default fit, named here so the probe after it sees the device peak the fit reached.
         callbacks = [lightning_offload.ProjectorRefit(), fit_peak]
     trainer = pl.Trainer(

@@ -72,6 +72,8 @@ def test_row_adam_catches_moments_and_decay_up_over_gaps_as_dense_adamw():
     torch.testing.assert_close(row_adam.param[:2], dense.detach()[:2], rtol=1e-6, atol=1e-7)
     assert not torch.allclose(row_adam.param[2:], dense.detach()[2:], rtol=1e-6, atol=1e-7)
     assert row_adam.rows_touched == 6
+    row_adam.step(torch.empty(0, dtype=torch.int64), torch.empty(0, 4), **settings)  # a batch of padding only
+    assert row_adam.step_count == 5 and row_adam.rows_touched == 0
 
 
 # -------------------------------------------------------------------------------------- the options, trained
@@ -92,11 +94,12 @@ def _strategy(embeddings: str, head: str, **kwargs: Any) -> LSPOffloadStrategy:
                               head=head, **kwargs)
 
 
-OPTIONS = [("sparse", "projected"), ("device", "device"), ("frozen", "frozen")]
+OPTIONS = [("sparse", "projected", "32-true"), ("device", "device", "32-true"), ("frozen", "frozen", "32-true"),
+           ("sparse", "device", "bf16-true")]
 
 
-@pytest.mark.parametrize("embeddings, head", OPTIONS, ids=[f"{e}-{h}" for e, h in OPTIONS])
-def test_each_option_trains_checkpoints_and_resumes_bit_for_bit(embeddings, head, tmp_path):
+@pytest.mark.parametrize("embeddings, head, precision", OPTIONS, ids=["-".join(option) for option in OPTIONS])
+def test_each_option_trains_checkpoints_and_resumes_bit_for_bit(embeddings, head, precision, tmp_path):
     # 8 sequences in batches of 4: the checkpoint at step 2 falls on an epoch boundary (Lightning does not
     # fast-forward a plain DataLoader resumed mid-epoch).
     data = dict(n=8, batch_size=4)
@@ -104,11 +107,13 @@ def test_each_option_trains_checkpoints_and_resumes_bit_for_bit(embeddings, head
     straight = _module()
     strategy = _strategy(embeddings, head)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    trainer(strategy, max_steps=4, enable_checkpointing=True, callbacks=[saver]).fit(straight, token_data(**data))
+    trainer(strategy, max_steps=4, enable_checkpointing=True, callbacks=[saver], precision=precision).fit(
+        straight, token_data(**data))
     (path,) = tmp_path.glob("*step=2.ckpt")
     resumed = _module()
     resumed.model.model.embed_tokens.weight.data.add_(1.0)  # everything must come from the checkpoint
-    trainer(_strategy(embeddings, head), max_steps=4).fit(resumed, token_data(**data), ckpt_path=path)
+    trainer(_strategy(embeddings, head), max_steps=4, precision=precision).fit(resumed, token_data(**data),
+                                                                                ckpt_path=path)
 
     for name, value in params_of(straight).items():
         assert torch.equal(params_of(resumed)[name], value), name
@@ -119,7 +124,7 @@ def test_each_option_trains_checkpoints_and_resumes_bit_for_bit(embeddings, head
     assert all(p.requires_grad for p in straight.parameters())
     assert ("model.lm_head" in strategy.projected_layers) == (head == "projected")
     telemetry = strategy.offload_optimizer.telemetry
-    assert (telemetry.device_persistent_bytes["device_optimizer"] > 0) == (embeddings == "device")
+    assert (telemetry.device_persistent_bytes["device_optimizer"] > 0) == ("device" in (embeddings, head))
 
 
 class _FirstStepRows(pl.Callback):

@@ -31,6 +31,10 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     assert lsp["device_persistent_bytes"]["projectors"] > 0
     assert lsp["device_transient_bytes"]["saved_projections"] > 0 and lsp["fit_device_state_bytes"] > 0
     assert 0 < by_method["lsp_offload"]["link_bytes_per_step"] < by_method["zero_offload"]["link_bytes_per_step"]
+    # The default placements move fewer bytes than embedding and head stepped densely on the host.
+    dense_ends = by_method["lsp_offload_dense_ends"]
+    assert "error" not in dense_ends, dense_ends
+    assert by_method["lsp_offload"]["link_bytes_per_step"] < dense_ends["link_bytes_per_step"]
     for method in ("meft_host_routing", "meft_device_routing"):
         entry = by_method[method]
         assert "error" not in entry, entry

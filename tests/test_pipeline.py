@@ -52,6 +52,7 @@ def test_updates_through_a_small_ring_of_device_buffers_equal_the_direct_path(mo
     ring = strategy.offload_optimizer.update_ring
     layers = len(strategy.offload_optimizer.projected_layers)
     assert len(ring.buffers) == buffers and ring.free == buffers and ring.fallbacks == 0
+    assert strategy.offload_optimizer.telemetry.metrics()["offload/update_ring_fallbacks"] == 0.0
     assert max(s.layer.compressed_shape[0] * s.layer.compressed_shape[1]
                for s in strategy.offload_optimizer.slots if s.layer is not None) == ring.buffers[0].numel()
     if buffers > 1:
