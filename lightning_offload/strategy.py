@@ -85,11 +85,12 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
             the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
             decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
-            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. See
+            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. ``None``:
+            ``"sparse"`` for ``lsp_offload``, ``"host"`` for ``zero_offload``. See
             :mod:`lightning_offload.embeddings_head`.
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
-            embedding takes this setting.
+            embedding takes this setting. ``None``: ``"host"``.
     """
 
     strategy_name = "lsp_offload"
@@ -113,8 +114,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         link_dtype: str = "fp32",
         update_buffers: int | None = None,
         speculative: bool | None = None,
-        embeddings: str = "host",
-        head: str = "host",
+        embeddings: str | None = None,
+        head: str | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -163,6 +164,11 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
                             f"{speculative!r}.")
         self.speculative = speculative
+        # Defaults chosen by measurement (BENCHMARKS.md, "Embeddings and head off the dense host path"): the
+        # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
+        # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
+        embeddings = embeddings if embeddings is not None else ("sparse" if projection else "host")
+        head = head if head is not None else "host"
         validate_placements(embeddings, head)
         if head == "projected" and not projection:
             raise ValueError(f"head='projected' needs projection, which {self.strategy_name!r} does not do. Use "
@@ -312,7 +318,9 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         modules = select_projected_modules(self.lightning_module, self.min_dim, self.target_modules,
                                            self.exclude_modules)
-        modules = {name: m for name, m in modules.items() if id(m.weight) in in_optimizer}
+        placed = {id(p) for p in (*self.placement.device, *self.placement.frozen, *self.placement.row_sparse)}
+        # A weight that embeddings=/head= put elsewhere is not projected, even when a target pattern matches it.
+        modules = {name: m for name, m in modules.items() if id(m.weight) in in_optimizer and id(m.weight) not in placed}
         modules.update(self.placement.projected_heads)
         if self.target_modules is not None and not modules:
             raise ValueError(

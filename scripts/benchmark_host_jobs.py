@@ -1,10 +1,12 @@
 """What the host side of an offloaded step costs, per job: page faults (allocations), nanoseconds per element.
 
-A small LLaMA (hidden 256, 4 layers, vocab 8192 by default) trains ``--steps`` steps with
-``zero_offload`` and ``lsp_offload`` in each precision and link dtype. From the strategy's telemetry, over the steady
+A small LLaMA (hidden 256, 4 layers, vocab 8192 by default, head untied) trains ``--steps`` steps with
+``zero_offload``, ``lsp_offload`` (its defaults: row-sparse embedding, projected head) and ``lsp_offload`` with
+embedding and head dense on the host, in each precision and link dtype. From the strategy's telemetry, over the steady
 steps (the first ``--warmup`` excluded): minor page faults the host worker took per step (0 means no host buffer is
 allocated in the hot path), host Adam seconds per step, and nanoseconds per host element (the elements the host
-steps: compressed ``d_o × d_i`` for projected weights, every element of a dense parameter).
+steps: compressed ``d_o × d_i`` for projected weights, every element of a dense parameter, the touched rows of a
+row-sparse embedding).
 
     python scripts/benchmark_host_jobs.py --steps 12
     python scripts/benchmark_host_jobs.py --steps 12 --vocab 32000 --hidden 512
@@ -28,22 +30,30 @@ def measure(strategy_name: str, precision: str, link_dtype: str, steps: int, war
             hidden: int) -> dict[str, float]:
     """Median host figures per steady step of one configuration."""
     torch.manual_seed(0)
-    model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4)
+    model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4,
+                       tie_word_embeddings=False)
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
     tokens = torch.randint(0, vocab, (8 * steps, 128), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens), batch_size=8,
                         collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows]),
                                                  "labels": torch.stack([r[0] for r in rows])})
-    strategy = (LSPOffloadStrategy(projectors="random", link_dtype=link_dtype) if strategy_name == "lsp_offload"
-                else ZeroOffloadStrategy(link_dtype=link_dtype))
+    if strategy_name == "zero_offload":
+        strategy = ZeroOffloadStrategy(link_dtype=link_dtype)
+    elif strategy_name == "lsp_offload":
+        strategy = LSPOffloadStrategy(projectors="random", link_dtype=link_dtype)
+    else:  # embedding and head dense on the host
+        strategy = LSPOffloadStrategy(projectors="random", link_dtype=link_dtype, embeddings="host", head="host")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, max_steps=steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(CausalLMModule(model, lr=1e-4), train_dataloaders=loader)
     # Every step's figures, the last one's included (fit's end settles it); the telemetry keeps the latest 64.
     steady = [metrics for _, metrics in strategy.offload_optimizer.telemetry.completed][warmup:]
-    elements = sum(slot.host_param.numel() for slot in strategy.offload_optimizer.slots)
+    slots = strategy.offload_optimizer.slots
+    rows = statistics.median(s["offload/sparse_rows"] for s in steady)
+    elements = sum(slot.host_param.numel() for slot in slots if slot.row_adam is None) + sum(
+        rows * slot.host_param.shape[1] for slot in slots if slot.row_adam is not None)
     seconds = statistics.median(s["offload/host_optimizer_seconds"] for s in steady)
     return {"faults": statistics.median(s["offload/host_page_faults"] for s in steady),
             "faults_max": max(s["offload/host_page_faults"] for s in steady),
@@ -67,7 +77,7 @@ def main() -> None:
     print("| strategy | precision | link | host elements / step | host page faults / step (median, max) "
           "| host Adam ms / step | ns / element |")
     print("|---|---|---|---|---|---|---|")
-    for strategy in ("zero_offload", "lsp_offload"):
+    for strategy in ("zero_offload", "lsp_offload", "lsp_offload, dense ends"):
         for precision, link in (("32-true", "fp32"), ("bf16-mixed", "bf16"), ("bf16-true", "bf16")):
             m = measure(strategy, precision, link, args.steps, args.warmup, args.vocab, args.hidden)
             print(f"| {strategy} | {precision} | {link} | {m['elements']:,} | {m['faults']:.0f}, {m['faults_max']:.0f} "

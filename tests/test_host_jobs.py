@@ -45,12 +45,14 @@ def _allocates(op: str) -> bool:
 CASES = {
     "zero-fp32": (lambda: ZeroOffloadStrategy(), "32-true"),
     "zero-bf16-link-bf16-true": (lambda: ZeroOffloadStrategy(link_dtype="bf16"), "bf16-true"),
+    # Dense embeddings here (every tensor a dense or projected job); the row-sparse one has its own case below.
     "lsp-bf16-link-bf16-mixed": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
-                                                            link_dtype="bf16"), "bf16-mixed"),
-    "lsp-bf16-true-l2": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16), "bf16-true"),
+                                                            link_dtype="bf16", embeddings="host"), "bf16-mixed"),
+    "lsp-bf16-true-l2": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
+                                                    embeddings="host"), "bf16-true"),
     # Clipping that never fires: every step is speculated (backups, working copies) and confirmed.
     "lsp-fp32-l2-speculated": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
-                                                          speculative=True), "32-true"),
+                                                          speculative=True, embeddings="host"), "32-true"),
     # The row-sparse embedding's workspace is sized at the first step; the same batch at every step touches the
     # same rows (more rows than ever before would grow it once).
     "lsp-sparse-embedding-bf16-true": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,

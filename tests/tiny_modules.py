@@ -90,9 +90,13 @@ def trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
 
 
 def lossless_lsp(**kwargs: Any) -> Any:
-    """LSP with signed-permutation projectors: it must reproduce plain Adam exactly (Adam is elementwise)."""
+    """LSP with signed-permutation projectors: it must reproduce plain Adam exactly (Adam is elementwise).
+
+    Embeddings are stepped densely (the default row-sparse step lets untouched rows rest where dense Adam would move
+    them on momentum)."""
     from lightning_offload import LSPOffloadStrategy, signed_permutation_projector
 
+    kwargs.setdefault("embeddings", "host")
     return LSPOffloadStrategy(rank=1.0, density=1, min_dim=16, projectors="random",
                               projector_factory=signed_permutation_projector, **kwargs)
 
