@@ -53,6 +53,43 @@ def test_config_rejects_bad_values_with_the_fix() -> None:
         MEFTConfig(routing="gpu")
     with pytest.raises(ValueError, match="experts_per_token=32 exceeds num_experts=16"):
         MEFTConfig(**{**SMALL, "experts_per_token": 32})
+    with pytest.raises(ValueError, match="experts_per_token ≤ experts_per_sequence ≤ num_experts"):
+        MEFTConfig(**{**SMALL, "experts_per_sequence": 2})
+    with pytest.raises(ValueError, match="expert_choice='batch' is not one of"):
+        MEFTConfig(**{**SMALL, "expert_choice": "batch"})
+
+
+def test_sequence_routing_keeps_its_row_bound_and_the_top_neurons_inside_its_experts() -> None:
+    config = MEFTConfig(**SMALL, experts_per_sequence=5)
+    g = torch.Generator().manual_seed(3)
+    sequences, length, hidden = 2, 40, 16
+    tokens = sequences * length
+    x = torch.randn(tokens, hidden, generator=g)
+    logits = torch.randn(tokens, config.num_experts, generator=g)
+    scores = torch.randn(tokens, config.num_neurons, generator=g)
+    valid = torch.ones(tokens, dtype=torch.bool)
+    valid[-7:] = False  # padding at the end of the last sequence
+    r = route(x, logits, scores, config, valid, sequences)
+    rows = torch.unique(r.neurons[valid])
+    bound = config.row_bound(sequences, tokens)
+    assert bound == sequences * 5 * config.neurons_per_expert < tokens * config.top_k
+    assert rows.numel() <= bound
+    token_routing = route(x, logits, scores, MEFTConfig(**SMALL, expert_choice="token"), valid)
+    assert torch.unique(token_routing.neurons[valid]).numel() > bound  # the per-token union is not bounded so
+    probabilities = torch.softmax(logits, dim=-1)
+    for s in range(sequences):
+        run = slice(s * length, (s + 1) * length)
+        mean = (probabilities[run] * valid[run, None]).sum(0)
+        kept = set(mean.topk(5).indices.tolist())
+        for t in range(s * length, (s + 1) * length):
+            experts = set(r.experts[t].tolist())
+            assert experts <= kept
+            best_experts = sorted(kept, key=lambda e: -logits[t, e].item())[: config.experts_per_token]
+            assert experts == set(best_experts)
+            allowed = [n for n in range(config.num_neurons) if n // config.neurons_per_expert in experts]
+            best = sorted(allowed, key=lambda n: -scores[t, n].item())[: config.top_k]
+            assert set(r.neurons[t].tolist()) == set(best)
+    assert (r.gates[~valid] == 0).all()
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gpt2])
@@ -78,7 +115,7 @@ def test_only_adapter_routers_are_trainable_on_the_device() -> None:
 
 
 def test_routing_picks_top_k_neurons_inside_the_selected_experts() -> None:
-    config = MEFTConfig(**SMALL)
+    config = MEFTConfig(**SMALL, expert_choice="token")  # the paper's per-token routing
     g = torch.Generator().manual_seed(1)
     tokens, hidden = 40, 32
     x = torch.randn(tokens, hidden, generator=g)
@@ -195,7 +232,8 @@ def _dense_reference_grads(model: torch.nn.Module, micro_batches: list[dict]) ->
             flat = hidden.reshape(-1, adapter.hidden_size)
             valid = adapter._valid_tokens(flat.shape[0], flat.device)
             x = adapter.adapter_input(flat, valid)
-            r = route(x, adapter.router(x), adapter._key_scores(x), adapter.config, valid)
+            r = route(x, adapter.router(x), adapter._key_scores(x), adapter.config, valid,
+                      hidden.shape[0] if hidden.ndim == 3 else 1)
             mask = torch.zeros(flat.shape[0], adapter.config.num_neurons)
             gates = torch.zeros_like(mask).scatter(1, r.neurons, r.gates)
             mask.scatter_(1, r.neurons, valid.unsqueeze(1).float().expand_as(r.neurons))
@@ -266,6 +304,28 @@ def test_meft_offload_trains_adapters_and_leaves_the_base_alone(tmp_path: Path) 
     assert metrics["meft/adapter_device_bytes"] > 0
     # All Adam state on the host: the dense optimizer's and the rows'.
     assert strategy.offload_optimizer.device_state_bytes() == 0
+
+
+@pytest.mark.parametrize("expert_choice", ["sequence", "token"])
+def test_rows_per_step_stay_within_the_stated_bound(expert_choice, tmp_path: Path) -> None:
+    model = meft_model(expert_choice=expert_choice)
+    strategy = MEFTOffloadStrategy(device="cpu")
+    seen: list[float] = []
+
+    class Rows(pl.Callback):
+        def on_train_batch_end(self, *args) -> None:
+            seen.append(strategy.last_metrics["meft/rows_updated"])
+
+    data = batches(4, batch=2, length=48, seed=4)
+    trainer(tmp_path, 4, strategy, callbacks=[Rows()]).fit(CausalLMModule(model, lr=1e-2),
+                                                           train_dataloaders=loader(data))
+    adapters = meft_adapters(model)
+    bound = len(adapters) * MEFTConfig(**SMALL).row_bound(sequences=2, tokens=96)  # the sequence-routing bound
+    assert bound == len(adapters) * 2 * 4 * 16  # 2 sequences × 4 experts × 16 neurons, of 256 rows per adapter
+    if expert_choice == "sequence":
+        assert max(seen) <= bound
+    else:
+        assert max(seen) > bound  # per-token routing of 96 tokens × 8 neurons spreads over nearly every row
 
 
 def test_step_telemetry_leaves_out_the_rows_evaluation_fetched(tmp_path: Path) -> None:

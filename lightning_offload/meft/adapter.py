@@ -2,9 +2,12 @@
 
 ``out = FFN(h) + Σ_{i ∈ S(x)} g_{e(i)}(x) · ReLU(x·k_i) · v_i`` with ``x = (h − μ)/σ`` the FFN input standardised
 (a per-layer mean and scale measured on the first batch), and ``S(x)`` the token's routed neuron set: the router
-scores the ``E`` experts (contiguous groups of neurons), the token keeps its ``experts_per_token`` best, their logits
-become a non-negative gate (a softmax, scaled to average 1), and the ``top_k`` neurons with the highest key score
-inside the kept experts are activated. ``V`` starts at zero, so an injected model equals the base model.
+scores the ``E`` experts (contiguous groups of neurons); each sequence keeps the ``experts_per_sequence`` with the
+highest mean router probability over its tokens (``expert_choice="sequence"``, which bounds the rows a batch touches
+by its number of sequences; ``"token"`` lets every token choose among all ``E``, as the MEFT paper does); the token
+keeps its ``experts_per_token`` best of those, their logits become a non-negative gate (a softmax, scaled to average
+1), and the ``top_k`` neurons with the highest key score inside the kept experts are activated. ``V`` starts at zero,
+so an injected model equals the base model.
 
 Placement: the fp32 keys and values (and, in the strategy, their Adam state) live on the host. A forward gathers
 only the union of the rows its tokens selected, sends them to the device as leaf tensors, and a gradient hook on
@@ -37,15 +40,36 @@ class Routing:
     valid: torch.Tensor
 
 
-def select_experts(router_logits: torch.Tensor, config: MEFTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_experts(router_logits: torch.Tensor, config: MEFTConfig, valid: torch.Tensor,
+                     sequences: int) -> torch.Tensor:
+    """``[B, P]``: the ``experts_per_sequence`` experts of each of the ``B`` sequences, by mean router probability
+    over the sequence's real tokens (a sequence of padding only keeps the first experts: it routes nothing)."""
+    with torch.no_grad():
+        probabilities = torch.softmax(router_logits.detach().float(), dim=-1).view(sequences, -1, config.num_experts)
+        weights = valid.view(sequences, -1, 1).to(probabilities.dtype)
+        return (probabilities * weights).sum(dim=1).topk(config.experts_per_sequence, dim=-1).indices
+
+
+def select_experts(router_logits: torch.Tensor, config: MEFTConfig, valid: torch.Tensor | None = None,
+                   sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``experts_per_token`` best experts ``[T, e]`` and their non-negative gates ``[T, e]``.
 
-    The gates are a softmax over the kept logits scaled by ``e``, so they average 1: with a uniform router each
-    selected neuron contributes ``ReLU(x·k)·v`` unscaled, as in the ungated adapter, and the gate only redistributes
-    weight between a token's experts (a plain softmax would shrink every contribution, and with it the effective
-    learning rate of the values, by ``e``).
+    With ``expert_choice="sequence"`` a token chooses among its sequence's experts (:func:`sequence_experts`; the
+    ``T`` tokens are ``sequences`` equal runs), else among all ``E``. The gates are a softmax over the kept logits
+    scaled by ``e``, so they average 1: with a uniform router each selected neuron contributes ``ReLU(x·k)·v``
+    unscaled, as in the ungated adapter, and the gate only redistributes weight between a token's experts (a plain
+    softmax would shrink every contribution, and with it the effective learning rate of the values, by ``e``).
     """
-    top_logits, experts = router_logits.topk(config.experts_per_token, dim=-1)
+    if config.expert_choice == "sequence":
+        tokens = router_logits.shape[0]
+        if valid is None:
+            valid = torch.ones(tokens, dtype=torch.bool, device=router_logits.device)
+        allowed = sequence_experts(router_logits, config, valid, sequences)  # [B, P]
+        per_token = allowed.repeat_interleave(tokens // sequences, dim=0)  # [T, P]
+        top_logits, slot = router_logits.gather(1, per_token).topk(config.experts_per_token, dim=-1)
+        experts = per_token.gather(1, slot)
+    else:
+        top_logits, experts = router_logits.topk(config.experts_per_token, dim=-1)
     gates = torch.softmax(top_logits.float(), dim=-1) * config.experts_per_token
     return experts, gates
 
@@ -69,7 +93,7 @@ def select_neurons(expert_scores: torch.Tensor, experts: torch.Tensor, expert_ga
 
 
 def route(hidden: torch.Tensor, router_logits: torch.Tensor, key_scores: torch.Tensor, config: MEFTConfig,
-          valid: torch.Tensor) -> Routing:
+          valid: torch.Tensor, sequences: int = 1) -> Routing:
     """Key-Experts routing of flattened tokens from the scores of *all* neurons (the reference form).
 
     Adapters score only the neurons of each token's kept experts (:meth:`MEFTAdapter.prefetch`), ``E/e`` times
@@ -81,12 +105,13 @@ def route(hidden: torch.Tensor, router_logits: torch.Tensor, key_scores: torch.T
         key_scores: ``[T, N]`` scores ``x·k_i`` of every neuron (no gradient needed: selection only).
         config: the adapter settings.
         valid: ``[T]`` bool, False for padding; padded tokens select nothing and get zero gates.
+        sequences: how many equal runs of tokens the ``T`` are (``expert_choice="sequence"``).
 
     Returns:
         The selected neurons (exactly ``top_k`` per token, all within the token's ``experts_per_token`` experts),
         their gates, the selected experts and ``valid``.
     """
-    experts, expert_gates = select_experts(router_logits, config)
+    experts, expert_gates = select_experts(router_logits, config, valid, sequences)
     blocks = key_scores.reshape(hidden.shape[0], config.num_experts, config.neurons_per_expert)
     expert_scores = blocks.gather(1, experts.unsqueeze(2).expand(-1, -1, config.neurons_per_expert))
     return select_neurons(expert_scores, experts, expert_gates, config, valid)
@@ -265,7 +290,8 @@ class MEFTAdapter(nn.Module):
         flat = hidden.reshape(-1, self.hidden_size)
         valid = self._valid_tokens(flat.shape[0], flat.device)
         x = self.adapter_input(flat, valid)
-        experts, expert_gates = select_experts(self.router(x), self.config)
+        sequences = hidden.shape[0] if hidden.ndim == 3 else 1  # [B, S, h]; flat tokens form one sequence
+        experts, expert_gates = select_experts(self.router(x), self.config, valid, sequences)
         routing = select_neurons(self._expert_key_scores(x, experts), experts, expert_gates, self.config, valid)
         with torch.no_grad():
             self.host.expert_counts += torch.bincount(routing.experts[valid].reshape(-1).cpu(),

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 ROUTING_PLACES = ("device", "host")
+EXPERT_CHOICES = ("sequence", "token")
 
 
 @dataclass
@@ -16,7 +17,14 @@ class MEFTConfig:
         num_neurons: Adapter width ``N`` per FFN (rows of the key and value matrices).
         top_k: Neurons activated per token.
         num_experts: ``E`` contiguous groups of ``N/E`` neurons; the router scores groups.
-        experts_per_token: Groups kept per token; the ``top_k`` neurons are chosen inside them.
+        expert_choice: ``"sequence"``: each sequence keeps the ``experts_per_sequence`` experts with the highest mean
+            router probability over its tokens, and each token keeps ``experts_per_token`` of those; so a step
+            touches at most ``sequences × experts_per_sequence × N/E`` rows per adapter, whatever the sequence
+            length. ``"token"``: the MEFT paper's Key-Experts routing, each token keeps its own best experts (the
+            rows touched grow with the tokens: ``≈ N(1 − e^(−T·top_k/N))``, nearly all rows for long batches).
+        experts_per_sequence: Experts a sequence keeps (``expert_choice="sequence"``).
+        experts_per_token: Experts kept per token (among its sequence's, in sequence mode); the ``top_k`` neurons
+            are chosen inside them.
         target_modules: Regular expression matched (``re.search``) against module names; every match is an FFN
             to put an adapter beside (default: the ``mlp`` of each LLaMA / GPT-2 block).
         freeze_base: Freeze every pre-existing parameter, so only adapters (and their routers) train.
@@ -36,7 +44,9 @@ class MEFTConfig:
     num_neurons: int = 16384
     top_k: int = 16
     num_experts: int = 128
-    experts_per_token: int = 8
+    expert_choice: str = "sequence"
+    experts_per_sequence: int = 4
+    experts_per_token: int = 4
     target_modules: str = r"(^|\.)mlp$"
     freeze_base: bool = True
     routing: str = "device"
@@ -45,16 +55,23 @@ class MEFTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_neurons", "top_k", "num_experts", "experts_per_token"):
+        for name in ("num_neurons", "top_k", "num_experts", "experts_per_sequence", "experts_per_token"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MEFTConfig.{name}={value!r} must be a positive integer.")
         if self.num_neurons % self.num_experts:
             raise ValueError(f"MEFTConfig.num_neurons={self.num_neurons} must be a multiple of "
                              f"num_experts={self.num_experts} (experts are equal groups of neurons).")
+        if self.expert_choice not in EXPERT_CHOICES:
+            raise ValueError(f"MEFTConfig.expert_choice={self.expert_choice!r} is not one of {EXPERT_CHOICES}.")
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"MEFTConfig.experts_per_token={self.experts_per_token} exceeds "
                              f"num_experts={self.num_experts}.")
+        if self.expert_choice == "sequence" and not (
+                self.experts_per_token <= self.experts_per_sequence <= self.num_experts):
+            raise ValueError(f"MEFTConfig needs experts_per_token ≤ experts_per_sequence ≤ num_experts with "
+                             f"expert_choice='sequence' (a token picks among its sequence's experts); got "
+                             f"{self.experts_per_token}, {self.experts_per_sequence}, {self.num_experts}.")
         if self.top_k > self.experts_per_token * self.neurons_per_expert:
             raise ValueError(f"MEFTConfig.top_k={self.top_k} exceeds the {self.experts_per_token} × "
                              f"{self.neurons_per_expert} neurons of the experts a token selects; lower top_k or "
@@ -71,3 +88,10 @@ class MEFTConfig:
     def neurons_per_expert(self) -> int:
         """``N / E``."""
         return self.num_neurons // self.num_experts
+
+    def row_bound(self, sequences: int, tokens: int) -> int:
+        """The most rows of one adapter a batch of ``sequences`` sequences and ``tokens`` tokens can touch."""
+        by_tokens = tokens * self.top_k
+        if self.expert_choice == "sequence":
+            by_tokens = min(by_tokens, sequences * self.experts_per_sequence * self.neurons_per_expert)
+        return min(by_tokens, self.num_neurons)
