@@ -24,8 +24,8 @@ class HostRowAdam:
 
     * moments catch up first: ``m_r ← β₁^g m_r``, ``v_r ← β₂^g v_r`` (what ``g`` zero-gradient steps of dense Adam
       give), and decoupled weight decay likewise ``w_r ← (1 − lr·λ)^g w_r`` (at the current ``lr``);
-    * then the ordinary Adam step with bias corrections of ``t``, as ``torch.optim.Adam``'s single-tensor code
-      writes it: a row touched at every step gets exactly dense Adam's arithmetic (the catch-up factors are 1).
+    * then the ordinary Adam step with bias corrections of ``t``, by torch's fused Adam/AdamW kernel on the gathered
+      rows: a row touched at every step gets exactly dense fused Adam's arithmetic (the catch-up factors are 1).
 
     Coupled L2 (Adam's ``weight_decay``) is added to the touched rows' gradients only; ``amsgrad`` is not supported.
     Workspaces are kept at the most rows a step has touched so far (grown by doubling), so a step allocates only when
@@ -47,13 +47,15 @@ class HostRowAdam:
         self.last_step = torch.zeros(param.shape[0], dtype=torch.int64)
         self._capacity = 0
         self._rows_touched = 0
+        self._step = torch.zeros((), dtype=torch.float32)  # the step count the fused kernel reads
 
     def _workspace(self, count: int) -> tuple[Tensor, ...]:
-        """Views of ``count`` rows of the gathered weight, moments and scratch (grown by doubling, never shrunk)."""
+        """Views of ``count`` rows of the gathered weight, moments and per-row factors (grown by doubling, never
+        shrunk)."""
         if count > self._capacity:
             capacity = min(max(count, 2 * self._capacity), self.param.shape[0])
             width = self.param.shape[1]
-            self._buffers = [torch.empty(capacity, width) for _ in range(4)]
+            self._buffers = [torch.empty(capacity, width) for _ in range(3)]
             self._row_factors = [torch.empty(capacity, 1) for _ in range(3)]
             self._gaps = torch.empty(capacity, 1)
             self._last = torch.empty(capacity, dtype=torch.int64)
@@ -65,38 +67,31 @@ class HostRowAdam:
     def step(self, rows: Tensor, grad: Tensor, *, lr: float, betas: tuple[float, float], eps: float,
              weight_decay: float = 0.0, decoupled: bool = True, maximize: bool = False) -> Tensor:
         """One step on ``rows`` (unique int64 indices) with their gradients ``grad`` (``[len(rows), width]`` fp32,
-        overwritten). Returns the stepped rows' new values (a view of a workspace, valid until the next step)."""
+        contiguous). Returns the stepped rows' new values (a view of a workspace, valid until the next step)."""
         count = rows.numel()
         self.step_count += 1
         self._rows_touched = count
         if count == 0:
             return self.param[:0]  # a step whose batch touched no row (all padding): only the count advances
-        weight, exp_avg, exp_avg_sq, denom, factor1, factor2, decay, gaps, last = self._workspace(count)
+        weight, exp_avg, exp_avg_sq, factor1, factor2, decay, gaps, last = self._workspace(count)
         beta1, beta2 = betas
         torch.index_select(self.param, 0, rows, out=weight)
         torch.index_select(self.exp_avg, 0, rows, out=exp_avg)
         torch.index_select(self.exp_avg_sq, 0, rows, out=exp_avg_sq)
-        # Steps each row missed: its moments (and decoupled decay) are caught up as dense Adam's would have been.
+        # Steps each row missed: its moments (and decoupled decay) are caught up as dense Adam's would have been; a
+        # row touched at the previous step gets factors of exactly 1.
         torch.index_select(self.last_step, 0, rows, out=last)
         gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)
-        torch.pow(beta1, gaps, out=factor1)
-        torch.pow(beta2, gaps, out=factor2)
-        exp_avg.mul_(factor1)
-        exp_avg_sq.mul_(factor2)
-        if maximize:
-            grad.neg_()
-        if weight_decay:
-            if decoupled:
-                torch.pow(1.0 - lr * weight_decay, gaps, out=decay)
-                weight.mul_(decay).mul_(1.0 - lr * weight_decay)
-            else:
-                grad.add_(weight, alpha=weight_decay)
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        bias_correction1 = 1.0 - beta1 ** self.step_count
-        bias_correction2_sqrt = (1.0 - beta2 ** self.step_count) ** 0.5
-        torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(eps)
-        weight.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        exp_avg.mul_(torch.pow(beta1, gaps, out=factor1))
+        exp_avg_sq.mul_(torch.pow(beta2, gaps, out=factor2))
+        if weight_decay and decoupled:
+            weight.mul_(torch.pow(1.0 - lr * weight_decay, gaps, out=decay))
+        # Then torch's own fused Adam/AdamW kernel on the gathered rows, at the matrix's step count (one pass;
+        # coupled L2 and maximize as torch.optim.Adam applies them).
+        self._step.fill_(self.step_count)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kernel([weight], [grad], [exp_avg], [exp_avg_sq], [], [self._step], lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize)
         self.param.index_copy_(0, rows, weight)
         self.exp_avg.index_copy_(0, rows, exp_avg)
         self.exp_avg_sq.index_copy_(0, rows, exp_avg_sq)

@@ -147,8 +147,9 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
         detail = {"galore": f"rank {galore_rank_for(rank)}", "lora": f"rank {args.lora_rank}"}.get(method, "")
         if method.startswith("lsp"):
             detail = f"rank {rank:g}, density {run['config']['density']}"
+        runs = [run] if run.get("placement") else _best(store, method, rank)
         lrs = ", ".join(f"{r['projected_lr']:g}: {r['eval_loss_after']:.4f}" for r in
-                        sorted(_best(store, method, rank), key=lambda r: r["projected_lr"]))
+                        sorted(runs, key=lambda r: r["projected_lr"]))
         return (f"| {method} | {detail} | {run['eval_loss_after']:.4f} | {share * 100:.0f}% | {link} | {state:.1f} "
                 f"| {fit} | {run['median_step_seconds']:.2f} | {lrs} |")
 

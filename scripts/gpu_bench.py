@@ -285,6 +285,11 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         "link_bytes_to_host_per_step": telemetry.last.bytes_device_to_host if telemetry is not None else None,
         "link_bytes_to_device_per_step": telemetry.last.bytes_host_to_device if telemetry is not None else None,
         "link_bytes_measured": telemetry is not None,
+        # Rows of the row-sparse embedding that crossed and were stepped (lsp_offload's default placement).
+        "sparse_embedding_rows_per_step": telemetry.last.sparse_rows if telemetry is not None else None,
+        # Rows of each adapter a step may touch at most (MEFT's per-sequence routing bound).
+        **({"meft_row_bound_share": trainer.strategy.adapters[0].config.row_bound(batch, batch * seq)
+            / trainer.strategy.adapters[0].config.num_neurons} if method.startswith("meft") else {}),
         **_device_memory(telemetry, trainer, fit_peak),
         **meft,
     }

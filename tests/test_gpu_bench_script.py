@@ -32,6 +32,7 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     assert lsp["device_transient_bytes"]["saved_projections"] > 0 and lsp["fit_device_state_bytes"] > 0
     assert 0 < by_method["lsp_offload"]["link_bytes_per_step"] < by_method["zero_offload"]["link_bytes_per_step"]
     # The default placements move fewer bytes than embedding and head stepped densely on the host.
+    assert by_method["lsp_offload"]["sparse_embedding_rows_per_step"] > 0
     dense_ends = by_method["lsp_offload_dense_ends"]
     assert "error" not in dense_ends, dense_ends
     assert by_method["lsp_offload"]["link_bytes_per_step"] < dense_ends["link_bytes_per_step"]
@@ -39,6 +40,7 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
         entry = by_method[method]
         assert "error" not in entry, entry
         assert 0 < entry["meft_rows_share_per_step"] <= 1 and entry["meft_link_bytes_per_step"] > 0
+        assert entry["meft_rows_share_per_step"] <= entry["meft_row_bound_share"] < 1  # per-sequence routing
     # Host routing keeps no key copy on the device.
     assert by_method["meft_host_routing"]["meft_adapter_device_bytes"] < \
         by_method["meft_device_routing"]["meft_adapter_device_bytes"]
