@@ -140,6 +140,24 @@ def test_routing_picks_top_k_neurons_inside_the_selected_experts() -> None:
     torch.testing.assert_close(expert_gates.mean(dim=1), torch.ones(tokens))
 
 
+def test_gate_selection_ranks_neurons_by_key_score_times_gate() -> None:
+    config = MEFTConfig(**SMALL, expert_choice="token", gate_selection=True)
+    g = torch.Generator().manual_seed(5)
+    tokens = 30
+    logits = torch.randn(tokens, config.num_experts, generator=g) * 3
+    scores = torch.randn(tokens, config.num_neurons, generator=g).abs()  # positive: the gate can only reorder them
+    valid = torch.ones(tokens, dtype=torch.bool)
+    r = route(torch.zeros(tokens, 4), logits, scores, config, valid)
+    plain = route(torch.zeros(tokens, 4), logits, scores, MEFTConfig(**SMALL, expert_choice="token"), valid)
+    experts, gates = select_experts(logits, config)
+    for t in range(tokens):
+        gate_of = {e: float(gates[t, j]) for j, e in enumerate(experts[t].tolist())}
+        allowed = [n for n in range(config.num_neurons) if n // config.neurons_per_expert in gate_of]
+        best = sorted(allowed, key=lambda n: -scores[t, n].item() * gate_of[n // config.neurons_per_expert])
+        assert set(r.neurons[t].tolist()) == set(best[: config.top_k])
+    assert not torch.equal(r.neurons.sort(1).values, plain.neurons.sort(1).values)  # the gate changed the choice
+
+
 def test_scoring_only_the_kept_experts_routes_like_scoring_every_neuron() -> None:
     config = MEFTConfig(**SMALL)
     g = torch.Generator().manual_seed(2)

@@ -78,6 +78,9 @@ def select_neurons(expert_scores: torch.Tensor, experts: torch.Tensor, expert_ga
                    config: MEFTConfig, valid: torch.Tensor) -> Routing:
     """The ``top_k`` neurons of each token by key score, inside its kept experts.
 
+    With ``config.gate_selection`` the key scores are multiplied by their expert's gate before the top-k (as the
+    MEFT paper's code does), so the router steers which neurons fire, not only how much they count.
+
     Args:
         expert_scores: ``[T, e, N/E]`` key scores of the neurons of each token's kept experts (no gradient needed).
         experts, expert_gates: from :func:`select_experts`.
@@ -85,7 +88,10 @@ def select_neurons(expert_scores: torch.Tensor, experts: torch.Tensor, expert_ga
         valid: ``[T]`` bool, False for padding; padded tokens get zero gates (and fetch nothing).
     """
     per_expert = config.neurons_per_expert
-    local = expert_scores.float().reshape(expert_scores.shape[0], -1).topk(config.top_k, dim=-1).indices
+    ranked = expert_scores.float()
+    if config.gate_selection:
+        ranked = ranked * expert_gates.detach().float().unsqueeze(2)
+    local = ranked.reshape(expert_scores.shape[0], -1).topk(config.top_k, dim=-1).indices
     slot = torch.div(local, per_expert, rounding_mode="floor")  # which of the token's kept experts
     neurons = experts.gather(1, slot) * per_expert + local % per_expert
     gates = expert_gates.gather(1, slot) * valid.unsqueeze(1).to(expert_gates.dtype)

@@ -25,6 +25,9 @@ class MEFTConfig:
         experts_per_sequence: Experts a sequence keeps (``expert_choice="sequence"``).
         experts_per_token: Experts kept per token (among its sequence's, in sequence mode); the ``top_k`` neurons
             are chosen inside them.
+        gate_selection: rank a token's candidate neurons by key score times their expert's gate (the MEFT paper's
+            code: the router steers the choice) rather than by key score alone (off by default: its effect on
+            quality is not measured yet).
         target_modules: Regular expression matched (``re.search``) against module names; every match is an FFN
             to put an adapter beside (default: the ``mlp`` of each LLaMA / GPT-2 block).
         freeze_base: Freeze every pre-existing parameter, so only adapters (and their routers) train.
@@ -47,6 +50,7 @@ class MEFTConfig:
     expert_choice: str = "sequence"
     experts_per_sequence: int = 4
     experts_per_token: int = 4
+    gate_selection: bool = False
     target_modules: str = r"(^|\.)mlp$"
     freeze_base: bool = True
     routing: str = "device"
