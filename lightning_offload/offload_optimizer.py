@@ -1097,6 +1097,18 @@ class OffloadOptimizer(Optimizer):
                 f"run has {names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, "
                 f"patterns) and optimizer groups."
             )
+        for slot, adam_state in zip(self.slots, state_dict["host_adam"]):
+            saved_rows = "last_step" in adam_state  # a HostRowAdam's state, not a torch optimizer's
+            if saved_rows != (slot.row_adam is not None):
+                raise ValueError(
+                    f"The checkpoint stepped {slot.name} {'row-sparsely' if saved_rows else 'densely'}, this run "
+                    f"{'row-sparsely' if slot.row_adam is not None else 'densely'}: resume with "
+                    f"embeddings={'sparse' if saved_rows else 'host'!r} (checkpoints written before embeddings= "
+                    f"existed stepped every embedding densely: embeddings='host')."
+                )
+        if (state_dict.get("device_adam") is None) != (self.device_adam is None):
+            raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
+                             "the same embeddings= and head= settings.")
         self.synchronize()
         for slot in self.slots:
             # Host buffers are overwritten below: copies still reading them to the device must have finished.
@@ -1119,9 +1131,6 @@ class OffloadOptimizer(Optimizer):
             else:
                 master = state_dict["dense_masters"].get(slot.name)
                 slot.host_param.copy_(master if master is not None else slot.param.detach())
-        if (state_dict.get("device_adam") is None) != (self.device_adam is None):
-            raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
-                             "the same embeddings= and head= settings.")
         if self.device_adam is not None:
             self.device_adam.load_state_dict(state_dict["device_adam"])
         self.telemetry.load_state_dict(state_dict["telemetry"])

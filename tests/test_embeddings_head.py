@@ -210,6 +210,16 @@ def test_bad_placements_are_named(kwargs, match):
         LSPOffloadStrategy(**kwargs)
 
 
+def test_resuming_with_the_other_embedding_placement_names_the_setting(tmp_path):
+    module = _module()
+    run = trainer(_strategy("host", "host"), max_steps=1)
+    run.fit(module, token_data(n=4))
+    run.save_checkpoint(tmp_path / "dense.ckpt")
+    with pytest.raises(ValueError, match="stepped model.model.embed_tokens.weight densely.*embeddings='host'"):
+        trainer(_strategy("sparse", "host"), max_steps=2).fit(_module(), token_data(n=4),
+                                                              ckpt_path=tmp_path / "dense.ckpt")
+
+
 def test_amsgrad_is_refused_for_a_row_sparse_embedding():
     module = _module()
     module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), amsgrad=True)  # type: ignore
