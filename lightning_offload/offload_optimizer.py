@@ -73,6 +73,7 @@ class _Slot:
     host_rows: Tensor | None = None
     row_count: int = 0
     rows_on_device: Tensor | None = None
+    row_values: Tensor | None = None
     # The update as it crosses to the device, in the dtype that crosses: Z in the link dtype (projected), or the
     # parameter's own dtype for a low-precision dense parameter (bf16: 2 bytes per element cross, not the master's 4).
     host_update: Tensor | None = None
@@ -369,7 +370,9 @@ class OffloadOptimizer(Optimizer):
             name, param, group, master, _pinned_zeros(param.shape, pin, self.link_dtype), None,
             row_adam=HostRowAdam(master),
             host_rows=_pinned_zeros((param.shape[0],), pin, torch.int64),
-            host_update=_pinned_zeros(param.shape, pin, param.dtype),
+            # A staging buffer for the new rows: pinned for an async copy to a GPU, or in a narrower parameter dtype.
+            # On the CPU an fp32 embedding's rows are read straight from the row Adam's workspace.
+            host_update=_pinned_zeros(param.shape, pin, param.dtype) if pin or param.dtype != torch.float32 else None,
             host_grad_fp32=torch.zeros(param.shape) if self.link_dtype != torch.float32 else None,
         )
 
@@ -774,7 +777,9 @@ class OffloadOptimizer(Optimizer):
             slot.host_rows[:count], grad, lr=hparams["lr"], betas=hparams["betas"], eps=hparams["eps"],
             weight_decay=l2_weight, decoupled=_is_decoupled(self.wrapped, slot.group),
             maximize=hparams.get("maximize", False))
-        staged = slot.host_update[:count].copy_(values)  # rounded to the parameter's dtype here: its bytes cross
+        # Rounded to the parameter's dtype here: only its bytes cross.
+        staged = slot.host_update[:count].copy_(values) if slot.host_update is not None else values
+        slot.row_values = staged
         stepped = time.perf_counter()
         if slot.update_on_device is not None:
             slot.to_device_event = self.link.to_device(staged, slot.update_on_device, after=compute_done)
@@ -853,13 +858,13 @@ class OffloadOptimizer(Optimizer):
         start = time.perf_counter()
         self.worker.wait(slot.job)
         if slot.row_adam is not None:
-            values = slot.host_update[:slot.row_count]  # the device is the host: read where the host wrote them
+            values = slot.row_values  # the device is the host: read where the host wrote them
             if slot.update_on_device is not None:
                 self.link.device_wait(slot.to_device_event)
                 values = slot.update_on_device
             slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
             slot.param.data.index_copy_(0, slot.rows_on_device, values)
-            slot.update_on_device, slot.rows_on_device = None, None
+            slot.update_on_device, slot.rows_on_device, slot.row_values = None, None, None
         elif slot.layer is not None:
             update = self._fetch_update(slot)
             slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
