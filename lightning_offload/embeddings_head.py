@@ -88,8 +88,10 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
                 plan.tied_projected.add(weight_id)
         elif head == "device":
             plan.device.append(module.weight)
+            plan.messages.append(f"{name}.weight is stepped by an Adam on the device (head='device').")
         elif head == "frozen":
             plan.frozen.append(module.weight)
+            plan.messages.append(f"{name}.weight is frozen while training (head='frozen').")
     by_id = {id(p): p for p in model.parameters()}
     for weight_id, name in embedding_weights.items():
         if weight_id in heads:
@@ -97,10 +99,14 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         weight = by_id[weight_id]
         if embeddings == "sparse":
             plan.row_sparse.append(weight)
+            plan.messages.append(f"{name}.weight is stepped row-sparsely (embeddings='sparse'): only the rows of each "
+                                 f"batch's tokens cross and are updated; embeddings='host' steps every row.")
         elif embeddings == "device":
             plan.device.append(weight)
+            plan.messages.append(f"{name}.weight is stepped by an Adam on the device (embeddings='device').")
         elif embeddings == "frozen":
             plan.frozen.append(weight)
+            plan.messages.append(f"{name}.weight is frozen while training (embeddings='frozen').")
     if embeddings != "host" and not any(w not in heads for w in embedding_weights):
         plan.messages.append(f"embeddings={embeddings!r} found no trainable nn.Embedding of its own to apply to.")
     if head != "host" and not heads:

@@ -140,12 +140,14 @@ class _FirstStepRows(pl.Callback):
             self.after = module.model.model.embed_tokens.weight.detach().clone()
 
 
-def test_the_row_sparse_embedding_moves_only_the_batch_rows():
+def test_the_row_sparse_embedding_moves_only_the_batch_rows(caplog):
     module = _module(weight_decay=0.1)  # dense AdamW's decay would move every row
     strategy = _strategy("sparse", "host")
     snapshots = _FirstStepRows()
     data = token_data(batch_size=4)
-    trainer(strategy, max_steps=1, callbacks=[snapshots]).fit(module, data)
+    with caplog.at_level(logging.INFO):
+        trainer(strategy, max_steps=1, callbacks=[snapshots]).fit(module, data)
+    assert "model.model.embed_tokens.weight is stepped row-sparsely" in caplog.text  # the default is said
     (ids,) = next(iter(data))
     batch_rows = torch.unique(ids)
     changed = torch.nonzero((snapshots.after != snapshots.before).any(dim=1)).squeeze(1)
