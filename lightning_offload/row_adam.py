@@ -55,9 +55,12 @@ class HostRowAdam:
         if count > self._capacity:
             capacity = min(max(count, 2 * self._capacity), self.param.shape[0])
             width = self.param.shape[1]
-            self._buffers = [torch.empty(capacity, width) for _ in range(3)]
-            self._row_factors = [torch.empty(capacity, 1) for _ in range(3)]
-            self._gaps = torch.empty(capacity, 1)
+            # Dtypes spelled out: this may run on a worker thread while the main thread's forward has changed
+            # torch's process-wide default dtype (Lightning's bf16-true precision does, during the forward).
+            fp32 = torch.float32
+            self._buffers = [torch.empty(capacity, width, dtype=fp32) for _ in range(3)]
+            self._row_factors = [torch.empty(capacity, 1, dtype=fp32) for _ in range(3)]
+            self._gaps = torch.empty(capacity, 1, dtype=fp32)
             self._last = torch.empty(capacity, dtype=torch.int64)
             self._capacity = capacity
         return (*(b[:count] for b in self._buffers), *(f[:count] for f in self._row_factors), self._gaps[:count],

@@ -47,6 +47,19 @@ def test_row_adam_equals_torch_adam_on_rows_touched_every_step(kind):
     assert not torch.equal(master, start)
 
 
+def test_row_adam_keeps_fp32_workspaces_whatever_the_default_dtype():
+    """The worker steps rows while the main thread's bf16-true forward has set torch's default dtype to bf16."""
+    row_adam = HostRowAdam(torch.randn(8, 4))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        values = row_adam.step(torch.tensor([1, 5]), torch.ones(2, 4, dtype=torch.float32), lr=1e-2,
+                               betas=(0.9, 0.999), eps=1e-8)
+    finally:
+        torch.set_default_dtype(previous)
+    assert values.dtype == torch.float32 and row_adam.rows_touched == 2
+
+
 def test_row_adam_catches_moments_and_decay_up_over_gaps_as_dense_adamw():
     """A row skipped for some steps gets dense AdamW's moments and weight decay with zero gradients on those steps;
     only the momentum drift of its weight during the gap is not reproduced."""
