@@ -35,22 +35,16 @@ class DeviceAdam:
         return [param for param, _, _, _ in self.entries]
 
     @torch.no_grad()
-    def step(self, clip: tuple[str, Tensor | float] | None, hparams_of: Any) -> None:
-        """Clip each gradient as the host gradients are clipped, then step.
+    def step(self, hparams_of: Any) -> None:
+        """Step every parameter that has a gradient (already clipped by the caller).
 
         Args:
-            clip: ``("norm", coefficient)`` or ``("value", bound)`` or ``None``.
             hparams_of: ``group -> dict`` of Adam hyper-parameters to copy into the step.
         """
         for param, master, group, adam in self.entries:
             grad = param.grad
             if grad is None:
                 continue
-            if clip is not None:
-                if clip[0] == "norm":
-                    grad.mul_(torch.as_tensor(clip[1]).to(grad.device, grad.dtype))
-                else:
-                    grad.clamp_(-clip[1], clip[1])
             adam.param_groups[0].update(hparams_of(group))
             if master is not None:
                 master.grad = grad.float()

@@ -116,6 +116,22 @@ class _Slot:
         return self.layer is not None
 
 
+def _synced_hparams(group: dict[str, Any]) -> dict[str, Any]:
+    """The Adam hyper-parameters of a user group that the host (or device) Adam copies before each step."""
+    return {key: group[key] for key in _SYNCED_HPARAMS if key in group}
+
+
+def _clip_(grad: Tensor, clip: tuple[str, Tensor | float] | None) -> None:
+    """Clip a gradient in place as the step decided: ``("norm", coefficient)`` scales it (a 0-dim CPU tensor, which
+    also scales a device tensor), ``("value", bound)`` clamps it."""
+    if clip is None:
+        return
+    if clip[0] == "norm":
+        grad.mul_(clip[1])
+    else:
+        grad.clamp_(-clip[1], clip[1])
+
+
 def _is_decoupled(optimizer: Optimizer, group: dict[str, Any]) -> bool:
     return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
 
@@ -291,7 +307,7 @@ class OffloadOptimizer(Optimizer):
         names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         slots: list[_Slot] = []
         for group in self.param_groups:
-            hparams = {key: group[key] for key in _SYNCED_HPARAMS if key in group}
+            hparams = _synced_hparams(group)
             decoupled = _is_decoupled(self.wrapped, group)
             for param in group["params"]:
                 if id(param) in self._left_out:
@@ -606,7 +622,7 @@ class OffloadOptimizer(Optimizer):
                          and slot.spec_settings == settings)
             if not self._is_sent(slot):
                 self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
-            self._prepare_decay(slot, step)
+            self._prepare_update(slot, step)
             if confirmed:
                 step.speculative_steps += 1
                 if slot.layer is None:
@@ -627,7 +643,10 @@ class OffloadOptimizer(Optimizer):
                 slot.layer.zero_grad()
         if self.device_adam is not None:
             # Queued on the device after backward, like a native optimizer step: nothing waits for it.
-            self.device_adam.step(clip, lambda group: {k: group[k] for k in _SYNCED_HPARAMS if k in group})
+            for param in self.device_adam.params:
+                if param.grad is not None:
+                    _clip_(param.grad, clip)
+            self.device_adam.step(_synced_hparams)
         self._spec_clip = clip if clip is not None and clip[0] == "value" else None
         self._norm_clip_fired = clip is not None and clip[0] == "norm"
         self._pending_telemetry = step
@@ -652,8 +671,9 @@ class OffloadOptimizer(Optimizer):
         change the group once the step returns, before the job runs): the host Adam's hyper-parameters (a projected
         weight's decay is not Adam's: it is applied to ``W`` or added as L2), and the weight of the coupled L2 term.
         A speculative step is confirmed only if these are unchanged at the step."""
-        host = {key: slot.group[key] for key in _SYNCED_HPARAMS
-                if key in slot.group and not (slot.layer is not None and key == "weight_decay")}
+        host = _synced_hparams(slot.group)
+        if slot.layer is not None:
+            host.pop("weight_decay", None)
         return host, float(slot.group.get("weight_decay", 0.0))
 
     def _prepare_l2(self, slot: _Slot, step: StepTelemetry) -> None:
@@ -665,8 +685,9 @@ class OffloadOptimizer(Optimizer):
         slot.l2_event = self.link.to_host(slot.layer.compress_weight(), slot.host_l2)
         step.bytes_device_to_host += slot.host_l2.numel() * slot.host_l2.element_size()
 
-    def _prepare_decay(self, slot: _Slot, step: StepTelemetry) -> None:
-        """Main thread, at the step: the decoupled decay factor and the bytes that cross each way."""
+    def _prepare_update(self, slot: _Slot, step: StepTelemetry) -> None:
+        """Main thread, at the step: the bytes that cross each way, and what applying the update will need: the
+        decoupled decay factor of a projected weight, the device buffer a row-sparse embedding's rows land in."""
         if slot.row_adam is not None:
             width = slot.param.shape[1]
             step.bytes_device_to_host += slot.row_count * (width * self.link_dtype.itemsize + 8)
@@ -724,11 +745,7 @@ class OffloadOptimizer(Optimizer):
             if slot.host_grad_work is None:
                 slot.host_grad_work = torch.empty_like(slot.host_grad)
             grad = slot.host_grad_work.copy_(slot.host_grad)
-        if clip is not None:
-            if clip[0] == "norm":
-                grad.mul_(clip[1])
-            else:
-                grad.clamp_(-clip[1], clip[1])
+        _clip_(grad, clip)
         if slot.host_l2 is not None:
             # As torch's Adam: the gradient is clipped first, then λW is added — after the sign flip under
             # maximize, so L2 always pulls towards zero. The host Adam flips the whole sum, hence the sign here.
@@ -767,11 +784,7 @@ class OffloadOptimizer(Optimizer):
         grad = slot.host_grad[:count]
         if slot.host_grad_fp32 is not None:
             grad = slot.host_grad_fp32[:count].copy_(grad)
-        if clip is not None:
-            if clip[0] == "norm":
-                grad.mul_(clip[1])
-            else:
-                grad.clamp_(-clip[1], clip[1])
+        _clip_(grad, clip)
         hparams, l2_weight = settings
         values = slot.row_adam.step(
             slot.host_rows[:count], grad, lr=hparams["lr"], betas=hparams["betas"], eps=hparams["eps"],
