@@ -68,13 +68,13 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
     """
     validate_placements(embeddings, head)
     plan = Placement()
+    names = {id(module): name for name, module in model.named_modules()}
     heads: dict[int, tuple[str, nn.Module]] = {}
-    for name, module in model.named_modules():
+    for module in model.modules():
         getter = getattr(module, "get_output_embeddings", None)
         output = getter() if callable(getter) else None
         if isinstance(output, nn.Linear) and output.weight.requires_grad and id(output.weight) in trained:
-            qualified = next(n for n, m in model.named_modules() if m is output)
-            heads.setdefault(id(output.weight), (qualified, output))
+            heads.setdefault(id(output.weight), (names[id(output)], output))
     embedding_weights = {id(m.weight): name for name, m in model.named_modules()
                          if isinstance(m, nn.Embedding) and m.weight.requires_grad and id(m.weight) in trained}
     for weight_id, (name, module) in heads.items():

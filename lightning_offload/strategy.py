@@ -320,7 +320,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
                                            self.exclude_modules)
         placed = {id(p) for p in (*self.placement.device, *self.placement.frozen, *self.placement.row_sparse)}
         # A weight that embeddings=/head= put elsewhere is not projected, even when a target pattern matches it.
-        modules = {name: m for name, m in modules.items() if id(m.weight) in in_optimizer and id(m.weight) not in placed}
+        modules = {name: m for name, m in modules.items()
+                   if id(m.weight) in in_optimizer and id(m.weight) not in placed}
         modules.update(self.placement.projected_heads)
         if self.target_modules is not None and not modules:
             raise ValueError(

@@ -135,7 +135,7 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
 
     def row(run: dict[str, Any]) -> str:
         method, rank = run["method"], run["rank"]
-        share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain == gain and gain else float("nan")
+        share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain and not math.isnan(gain) else math.nan
         state = projected_state_floats(method, rank, args.lora_rank, galore_rank_for(rank)) * 4 / mib
         if method.startswith("lsp"):
             projected_bytes = 4 * sum(compressed_dim(o, rank) * compressed_dim(i, rank) for o, i in SMOLLM2_LAYERS)

@@ -30,8 +30,8 @@ def test_bf16_precisions_train(precision):
     assert weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     optimizer = strategy.offload_optimizer
     assert all(slot.host_param.dtype == torch.float32 for slot in optimizer.slots)
-    moments = [slot.row_adam.exp_avg if slot.row_adam is not None else state["exp_avg"] for slot in optimizer.slots
-               for state in (slot.adam.state.values() if slot.adam is not None else [None])]
+    moments = [slot.row_adam.exp_avg if slot.row_adam is not None else slot.adam.state[slot.host_param]["exp_avg"]
+               for slot in optimizer.slots]
     assert len(moments) == len(optimizer.slots) and all(m.dtype == torch.float32 for m in moments)
 
 
