@@ -1,6 +1,7 @@
 """lightning_offload: fine-tune language models on one commodity GPU by offloading optimizer work to the host.
 
-Importing the package registers the Lightning strategy names ``lsp_offload``, ``zero_offload`` and ``meft_offload``::
+Importing the package registers the Lightning strategy names ``lsp_offload``, ``zero_offload``, ``meft_offload`` and
+the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``::
 
     import lightning_offload
     trainer = L.Trainer(strategy="lsp_offload")
@@ -9,6 +10,7 @@ Importing the package registers the Lightning strategy names ``lsp_offload``, ``
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_offload.callbacks import ProjectorRefit, RefitRecord
+from lightning_offload.ddp_strategy import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
 from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
@@ -22,10 +24,13 @@ from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy, 
 from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
 
 register_strategies()
-MEFTOffloadStrategy.register_strategies(StrategyRegistry)  # here: meft.strategy imports strategy, not the reverse
+# Here: these modules import strategy, not the reverse.
+for _strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy):
+    _strategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 __all__ = [
+    "LSPOffloadDDPStrategy",
     "LSPOffloadStrategy",
     "LazyRowAdam",
     "MEFTAdapter",
@@ -41,6 +46,7 @@ __all__ = [
     "RefitRecord",
     "SparseProjector",
     "StepTelemetry",
+    "ZeroOffloadDDPStrategy",
     "ZeroOffloadStrategy",
     "inject_meft",
     "meft_adapters",

@@ -158,7 +158,7 @@ class ProjectorRefit(Callback):
     # -------------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_offload.strategy import LSPOffloadStrategy
+        from lightning_offload.strategy import OffloadMixin
 
         if stage != "fit":
             return
@@ -166,7 +166,7 @@ class ProjectorRefit(Callback):
         self._initial_fit_done = False
         self._last_checked_step = -1
         strategy = trainer.strategy
-        if not isinstance(strategy, LSPOffloadStrategy) or not strategy.projection:
+        if not isinstance(strategy, OffloadMixin) or not strategy.projection:
             raise ValueError(
                 f"ProjectorRefit fits the projectors of strategy='lsp_offload', but this Trainer uses "
                 f"{type(strategy).__name__}{'' if getattr(strategy, 'projection', True) else ' (projection off)'}. "
@@ -214,11 +214,15 @@ class ProjectorRefit(Callback):
 
         def consume(layer: ProjectedWeight, grad: Tensor) -> None:
             progress.update(1)
+            # With data parallelism every rank fits to the mean of the ranks' samples, as to one larger batch.
+            grad = strategy.reduce_sampled_gradient(grad)
             fit = fits.get(layer.name)
             with _threads(self._threads_for(grad)):
                 if fit is None:
                     if not initial:
-                        error = reconstruction_error(layer.proj_out, layer.proj_in, grad)
+                        # Rank 0's figure decides, so every rank skips the same layers (and so issues the same
+                        # reductions afterwards).
+                        error = strategy.agree(reconstruction_error(layer.proj_out, layer.proj_in, grad))
                         if math.isnan(error):
                             return  # a zero or non-finite gradient: wait for a usable sample
                         record.errors[layer.name] = error
@@ -273,9 +277,11 @@ class ProjectorRefit(Callback):
             if fit is not None and fit.samples_seen > 0:
                 old = old_ratios.get(layer.name, math.nan)
                 scale = (fit.norm_ratio / old) ** 2 if old > 0 else 1.0
-                optimizer.replace_projectors(layer, *fit.projectors(), norm_ratio=fit.norm_ratio,
-                                             second_moment_scale=scale)
-                record.norm_ratios[layer.name] = fit.norm_ratio
+                proj_out, proj_in = fit.projectors()
+                # Every rank must hold the same projectors (the ranks' S are summed): rank 0's fit is installed.
+                proj_out, proj_in, ratio, scale = strategy.agree_projectors(proj_out, proj_in, fit.norm_ratio, scale)
+                optimizer.replace_projectors(layer, proj_out, proj_in, norm_ratio=ratio, second_moment_scale=scale)
+                record.norm_ratios[layer.name] = ratio
                 record.refit.append(layer.name)
                 self.refits_per_layer[layer.name] = self.refits_per_layer.get(layer.name, 0) + 1
         record.seconds = time.perf_counter() - start

@@ -75,7 +75,8 @@ class SequenceClassifierModule(L.LightningModule):
         """Accumulates loss and predictions."""
         logits = self(batch["input_ids"], batch["attention_mask"])
         loss = nn.functional.cross_entropy(logits.float(), batch["labels"]).detach()
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0])
+        # sync_dist: with several ranks, the mean over all of them (each sees its share of the validation set).
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch["labels"].shape[0], sync_dist=True)
         self.val_acc.update(logits.detach(), batch["labels"])
         self.val_f1.update(logits.detach(), batch["labels"])
         return loss

@@ -140,12 +140,13 @@ class CausalLMModule(L.LightningModule):
         # compute() all-reduces across processes, so every rank logs the same global value.
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
+        # Already global; sync_dist only tells Lightning so (it would warn under DDP), averaging equal values.
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
         if self.val_token_acc.update_called:
-            self.log("val/token_acc", self.val_token_acc.compute())
+            self.log("val/token_acc", self.val_token_acc.compute(), sync_dist=True)
         if self.hparams.exact_match and self.val_exact_match.update_called:
-            self.log("val/exact_match", self.val_exact_match.compute(), prog_bar=True)
+            self.log("val/exact_match", self.val_exact_match.compute(), prog_bar=True, sync_dist=True)
         self.val_token_acc.reset()
         self.val_exact_match.reset()
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_offload.data_parallel import RankShards, ReducedTensor, contiguous_owners
 from lightning_offload.device_adam import DeviceAdam
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
@@ -110,6 +111,10 @@ class _Slot:
     # fp32 copy of an fp32-link gradient that a speculative step clamps or adds L2 to: the landing buffer must stay
     # as it arrived, in case the step is redone (allocated at the first such step).
     host_grad_work: Tensor | None = None
+    # Data parallelism: the rank that steps this tensor on its host (its Adam state lives only there); every other
+    # rank keeps no host buffers for it and receives its updates by broadcast.
+    owner: int = 0
+    owned: bool = True
 
     @property
     def projected(self) -> bool:
@@ -205,6 +210,9 @@ class OffloadOptimizer(Optimizer):
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
             head): their update is applied inside the step, and the outside use's gradient compressed, without a
             warning.
+        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.data_parallel`): gradients are
+            reduced to each tensor's owner rank, which alone keeps its host state and steps it, and updates are
+            broadcast from there. ``None``: one process.
     """
 
     def __init__(
@@ -223,8 +231,12 @@ class OffloadOptimizer(Optimizer):
         row_sparse: Sequence[Tensor] = (),
         frozen: Sequence[Tensor] = (),
         tied_projected: Sequence[Tensor] = (),
+        data_parallel: RankShards | None = None,
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
+        if data_parallel is not None and row_sparse:
+            raise ValueError("embeddings='sparse' is not available with data parallelism: each rank's batch touches "
+                             "different rows. Use embeddings='host', 'device' or 'frozen' with the DDP strategies.")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
         if link_dtype not in LINK_DTYPES:
@@ -269,6 +281,9 @@ class OffloadOptimizer(Optimizer):
         # non-finite check, so one decision covers every gradient of the step.
         self.external_grad_norm: Callable[[], Tensor] | None = None
         self.last_step_skipped = False
+        self.ranks = data_parallel
+        # Which tensors had a gradient on some rank this step (data parallelism: decided by every rank alike).
+        self._present: dict[int, bool] = {}
 
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[_Slot]] = {}
@@ -289,6 +304,8 @@ class OffloadOptimizer(Optimizer):
         projected_slots = [slot for slot in self.slots if slot.layer is not None]
         self._projected_position = {id(slot): i for i, slot in enumerate(projected_slots)}
         self._projected_slots = projected_slots
+        if self.ranks is not None:
+            self._build_reductions(tied)
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
         self.update_ring: UpdateRing | None = None
@@ -305,49 +322,53 @@ class OffloadOptimizer(Optimizer):
         pin = self.device.type == "cuda"
         by_param = {id(layer.weight): layer for layer in projected}
         names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+        order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
+        entries = [(param, group, by_param.pop(id(param), None)) for group in self.param_groups
+                   for param in group["params"] if id(param) not in self._left_out]
+        owners = self._owners(entries, order)
         slots: list[_Slot] = []
-        for group in self.param_groups:
+        for (param, group, layer), owner in zip(entries, owners):
             hparams = _synced_hparams(group)
             decoupled = _is_decoupled(self.wrapped, group)
-            for param in group["params"]:
-                if id(param) in self._left_out:
-                    continue
-                layer = by_param.pop(id(param), None)
-                if layer is None and id(param) in self._row_sparse:
-                    slots.append(self._row_sparse_slot(names.get(id(param), f"param{len(slots)}"), param, group, pin))
-                    continue
-                if layer is None:
-                    master = _pinned_zeros(param.shape, pin)
-                    master.copy_(param.detach())
-                    backup_master = torch.empty_like(master) if self.speculative else None
-                    adam = _host_adam(master, {**hparams, "decoupled_weight_decay": decoupled})
-                    grad = _pinned_zeros(param.shape, pin, self.link_dtype)
-                    name = names.get(id(param), f"param{len(slots)}")
-                    slots.append(_Slot(
-                        name, param, group, master, grad, adam,
-                        host_update=_pinned_zeros(param.shape, pin, param.dtype) if param.dtype != master.dtype
-                        else None,
-                        host_grad_fp32=torch.zeros(param.shape) if self.link_dtype != torch.float32 else None,
-                        backup_master=backup_master,
-                    ))
-                    continue
-                shape = layer.compressed_shape
-                z = _pinned_zeros(shape, pin)
-                # Weight decay of projected weights is applied to W on the device (decoupled) or added to S as
-                # λ·A W Bᵀ (coupled L2), never to Z, whose value is only the step's update.
-                adam = _host_adam(z, {**hparams, "weight_decay": 0.0})
-                generator = torch.Generator(device=self.device).manual_seed(rounding_seed * 100_003 + len(slots))
-                slots.append(
-                    _Slot(
-                        layer.name, param, group, z, _pinned_zeros(shape, pin, self.link_dtype), adam, layer=layer,
-                        host_update=_pinned_zeros(shape, pin, self.link_dtype) if self.link_dtype != z.dtype else None,
-                        host_l2=_pinned_zeros(shape, pin) if group.get("weight_decay") and not decoupled else None,
-                        host_grad_fp32=torch.zeros(shape) if self.link_dtype != torch.float32 else None,
-                        generator=generator,
-                        # Z holds the last update; a rolled-back step leaves it as it was (small: d_o × d_i).
-                        backup_master=torch.empty_like(z) if self.speculative else None,
-                    )
+            if owner != (self.ranks.rank if self.ranks is not None else 0):
+                name = layer.name if layer is not None else names.get(id(param), f"param{len(slots)}")
+                slots.append(self._remote_slot(name, param, group, layer, owner, rounding_seed * 100_003 + len(slots)))
+                continue
+            if layer is None and id(param) in self._row_sparse:
+                slots.append(self._row_sparse_slot(names.get(id(param), f"param{len(slots)}"), param, group, pin))
+                continue
+            if layer is None:
+                master = _pinned_zeros(param.shape, pin)
+                master.copy_(param.detach())
+                backup_master = torch.empty_like(master) if self.speculative else None
+                adam = _host_adam(master, {**hparams, "decoupled_weight_decay": decoupled})
+                grad = _pinned_zeros(param.shape, pin, self.link_dtype)
+                name = names.get(id(param), f"param{len(slots)}")
+                slots.append(_Slot(
+                    name, param, group, master, grad, adam,
+                    host_update=_pinned_zeros(param.shape, pin, param.dtype) if param.dtype != master.dtype
+                    else None,
+                    host_grad_fp32=torch.zeros(param.shape) if self.link_dtype != torch.float32 else None,
+                    backup_master=backup_master, owner=owner,
+                ))
+                continue
+            shape = layer.compressed_shape
+            z = _pinned_zeros(shape, pin)
+            # Weight decay of projected weights is applied to W on the device (decoupled) or added to S as
+            # λ·A W Bᵀ (coupled L2), never to Z, whose value is only the step's update.
+            adam = _host_adam(z, {**hparams, "weight_decay": 0.0})
+            generator = torch.Generator(device=self.device).manual_seed(rounding_seed * 100_003 + len(slots))
+            slots.append(
+                _Slot(
+                    layer.name, param, group, z, _pinned_zeros(shape, pin, self.link_dtype), adam, layer=layer,
+                    host_update=_pinned_zeros(shape, pin, self.link_dtype) if self.link_dtype != z.dtype else None,
+                    host_l2=_pinned_zeros(shape, pin) if group.get("weight_decay") and not decoupled else None,
+                    host_grad_fp32=torch.zeros(shape) if self.link_dtype != torch.float32 else None,
+                    generator=generator,
+                    # Z holds the last update; a rolled-back step leaves it as it was (small: d_o × d_i).
+                    backup_master=torch.empty_like(z) if self.speculative else None, owner=owner,
                 )
+            )
         if by_param:
             names = ", ".join(layer.name for layer in by_param.values())
             raise ValueError(
@@ -357,7 +378,6 @@ class OffloadOptimizer(Optimizer):
         if model is not None:
             # Host jobs run in slot order: registration order approximates forward order, so the update the next
             # forward needs first is computed first (param-group order would put every norm after every weight).
-            order = {id(p): i for i, p in enumerate(model.parameters())}
             slots.sort(key=lambda slot: order.get(id(slot.param), len(order)))
         for slot in slots:
             if slot.layer is not None:
@@ -370,6 +390,53 @@ class OffloadOptimizer(Optimizer):
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
                     lambda param, slot=slot: self._gradient_ready(slot)))
         return slots
+
+    def _owners(self, entries: list[tuple[Tensor, dict[str, Any], ProjectedWeight | None]],
+                order: dict[int, int]) -> list[int]:
+        """Owner rank of each entry: every rank's host steps about as many elements (contiguous in forward order)."""
+        if self.ranks is None:
+            return [0] * len(entries)
+        forward = sorted(range(len(entries)), key=lambda i: order.get(id(entries[i][0]), len(order)))
+        sizes = [math.prod(entries[i][2].compressed_shape) if entries[i][2] is not None else entries[i][0].numel()
+                 for i in forward]
+        owners = [0] * len(entries)
+        for i, owner in zip(forward, contiguous_owners(sizes, self.ranks.world)):
+            owners[i] = owner
+        return owners
+
+    def _remote_slot(self, name: str, param: Tensor, group: dict[str, Any], layer: ProjectedWeight | None,
+                     owner: int, seed: int) -> _Slot:
+        """The slot of a tensor another rank steps: no host buffers or Adam state here, only what applying its
+        broadcast update needs (a projected weight's stochastic-rounding generator, seeded as on every rank)."""
+        empty = torch.empty(0)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if layer is not None else None
+        return _Slot(name, param, group, empty, empty, None, layer=layer, generator=generator, owner=owner,
+                     owned=False)
+
+    def _build_reductions(self, tied: set[int]) -> None:
+        """Hand the ranks every gradient to reduce, in forward order. Gradients that are final only at the step
+        (a device Adam's, a projected weight with a tied use elsewhere) come first, so their buckets are the last
+        ones of backward and never hold back the launch of the others."""
+        tensors: list[ReducedTensor] = []
+        for param in self.device_adam.params if self.device_adam is not None else ():
+            tensors.append(ReducedTensor(param, lambda param=param: param.grad, param.numel(), None))
+        late = [slot for slot in self.slots if id(slot.param) in tied]
+        for slot in late + [slot for slot in self.slots if id(slot.param) not in tied]:
+            if slot.layer is not None:
+                getter = (lambda layer=slot.layer: layer.grad_buffer if layer.has_grad else None)
+                numel = math.prod(slot.layer.compressed_shape)
+            else:
+                getter, numel = (lambda param=slot.param: param.grad), slot.param.numel()
+            tensors.append(ReducedTensor(slot, getter, numel, slot.owner))
+        self._late_reduced = {id(slot) for slot in late}
+        self.ranks.reduce_dtype = self.link_dtype
+        self.ranks.on_reduced = self._reduced
+        self.ranks.build(tensors)
+
+    def _reduced(self, key: Any) -> None:
+        """An owned tensor's gradient, reduced over the ranks, is in place: send it to the host."""
+        if isinstance(key, _Slot):
+            self._send_gradient(key)
 
     def _row_sparse_slot(self, name: str, param: Tensor, group: dict[str, Any], pin: bool) -> _Slot:
         """The slot of an embedding stepped row-sparsely: full-size host buffers (a step may touch every row), of
@@ -430,6 +497,8 @@ class OffloadOptimizer(Optimizer):
         expectation, and exactly right for signed permutations). So ``gradient_clip_val`` means what it means for
         plain AdamW: learned projectors at ``rank=0.25`` keep only ~1/3 of the norm in ``S``.
         """
+        if self.ranks is not None:
+            return self._data_parallel_grad_norm()
         grads, ratios = [], []
         for slot in self.slots:
             if slot.layer is not None:
@@ -449,6 +518,37 @@ class OffloadOptimizer(Optimizer):
         if any(ratio != 1.0 for ratio in ratios):
             norms = norms / torch.tensor(ratios, device=self.device)
         return torch.linalg.vector_norm(norms)
+
+    def _data_parallel_grad_norm(self) -> Tensor:
+        """The global norm over the reduced gradients: each rank's share over the tensors it owns (a device Adam's,
+        which every rank holds, counted on rank 0), summed in one all-reduce that also carries, per tensor, how many
+        ranks had a gradient for it."""
+        self.ranks.finish()
+        squares, present = [], []
+        for slot in self.slots:
+            local = slot.layer.has_grad if slot.layer is not None else slot.param.grad is not None
+            present.append(1.0 if local else 0.0)
+            if slot.owned and local:
+                grad = slot.layer.grad_buffer if slot.layer is not None else slot.param.grad
+                ratio = slot.layer.norm_ratio if slot.layer is not None else 1.0
+                squares.append((torch.linalg.vector_norm(grad.float()) / ratio).square())
+        if self.ranks.rank == 0:
+            for param in self.device_adam.params if self.device_adam is not None else ():
+                if param.grad is not None:
+                    squares.append(torch.linalg.vector_norm(param.grad.float()).square())
+        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=self.device)
+        vector = torch.cat([total.to(self.device, torch.float32), torch.tensor(present, device=self.device)])
+        self.ranks.all_reduce_(vector)
+        counts = vector[1:].tolist()
+        partial = [slot.name for slot, count in zip(self.slots, counts) if 0 < count < self.ranks.world]
+        if partial:
+            raise RuntimeError(
+                f"{partial[0]} (and {len(partial) - 1} more) got a gradient on some ranks but not on others. Every "
+                f"rank must use the same parameters in its forward (as with DDP without find_unused_parameters), "
+                f"so that the reduced gradient is a mean over all ranks."
+            )
+        self._present = {id(slot): count > 0 for slot, count in zip(self.slots, counts)}
+        return vector[0].sqrt()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
@@ -488,6 +588,12 @@ class OffloadOptimizer(Optimizer):
         layer = slot.layer
         if layer.sampling or slot.param.grad is None:
             return  # a projector fit is sampling full gradients: they are its to consume
+        if self.ranks is not None and id(slot) not in self._late_reduced and self._collecting:
+            raise ValueError(
+                f"The projected weight {slot.name}.weight is used outside its module's forward, which data "
+                f"parallelism cannot reduce: its compressed gradient may already be on its way to another rank. Call "
+                f"the module instead of using its weight directly, or exclude it with exclude_modules=[...]."
+            )
         if all(eager is not slot for eager in self._eager_slots):
             # Its pending update cannot wait for the module's next forward (a forward pre-hook): the outside use may
             # come first and would read the old weight. It is applied inside the step instead.
@@ -504,9 +610,14 @@ class OffloadOptimizer(Optimizer):
         layer.accumulate_dense(grad)
 
     def _gradient_ready(self, slot: _Slot) -> None:
-        # Called from autograd during backward: on the last micro-batch, start this gradient's trip at once.
-        if self._collecting:
+        # Called from autograd during backward: on the last micro-batch, start this gradient's trip at once (with
+        # data parallelism, first its reduction to the owner rank, which sends it on once that completes).
+        if not self._collecting:
+            return
+        if self.ranks is None:
             self._send_gradient(slot)
+        elif id(slot) not in self._late_reduced:
+            self.ranks.ready(slot)
 
     def _send_gradient(self, slot: _Slot) -> None:
         start = time.perf_counter()
@@ -582,6 +693,8 @@ class OffloadOptimizer(Optimizer):
                     loss = closure()
             except BaseException:
                 self._roll_back_speculation()  # nothing of a step that never happened may stay in the host state
+                if self.ranks is not None:
+                    self.ranks.reset()
                 raise
             finally:
                 self._collecting = False
@@ -612,6 +725,12 @@ class OffloadOptimizer(Optimizer):
         compute_done = self.link.compute_event()
         for slot in self.slots:
             has_grad = slot.layer.has_grad if slot.layer is not None else slot.param.grad is not None
+            if self.ranks is not None:
+                has_grad = self._present.get(id(slot), False)
+                if not slot.owned:
+                    if has_grad:
+                        self._expect_update(slot)
+                    continue
             speculated = slot.spec_round == self._round
             if not has_grad:
                 if speculated:
@@ -649,6 +768,10 @@ class OffloadOptimizer(Optimizer):
             self.device_adam.step(_synced_hparams)
         self._spec_clip = clip if clip is not None and clip[0] == "value" else None
         self._norm_clip_fired = clip is not None and clip[0] == "norm"
+        if self.ranks is not None:
+            # This step's reductions and norm, and the broadcasts of the previous step's updates.
+            step.bytes_between_ranks = float(self.ranks.bytes_this_step)
+            self.ranks.reset()
         self._pending_telemetry = step
         self._pending_timeline, self._timeline = self._timeline, StepTimeline()
         self._round += 1
@@ -665,6 +788,21 @@ class OffloadOptimizer(Optimizer):
     def restart_step_clock(self) -> None:
         """Start the next step's device lane now: work done since the last step (a projector fit) is not the step's."""
         self._step_start = time.perf_counter()
+
+    def _expect_update(self, slot: _Slot) -> None:
+        """Main thread, at the step: a tensor another rank steps will have its update broadcast when applied; what
+        applying it needs is captured now, as the owner does (a scheduler may change lr before then)."""
+        if slot.layer is not None:
+            slot.decay = self._decay_factor(slot)
+            slot.layer.zero_grad()
+        slot.timeline = self._timeline
+        slot.pending = True
+
+    def _decay_factor(self, slot: _Slot) -> float:
+        """A projected weight's decoupled decay ``1 − lr·λ`` for the step being launched (1 for coupled L2)."""
+        if not _is_decoupled(self.wrapped, slot.group):
+            return 1.0
+        return 1.0 - slot.group["lr"] * slot.group.get("weight_decay", 0.0)
 
     def _job_settings(self, slot: _Slot) -> tuple[dict[str, Any], float]:
         """What ``slot``'s next host job takes from the user's group, read now on the main thread (a scheduler may
@@ -702,10 +840,7 @@ class OffloadOptimizer(Optimizer):
         if slot.layer is None:
             step.bytes_host_to_device += slot.param.numel() * slot.param.element_size()
             return
-        slot.decay = 1.0
-        if _is_decoupled(self.wrapped, slot.group):
-            # Captured now: a scheduler may change lr before the update is applied.
-            slot.decay = 1.0 - slot.group["lr"] * slot.group.get("weight_decay", 0.0)
+        slot.decay = self._decay_factor(slot)  # captured now: a scheduler may change lr before the update is applied
         step.bytes_host_to_device += slot.host_param.numel() * self.link_dtype.itemsize
 
     def _host_job(self, slot: _Slot, clip: tuple[str, Tensor | float] | None, compute_done: Any,
@@ -869,6 +1004,9 @@ class OffloadOptimizer(Optimizer):
         if not slot.pending:
             return
         start = time.perf_counter()
+        if not slot.owned:
+            self._receive(slot, start)
+            return
         self.worker.wait(slot.job)
         if slot.row_adam is not None:
             values = slot.row_values  # the device is the host: read where the host wrote them
@@ -881,6 +1019,8 @@ class OffloadOptimizer(Optimizer):
         elif slot.layer is not None:
             update = self._fetch_update(slot)
             slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
+            if self.ranks is not None:
+                self.ranks.broadcast_(update, src=slot.owner)  # the other ranks apply the same U
             slot.layer.apply_update(update, slot.decay, slot.generator)
             if slot.ring_index is not None:
                 # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
@@ -890,8 +1030,29 @@ class OffloadOptimizer(Optimizer):
         else:
             self.link.device_wait(slot.to_device_event)
             slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
+            if self.ranks is not None:
+                self.ranks.broadcast_(slot.param.data, src=slot.owner)  # ordered after the copy by the wait above
         slot.pending = False
         slot.job = None
+
+    def _receive(self, slot: _Slot, start: float) -> None:
+        """Main thread: take a tensor's update from the rank that stepped it, and apply it as that rank does."""
+        if slot.layer is not None:
+            index = self.update_ring.claim() if self.update_ring is not None else None
+            if index is None:
+                update = torch.empty(slot.layer.compressed_shape, dtype=self.link_dtype, device=self.device)
+            else:
+                # The broadcast writes it in compute-stream order, after the apply that last read it: no wait.
+                update = self.update_ring.view(index, slot.layer.compressed_shape)
+            self.ranks.broadcast_(update, src=slot.owner)
+            slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
+            slot.layer.apply_update(update, slot.decay, slot.generator)
+            if index is not None:
+                self.update_ring.release(index, self.link.compute_event())
+        else:
+            self.ranks.broadcast_(slot.param.data, src=slot.owner)
+            slot.timeline.add("device_wait", slot.name, start, time.perf_counter())
+        slot.pending = False
 
     def _update_source(self, slot: _Slot) -> Tensor:
         """The host tensor a projected update crosses from: ``Z`` in the link dtype."""
@@ -972,6 +1133,8 @@ class OffloadOptimizer(Optimizer):
     def _skip_step(self, norm: Tensor) -> None:
         self._clip, self._last_norm = None, None
         self._roll_back_speculation()  # the host state must be as if this step never began
+        if self.ranks is not None:
+            self.ranks.reset()
         if self.on_nonfinite == "raise":
             raise NonFiniteGradientError(
                 f"Non-finite gradient (global norm {float(norm)}) at optimizer step {self.telemetry.steps}. The host "
@@ -1024,7 +1187,7 @@ class OffloadOptimizer(Optimizer):
                 f"({proj_out.dim_out}, {proj_in.dim_out})."
             )
         self.synchronize()
-        state = slot.adam.state.get(slot.host_param)
+        state = slot.adam.state.get(slot.host_param) if slot.adam is not None else None
         if state:
             rotate_adam_state(
                 state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in),
@@ -1061,7 +1224,7 @@ class OffloadOptimizer(Optimizer):
             tensors += list(slot.backup.values()) if slot.backup is not None else []
             if slot.row_adam is not None:
                 tensors += [slot.host_rows, *slot.row_adam.state_tensors()]
-            else:
+            elif slot.adam is not None:
                 tensors += [v for state in slot.adam.state.values() for v in state.values() if torch.is_tensor(v)]
         return tensors
 
@@ -1070,12 +1233,25 @@ class OffloadOptimizer(Optimizer):
         """Everything needed to resume exactly: group hyper-parameters, host moments and step counts, projector
         indices and values, fp32 masters of low-precision dense parameters, rounding generators, counters."""
         self.synchronize()
+        host_adam = {slot.name: slot.adam.state_dict() if slot.row_adam is None else slot.row_adam.state_dict()
+                     for slot in self.slots if slot.owned}
+        dense_masters = {slot.name: slot.host_param.clone() for slot in self.slots
+                         if slot.owned and slot.layer is None and slot.param.dtype != torch.float32}
+        if self.ranks is not None:
+            # The host state is sharded: rank 0 (which writes the checkpoint) gathers every rank's share, so the
+            # checkpoint is the same as one process's and resumes on any number of ranks.
+            shares = self.ranks.gather_to_zero((host_adam, dense_masters))
+            if shares is not None:
+                for adam_share, master_share in shares:
+                    host_adam.update(adam_share)
+                    dense_masters.update(master_share)
+            else:
+                host_adam, dense_masters = {}, {}  # the other ranks' checkpoints are not written
         return {
             "format": _STATE_FORMAT,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "slots": [slot.name for slot in self.slots],
-            "host_adam": [slot.adam.state_dict() if slot.row_adam is None else slot.row_adam.state_dict()
-                          for slot in self.slots],
+            "host_adam": [host_adam.get(slot.name) for slot in self.slots],
             "device_adam": self.device_adam.state_dict() if self.device_adam is not None else None,
             "projectors": {
                 slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict(),
@@ -1084,11 +1260,7 @@ class OffloadOptimizer(Optimizer):
                 if slot.layer is not None
             },
             # fp32 params equal their masters (restored with the model); lower-precision ones don't.
-            "dense_masters": {
-                slot.name: slot.host_param.clone()
-                for slot in self.slots
-                if slot.layer is None and slot.param.dtype != torch.float32
-            },
+            "dense_masters": dense_masters,
             "rounding_generators": {
                 slot.name: slot.generator.get_state() for slot in self.slots if slot.generator is not None
             },
@@ -1115,6 +1287,9 @@ class OffloadOptimizer(Optimizer):
                 f"run has {names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, "
                 f"patterns) and optimizer groups."
             )
+        if None in state_dict["host_adam"]:
+            raise ValueError("This optimizer state lacks the host Adam state of some tensors: it is a non-zero "
+                             "rank's share of a data-parallel checkpoint. Resume from the checkpoint rank 0 wrote.")
         for slot, adam_state in zip(self.slots, state_dict["host_adam"]):
             saved_rows = "last_step" in adam_state  # a HostRowAdam's state, not a torch optimizer's
             if saved_rows != (slot.row_adam is not None):
@@ -1136,7 +1311,7 @@ class OffloadOptimizer(Optimizer):
         for slot, adam_state in zip(self.slots, state_dict["host_adam"]):
             if slot.row_adam is not None:
                 slot.row_adam.load_state_dict(adam_state)
-            else:
+            elif slot.adam is not None:  # a tensor another rank steps keeps no host state here
                 slot.adam.load_state_dict(adam_state)
             if slot.layer is not None:
                 saved = state_dict["projectors"][slot.name]
@@ -1146,7 +1321,7 @@ class OffloadOptimizer(Optimizer):
                 )
                 slot.layer.norm_ratio = float(saved.get("norm_ratio", 1.0))
                 slot.generator.set_state(state_dict["rounding_generators"][slot.name])
-            else:
+            elif slot.owned:
                 master = state_dict["dense_masters"].get(slot.name)
                 slot.host_param.copy_(master if master is not None else slot.param.detach())
         if self.device_adam is not None:

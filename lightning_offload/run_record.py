@@ -120,6 +120,8 @@ class RunRecorder(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Starts the wall clock (the projector fit, when there is one, counts: it is part of the run's cost)."""
         self._fit_start = time.perf_counter()
+        if not trainer.is_global_zero:
+            self.run_dir = None  # with several ranks, rank 0 writes the run's files
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 

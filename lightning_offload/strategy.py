@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
@@ -25,9 +26,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_offload.data_parallel import RankShards
 from lightning_offload.embeddings_head import Placement, plan_placement, validate_placements
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.projector import ProjectorFactory, random_projector
+from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.offload_optimizer import LINK_DTYPES, NonFinitePolicy, OffloadOptimizer, validate_user_optimizer
 
@@ -47,57 +49,17 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class LSPOffloadStrategy(SingleDeviceStrategy):
-    """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
+class OffloadMixin:
+    """The offload machinery of the ``lsp_offload``/``zero_offload`` strategies, shared by their single-device and
+    data-parallel forms: settings, projection, the :class:`OffloadOptimizer` that replaces the user's Adam, clipping,
+    synchronisation, checkpoints and teardown. A strategy class mixes it in before its Lightning base."""
 
-    Args:
-        device: the training device; ``None`` picks CUDA when present, else CPU (following the Trainer's
-            ``accelerator`` when that names one).
-        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
-            full to a dense host Adam (ZeRO-Offload style).
-        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
-            dimension (``d = ceil(rank · dim)``), an int is an absolute size.
-        density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
-        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
-            heads (:func:`~lightning_offload.lsp.targets.output_heads`).
-        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
-            (heads included, when they match).
-        exclude_modules: regular expressions of modules never projected.
-        projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
-            stale ones on a schedule (a :class:`~lightning_offload.callbacks.ProjectorRefit` with its defaults is
-            added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
-        projector_factory: draws each projector at set-up (default: seeded random); a learned fit starts from it.
-        seed: seed of the projector draw and of stochastic rounding.
-        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
-            the figures of the latest *completed* step, i.e. one step behind; the CLI's ``history.jsonl`` files
-            each step's figures under its own number).
-        pipelined: overlap the host work with device compute: each update is applied right before its module's
-            next forward. ``False`` applies every update before the optimizer step returns (same results).
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.
-        update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
-            layers' updates are prefetched into free ones). ``None``: 4 on an accelerator; none on the CPU, where
-            updates are read where the host step wrote them.
-        speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
-            back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
-            non-speculative path bit for bit (see :class:`~lightning_offload.offload_optimizer.OffloadOptimizer`).
-            ``None``: on for a GPU, off on the CPU (where host and device share the cores).
-        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
-            the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
-            decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
-            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. ``None``:
-            ``"sparse"`` for ``lsp_offload``, ``"host"`` for ``zero_offload``. See
-            :mod:`lightning_offload.embeddings_head`.
-        head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
-            like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
-            embedding takes this setting. ``None``: ``"host"``.
-    """
+    strategy_name: str
+    #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
+    sparse_embeddings_by_default = True
 
-    strategy_name = "lsp_offload"
-
-    def __init__(
+    def _configure_offload(
         self,
-        device: torch.device | str | None = None,
         *,
         projection: bool = True,
         rank: int | float = 0.25,
@@ -116,17 +78,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
-        accelerator: Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
     ) -> None:
-        self._auto_device = device is None
-        super().__init__(
-            device=default_device() if device is None else device,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        """Validate and keep the offload settings (the Args of :class:`LSPOffloadStrategy`)."""
         if isinstance(rank, bool) or not isinstance(rank, (int, float)):
             raise TypeError(f"rank must be an int (absolute size) or a float fraction in (0, 1], got {rank!r}.")
         if isinstance(rank, float) and not 0.0 < rank <= 1.0:
@@ -167,7 +120,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         # Defaults chosen by measurement (BENCHMARKS.md, "Embeddings and head off the dense host path"): the
         # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
         # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
-        embeddings = embeddings if embeddings is not None else ("sparse" if projection else "host")
+        default_embeddings = "sparse" if projection and self.sparse_embeddings_by_default else "host"
+        embeddings = embeddings if embeddings is not None else default_embeddings
         head = head if head is not None else "host"
         validate_placements(embeddings, head)
         if head == "projected" and not projection:
@@ -178,24 +132,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         self.placement = Placement()
         self.offload_optimizer: OffloadOptimizer | None = None
 
-    # ---------------------------------------------------------------------------------------- device, precision
-    @property
-    @override
-    def accelerator(self) -> Accelerator | None:
-        return self._accelerator
-
-    @accelerator.setter
-    @override
-    def accelerator(self, accelerator: Accelerator | None) -> None:
-        self._accelerator = accelerator
-        # A strategy built from its registered name gets no device: follow the accelerator the Trainer chose.
-        if self._auto_device and accelerator is not None:
-            kind = type(accelerator).__name__
-            if kind == "CPUAccelerator":
-                self._root_device = torch.device("cpu")
-            elif kind == "CUDAAccelerator" and torch.cuda.is_available():
-                self._root_device = torch.device("cuda", torch.cuda.current_device())
-
+    # ------------------------------------------------------------------------------------------------ precision
     @property
     @override
     def precision_plugin(self) -> Precision:
@@ -227,21 +164,7 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
         _as_offload_optimizer(optimizer).clip_grad_value_(clip_val)
 
     # ------------------------------------------------------------------------------------------------ set-up
-    @override
-    def setup_environment(self) -> None:
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        connector = getattr(trainer, "_accelerator_connector", None)
-        requested = len(getattr(connector, "_parallel_devices", None) or [None])
-        num_nodes = getattr(connector, "_num_nodes_flag", 1) or 1
-        if requested > 1 or num_nodes > 1:
-            # Lightning would quietly train on the first device only.
-            raise ValueError(
-                f"strategy {self.strategy_name!r} trains on one device, but the Trainer asks for {requested} "
-                f"device(s) on {num_nodes} node(s). Multi-device offload is not available yet: pass devices=1 "
-                f"(and num_nodes=1), or use Lightning's own DDP strategy without offloading."
-            )
-        super().setup_environment()
+    def _add_refit_callback(self, trainer: pl.Trainer | None) -> None:
         # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
         # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
         if self.projection and self.projectors == "learned" and trainer is not None:
@@ -256,20 +179,6 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
                     f"them every {refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
                     f"projectors='random' for none."
                 )
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        assert self.model is not None
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.model = self._setup_model(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        # Deliberately no `_optimizers_to_device`: Lightning would move every optimizer-state tensor to the device,
-        # and the whole point is that this state stays on the host.
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -310,8 +219,26 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             frozen=self.placement.frozen,
             tied_projected=[m.weight for m in self.placement.projected_heads.values()
                             if id(m.weight) in self.placement.tied_projected],
+            data_parallel=self._rank_shards(),
         )
         self.optimizers = [self.offload_optimizer]
+
+    def _rank_shards(self) -> RankShards | None:
+        """What the optimizer shares its work with: nothing for one device (the DDP strategies override this)."""
+        return None
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """A full gradient sampled for a projector fit, made the same on every rank (identity for one device)."""
+        return grad
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (identity for one device): for decisions every rank must share."""
+        return value
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """A fit's result as every rank installs it: rank 0's (identity for one device)."""
+        return proj_out, proj_in, norm_ratio, second_moment_scale
 
     def _attach_projections(self, optimizer: torch.optim.Optimizer) -> list[ProjectedWeight]:
         assert self.lightning_module is not None
@@ -421,6 +348,8 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if not self.is_global_zero:
+            return  # rank 0 writes the checkpoint; Lightning's base saves on rank 0 only as well
         path = str(filepath)
         if "://" in path:
             super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -453,6 +382,127 @@ class LSPOffloadStrategy(SingleDeviceStrategy):
             strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
 
 
+
+class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
+    """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
+
+    Args:
+        device: the training device; ``None`` picks CUDA when present, else CPU (following the Trainer's
+            ``accelerator`` when that names one).
+        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
+            full to a dense host Adam (ZeRO-Offload style).
+        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
+            dimension (``d = ceil(rank · dim)``), an int is an absolute size.
+        density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
+        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
+            heads (:func:`~lightning_offload.lsp.targets.output_heads`).
+        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
+            (heads included, when they match).
+        exclude_modules: regular expressions of modules never projected.
+        projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
+            stale ones on a schedule (a :class:`~lightning_offload.callbacks.ProjectorRefit` with its defaults is
+            added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
+        projector_factory: draws each projector at set-up (default: seeded random); a learned fit starts from it.
+        seed: seed of the projector draw and of stochastic rounding.
+        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
+            the figures of the latest *completed* step, i.e. one step behind; the CLI's ``history.jsonl`` files
+            each step's figures under its own number).
+        pipelined: overlap the host work with device compute: each update is applied right before its module's
+            next forward. ``False`` applies every update before the optimizer step returns (same results).
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.
+        update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
+            layers' updates are prefetched into free ones). ``None``: 4 on an accelerator; none on the CPU, where
+            updates are read where the host step wrote them.
+        speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
+            back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
+            non-speculative path bit for bit (see :class:`~lightning_offload.offload_optimizer.OffloadOptimizer`).
+            ``None``: on for a GPU, off on the CPU (where host and device share the cores).
+        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
+            the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
+            decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
+            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. ``None``:
+            ``"sparse"`` for ``lsp_offload``, ``"host"`` for ``zero_offload``. See
+            :mod:`lightning_offload.embeddings_head`.
+        head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
+            like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
+            embedding takes this setting. ``None``: ``"host"``.
+    """
+
+    strategy_name = "lsp_offload"
+    #: The registered name of this strategy's form for several devices and nodes (None: it has none).
+    data_parallel_form: str | None = "lsp_offload_ddp"
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        **offload: Any,
+    ) -> None:
+        self._auto_device = device is None
+        super().__init__(
+            device=default_device() if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._configure_offload(**offload)
+
+    # ---------------------------------------------------------------------------------------------------- device
+    @property
+    @override
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        self._accelerator = accelerator
+        # A strategy built from its registered name gets no device: follow the accelerator the Trainer chose.
+        if self._auto_device and accelerator is not None:
+            kind = type(accelerator).__name__
+            if kind == "CPUAccelerator":
+                self._root_device = torch.device("cpu")
+            elif kind == "CUDAAccelerator" and torch.cuda.is_available():
+                self._root_device = torch.device("cuda", torch.cuda.current_device())
+
+    @override
+    def setup_environment(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        connector = getattr(trainer, "_accelerator_connector", None)
+        requested = len(getattr(connector, "_parallel_devices", None) or [None])
+        num_nodes = getattr(connector, "_num_nodes_flag", 1) or 1
+        if requested > 1 or num_nodes > 1:
+            # Lightning would quietly train on the first device only.
+            raise ValueError(
+                f"strategy {self.strategy_name!r} trains on one device, but the Trainer asks for {requested} "
+                f"device(s) on {num_nodes} node(s). "
+                + (f"Use strategy='{self.data_parallel_form}' (the same offload on Lightning's DDP, after `import "
+                   f"lightning_offload`) for several devices or nodes, or pass devices=1."
+                   if self.data_parallel_form else "It has no multi-device form yet: pass devices=1 (and num_nodes=1).")
+            )
+        super().setup_environment()
+        self._add_refit_callback(trainer)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Deliberately no `_optimizers_to_device`: Lightning would move every optimizer-state tensor to the device,
+        # and the whole point is that this state stays on the host.
+
+
 class ZeroOffloadStrategy(LSPOffloadStrategy):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
@@ -461,6 +511,7 @@ class ZeroOffloadStrategy(LSPOffloadStrategy):
     """
 
     strategy_name = "zero_offload"
+    data_parallel_form = "zero_offload_ddp"
 
     def __init__(self, device: torch.device | str | None = None, **kwargs: Any) -> None:
         kwargs["projection"] = False

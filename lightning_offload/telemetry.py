@@ -29,6 +29,9 @@ class StepTelemetry:
         device_saved_projection_bytes: bytes of ``B Xᵀ`` the step's forwards kept for backward (transient: the
             projected layers' share of saved activations, in place of their inputs).
         sparse_rows: rows of row-sparse embeddings (``embeddings="sparse"``) that crossed and were stepped.
+        bytes_between_ranks: with data parallelism, the bytes this rank handed to collectives for one step: its
+            gradient buckets, the global norm, and the updates it broadcast or received (payload sizes; see
+            :mod:`lightning_offload.data_parallel`). 0 for one process.
     """
 
     bytes_device_to_host: float = 0.0
@@ -42,6 +45,7 @@ class StepTelemetry:
     device_compressed_grad_bytes: float = 0.0
     device_saved_projection_bytes: float = 0.0
     sparse_rows: float = 0.0
+    bytes_between_ranks: float = 0.0
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.callbacks import ProjectorRefit
@@ -208,6 +208,9 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "whole_adapter_bytes": float(getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)() * 4) or None,
         # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
         "link_bytes_to_host_per_step": med("offload/bytes_device_to_host") + med("meft/bytes_device_to_host"),
+        # Data parallelism: what this rank (rank 0) handed to collectives per step; 0 on one device.
+        "bytes_between_ranks_per_step": med("offload/bytes_between_ranks"),
+        "world_size": trainer.world_size,
         "link_bytes_to_device_per_step": med("offload/bytes_host_to_device") + med("meft/bytes_host_to_device"),
         "host_optimizer_seconds_per_step": med("offload/host_optimizer_seconds") + med("meft/host_optimizer_seconds"),
         "host_state_bytes": (telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0)
@@ -262,6 +265,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"device memory       {device_memory}",
         f"link bytes / step   {size(summary['link_bytes_to_host_per_step'])} to host, "
         f"{size(summary['link_bytes_to_device_per_step'])} to device",
+        *([f"between ranks       {size(summary['bytes_between_ranks_per_step'])} / step from rank 0 "
+           f"({summary['world_size']} ranks)"] if summary.get("world_size", 1) > 1 else []),
         f"host optimizer      {summary['host_optimizer_seconds_per_step'] * 1e3:.0f} ms / step, "
         f"state {size(summary['host_state_bytes'])} on host, {size(summary['device_state_bytes'])} on device",
         steps_line
@@ -275,6 +280,51 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"projector fit       {summary['projector_fit_seconds']:.1f} s, mean error "
                      f"{summary['projector_error_drawn']:.3f} -> {summary['projector_error_fitted']:.3f} (held-out)")
     return "\n".join(lines)
+
+
+#: Single-device offload strategies and their forms on Lightning's DDP.
+_DATA_PARALLEL_FORMS = {
+    "lightning_offload.strategy.LSPOffloadStrategy": "lightning_offload.ddp_strategy.LSPOffloadDDPStrategy",
+    "lightning_offload.strategy.ZeroOffloadStrategy": "lightning_offload.ddp_strategy.ZeroOffloadDDPStrategy",
+}
+
+
+def _device_count(devices: Any) -> int | None:
+    """How many devices a Trainer ``devices`` setting names (``None`` for "auto" or -1, decided by Lightning)."""
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, str) and devices.strip().isdigit():
+        return int(devices)
+    if isinstance(devices, (list, tuple, ListConfig)):
+        return len(devices)
+    return None
+
+
+def _data_parallel_offload(cfg: DictConfig) -> None:
+    """With ``trainer.devices`` > 1 or ``trainer.num_nodes`` > 1, switch ``lsp``/``zero`` to their DDP strategies
+    (``lsp_offload_ddp``/``zero_offload_ddp``), which cannot step embeddings row-sparsely: said in the log."""
+    devices = _device_count(cfg.trainer.get("devices", 1)) or 1
+    nodes = int(cfg.trainer.get("num_nodes", 1) or 1)
+    strategy = cfg.offload.get("strategy")
+    if (devices <= 1 and nodes <= 1) or not isinstance(strategy, DictConfig):
+        return
+    target = _DATA_PARALLEL_FORMS.get(strategy.get("_target_", ""))
+    if target is None:
+        return  # other strategies say themselves whether they run on several devices
+    with open_dict(cfg):
+        strategy._target_ = target
+        if strategy.get("embeddings") == "sparse":
+            strategy.embeddings = "host"
+    log.info("%d device(s) × %d node(s): offload=%s runs as %s (embeddings=%s: row-sparse embeddings are "
+             "single-device only).", devices, nodes, cfg.offload.get("name"), target.rsplit(".", 1)[1],
+             strategy.get("embeddings"))
+
+
+def _is_rank_zero() -> bool:
+    """Whether this process is rank 0 (Lightning's launcher sets the rank in the environment of the others)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
 
 
 def _output_dir(cfg: DictConfig) -> Path:
@@ -305,6 +355,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data, tokenizer=lm.tokenizer)
     # Tokenise and cache the data now: a missing dataset fails here, before a trainer or a projector fit is built.
     datamodule.prepare_data()
+    _data_parallel_offload(cfg)
     policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
     module = build_module(lm, datamodule, policy, cfg.optim)
 
@@ -322,6 +373,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     before: dict[str, float] = {}
+    if not _is_rank_zero():
+        # Another rank of a multi-device run: it trains; rank 0 evaluates, writes and prints.
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        return {}, {"cfg": cfg, "trainer": trainer, "module": module}
     if cfg.get("eval_before", True) and cfg.get("ckpt_path") is None:
         before = _evaluate(cfg, module, datamodule)
         recorder.record_validation(step=0, metrics=before)

@@ -33,6 +33,22 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600)
     return subprocess.run([*TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def test_two_devices_run_the_ddp_form_of_the_offload_strategy(tmp_path: Path, env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    done = run_cli(["logger=csv", *TINY, "trainer.devices=2", "trainer.precision=32-true", f"hydra.run.dir={run_dir}"],
+                   tmp_path, env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["strategy"] == "LSPOffloadDDPStrategy" and summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["bytes_between_ranks_per_step"] > 0
+    assert "between ranks" in done.stdout
+    # Said, not silent: the switch and the embedding placement it implies.
+    assert "runs as LSPOffloadDDPStrategy (embeddings=host" in (run_dir / "train.log").read_text()
+    # One history, written by rank 0.
+    steps = [r["step"] for r in read_history(run_dir) if r["kind"] == "train"]
+    assert steps == sorted(set(steps)) and len(steps) == 4
+
+
 def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict[str, str]) -> None:
     sweep = tmp_path / "sweep"
     done = run_cli(["-m", "offload=lsp,zero,none", "logger=csv", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path, env)
@@ -174,7 +190,7 @@ def test_a_resumed_run_continues_its_history_in_its_own_directory(tmp_path: Path
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a finite number ≥ 0.0; set e.g."),
     (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be an int ≥ 0"),
     (["offload.strategy.rank=0"], "rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
-    (["trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
+    (["offload=meft", "trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
 ], ids=["lr-nan", "weight-decay", "warmup", "rank", "devices"])
 def test_bad_settings_end_in_one_paragraph_naming_the_fix(tmp_path: Path, env: dict[str, str], overrides, message):
     run_dir = tmp_path / "run"

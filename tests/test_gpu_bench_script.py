@@ -45,3 +45,21 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     assert by_method["meft_host_routing"]["meft_adapter_device_bytes"] < \
         by_method["meft_device_routing"]["meft_adapter_device_bytes"]
     assert (tmp_path / "report.json").exists()
+
+
+def test_multi_gpu_benchmark_script_runs_on_two_cpu_processes(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_bench_ddp", SCRIPT.parent / "gpu_bench_ddp.py")
+    gpu_bench_ddp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench_ddp)
+    report = gpu_bench_ddp.main(["--smoke", "--out", str(tmp_path / "report.json")])
+    by_method = {entry["method"]: entry for entry in report["methods"]}
+    assert set(by_method) == {"ddp", "zero_offload_ddp", "lsp_offload_ddp"}
+    for entry in by_method.values():
+        assert "error" not in entry, entry
+        assert entry["ranks"] == 2 and entry["median_step_seconds"] > 0
+    # Compressed gradients and updates: fewer bytes between ranks than the dense offload and than plain DDP.
+    lsp, zero = by_method["lsp_offload_ddp"], by_method["zero_offload_ddp"]
+    assert lsp["bytes_between_ranks_per_step"] < zero["bytes_between_ranks_per_step"]
+    assert lsp["host_state_bytes_rank0"] < zero["host_state_bytes_rank0"]
+    assert lsp["step_split_seconds"]["host"] > 0
+    assert (tmp_path / "report.json").exists()

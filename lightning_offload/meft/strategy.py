@@ -46,6 +46,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     """
 
     strategy_name = "meft_offload"
+    data_parallel_form = None
 
     def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
                  weight_decay: float | None = None, key_lr_scale: float = 1.0, **kwargs: Any) -> None:

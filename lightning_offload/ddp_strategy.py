@@ -1,0 +1,148 @@
+"""``lsp_offload_ddp`` and ``zero_offload_ddp``: the offload strategies on Lightning's DDP, for several devices and nodes.
+
+``Trainer(strategy="lsp_offload_ddp", devices=N, num_nodes=M)`` runs one process per device with Lightning's own
+launcher and process group. The model is not wrapped in ``DistributedDataParallel``: what crosses between ranks is
+decided by the offload optimizer (:mod:`lightning_offload.data_parallel`): each projected weight's compressed gradient
+``S`` (linear in the gradient, so summing the ranks' ``S`` is exact) and the dense gradients of the rest, bucketed and
+reduced during backward to the rank that owns each tensor's host Adam; the owners' updates are broadcast back. The
+host optimizer is sharded: each rank's host keeps and steps about ``1/(N·M)`` of the state, so ranks sharing a node
+do not duplicate it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_offload.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
+from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.strategy import OffloadMixin
+
+
+class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
+    """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
+
+    Takes every offload argument of :class:`~lightning_offload.strategy.LSPOffloadStrategy` (``rank``, ``density``,
+    ``projectors``, ``link_dtype``, ``embeddings``, ``head``, …; gradients cross between ranks in ``link_dtype``) and
+    these of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+            timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective (DDP's default: 25).
+        **offload: the offload settings. ``embeddings`` defaults to ``"host"`` here: the row-sparse embedding
+            (``"sparse"``) is single-device only, since each rank's batch touches different rows.
+
+    Every rank must draw the same projectors: they are seeded by ``seed``, and learned fits are made on the mean of
+    the ranks' sampled gradients and installed from rank 0.
+    """
+
+    strategy_name = "lsp_offload_ddp"
+    sparse_embeddings_by_default = False
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        **offload: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be a positive number of MiB per gradient bucket, got {bucket_mb!r}.")
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self._configure_offload(**offload)
+        if self.embeddings == "sparse":
+            raise ValueError(
+                f"strategy {self.strategy_name!r} does not take embeddings='sparse': each rank's batch touches "
+                f"different embedding rows. Use embeddings='host' (the default here), 'device' or 'frozen'."
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # Lightning's DDP: process group, ranks, device
+        module = self.lightning_module
+        self._add_refit_callback(module._trainer if module is not None else None)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Not wrapped in DistributedDataParallel: the offload optimizer reduces the gradients (compressed ones for
+        # projected weights, which never fill param.grad). DDP's wrapper would also make every rank start from
+        # rank 0's weights; that is done here.
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Deliberately no `_optimizers_to_device`: the optimizer state stays on the host.
+
+    @override
+    def _rank_shards(self) -> RankShards | None:
+        return RankShards(bucket_bytes=self.bucket_bytes)
+
+    @override
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad.div_(self.world_size)
+
+    @override
+    def agree(self, value: Any) -> Any:
+        return self.broadcast(value, src=0)
+
+    @override
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        device = proj_out.indices.device
+        # Through the CPU: a pickled device tensor would be restored on rank 0's device number on every rank.
+        payload = (proj_out.to("cpu"), proj_in.to("cpu"), float(norm_ratio), float(second_moment_scale))
+        out, inp, ratio, scale = self.broadcast(payload, src=0)
+        return out.to(device), inp.to(device), ratio, scale
+
+
+class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
+    """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
+    rank that owns each tensor's share of the sharded host Adam.
+
+    Same arguments as :class:`LSPOffloadDDPStrategy` except the projection ones.
+    """
+
+    strategy_name = "zero_offload_ddp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["projection"] = False
+        super().__init__(**kwargs)

@@ -1,0 +1,97 @@
+"""Step time and bytes between ranks of plain DDP, ``zero_offload_ddp`` and ``lsp_offload_ddp`` on 2 CPU processes.
+
+Each method is one run of the command line (``lightning-offload-train``, so Lightning's launcher starts the second
+process) on SmolLM2-135M with ``trainer.devices=2`` and gloo, one torch thread per process (the machine's 2 cores),
+fp32, random projectors (no fit in the timed run), the same steps and data; methods are interleaved over
+``--repeats`` so machine noise hits each alike. Reported per method: the median steady step seconds (from the run's
+summary), and the bytes rank 0 handed to collectives per step. Plain DDP's figure is computed, not measured: DDP
+all-reduces every gradient once (its buckets' payload is the trainable parameters × 4 bytes in fp32).
+
+    python scripts/benchmark_ddp.py --out docs/benchmarks/ddp_cpu.json
+    python scripts/benchmark_ddp.py --smoke       # the tiny LLaMA, 3 steps: checks the script end to end
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning_offload.run_record import read_summary
+
+METHODS = {
+    "plain DDP (AdamW on the device)": ["offload=none"],
+    "zero_offload_ddp": ["offload=zero"],
+    "lsp_offload_ddp": ["offload=lsp", "offload.strategy.projectors=random"],
+}
+
+
+def run(method: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One 2-process run of ``method``; returns its summary."""
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    model = ["model=tiny_llama"] if args.smoke else []
+    overrides = [*METHODS[method], *model, "trainer=cpu", "trainer.devices=2", "trainer.precision=32-true",
+                 f"trainer.max_steps={args.steps}", "trainer.val_check_interval=100000", "eval_before=false",
+                 "data.max_val_blocks=8", "trainer.limit_val_batches=2", "logger=none", f"seed={args.seed}",
+                 f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-m", "lightning_offload.train", *overrides], env=env, text=True,
+                          capture_output=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{method} failed:\n{done.stderr[-3000:]}")
+    summary = read_summary(run_dir)
+    assert summary is not None
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="JSON file for the figures")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--smoke", action="store_true", help="tiny LLaMA, 3 steps, 1 repeat")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.repeats = 3, 1
+    results: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
+    with tempfile.TemporaryDirectory() as workdir:
+        for repeat in range(args.repeats):
+            for method in METHODS:
+                summary = run(method, args, Path(workdir))
+                results[method].append({
+                    "median_step_seconds": summary["median_step_seconds"],
+                    "bytes_between_ranks_per_step": summary.get("bytes_between_ranks_per_step", 0.0),
+                    "trainable_parameters": summary["trainable_parameters"],
+                    "host_state_bytes": summary.get("host_state_bytes"),
+                })
+                print(f"[{repeat + 1}/{args.repeats}] {method}: {summary['median_step_seconds']:.2f} s/step",
+                      flush=True)
+    rows = {}
+    for method, runs in results.items():
+        seconds = statistics.median(r["median_step_seconds"] for r in runs)
+        measured = statistics.median(r["bytes_between_ranks_per_step"] for r in runs)
+        bytes_per_step = measured if measured else runs[0]["trainable_parameters"] * 4.0
+        rows[method] = {"median_step_seconds": seconds, "bytes_between_ranks_per_step": bytes_per_step,
+                        "bytes_measured": bool(measured), "host_state_bytes_rank0": runs[0]["host_state_bytes"],
+                        "runs": runs}
+    plain = rows["plain DDP (AdamW on the device)"]
+    print(f"\n{'method':<34}{'s/step':>8}{'× DDP':>8}{'MiB between ranks / step':>28}")
+    for method, row in rows.items():
+        note = "" if row["bytes_measured"] else " (computed)"
+        print(f"{method:<34}{row['median_step_seconds']:>8.2f}{row['median_step_seconds'] / plain['median_step_seconds']:>8.2f}"
+              f"{row['bytes_between_ranks_per_step'] / 2**20:>20.1f}{note}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "methods": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
