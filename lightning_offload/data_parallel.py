@@ -18,8 +18,9 @@ keeps its Adam state, steps it and sends its update. Per step:
    weight's compressed ``U``, or a dense parameter's new value) is broadcast to the other ranks, which apply it the
    same way, so every rank's weights stay identical.
 
-The bytes each rank hands to these collectives are counted per step (``offload/bytes_between_ranks``). They are
-payload sizes, not wire bytes: a ring reduce or broadcast moves about ``(N − 1)/N`` of its payload per rank.
+The bytes each rank hands to these collectives are counted per step (``offload/bytes_between_ranks``), an all-reduce
+as two passes (a reduce and a broadcast), so that every figure compares with plain DDP's ``2 × gradient bytes``. They
+are payload sizes, not wire bytes: a ring reduce or broadcast moves about ``(N − 1)/N`` of its payload per rank.
 """
 
 from __future__ import annotations
@@ -180,19 +181,23 @@ class RankShards:
         device_grads = [tensor.gradient() for tensor in bucket.tensors]
         reference = next((g for g in device_grads if g is not None), None)
         device = reference.device if reference is not None else torch.device("cpu")
-        flat = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=device)
+        flat = torch.empty(bucket.numel, dtype=self.reduce_dtype, device=device)
         offset, bucket.offsets = 0, []
         for tensor, grad in zip(bucket.tensors, device_grads):
             bucket.offsets.append(offset)
+            part = flat[offset: offset + tensor.numel]
+            # A rank without this gradient adds nothing (the step's presence count then refuses the step).
             if grad is not None:
-                flat[offset: offset + tensor.numel].copy_(grad.reshape(-1))
+                part.copy_(grad.reshape(-1))
+            else:
+                part.zero_()
             offset += tensor.numel
         if bucket.owner is None:
             bucket.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
         else:
             bucket.work = dist.reduce(flat, dst=bucket.owner, op=dist.ReduceOp.SUM, async_op=True)
         bucket.flat, bucket.launched = flat, True
-        self.bytes_this_step += flat.numel() * flat.element_size()
+        self.bytes_this_step += flat.numel() * flat.element_size() * (2 if bucket.owner is None else 1)
         self._next_launch += 1
 
     def _finish(self, bucket: _Bucket) -> None:
@@ -214,7 +219,7 @@ class RankShards:
     def all_reduce_(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over ranks in place (blocking); returns it."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        self.bytes_this_step += tensor.numel() * tensor.element_size()
+        self.bytes_this_step += 2 * tensor.numel() * tensor.element_size()  # a reduce and a broadcast
         return tensor
 
     def broadcast_(self, tensor: Tensor, src: int) -> Tensor:

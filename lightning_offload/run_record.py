@@ -77,7 +77,10 @@ class RunRecorder(pl.Callback):
     """
 
     def __init__(self, run_dir: str | Path | None, resume: bool = False) -> None:
-        self.run_dir = Path(run_dir) if run_dir is not None else None
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        # With several ranks, rank 0 writes the run's files (the others' ranks are in their environment already).
+        self.run_dir = Path(run_dir) if run_dir is not None and getattr(rank_zero_only, "rank", 0) == 0 else None
         self.resume = resume
         self.previous: list[dict[str, Any]] = []
         self.start_step = 0
@@ -120,8 +123,6 @@ class RunRecorder(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Starts the wall clock (the projector fit, when there is one, counts: it is part of the run's cost)."""
         self._fit_start = time.perf_counter()
-        if not trainer.is_global_zero:
-            self.run_dir = None  # with several ranks, rank 0 writes the run's files
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 

@@ -128,7 +128,13 @@ def _instantiate_dict(node: DictConfig | None, what: str) -> list[Any]:
     return objects
 
 
-def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.LightningDataModule) -> dict[str, float]:
+def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.LightningDataModule,
+              trainer: pl.Trainer) -> dict[str, float]:
+    if trainer.world_size > 1:
+        # Several ranks: every rank evaluates its share with the run's own trainer (the metrics are all-reduced); a
+        # trainer of rank 0's alone would wait forever in that reduction.
+        (metrics,) = trainer.validate(module, datamodule=datamodule, verbose=False)
+        return {key: float(value) for key, value in metrics.items()}
     # A plain single-device trainer: evaluation needs no offload machinery, and logs nothing by itself (the
     # recorder writes the result into the run's history and train() logs it). No inference mode: metric states reset
     # under it would become inference tensors that the fit loop's own validations could no longer update.
@@ -209,7 +215,9 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
         "link_bytes_to_host_per_step": med("offload/bytes_device_to_host") + med("meft/bytes_device_to_host"),
         # Data parallelism: what this rank (rank 0) handed to collectives per step; 0 on one device.
-        "bytes_between_ranks_per_step": med("offload/bytes_between_ranks"),
+        # (None where no offload strategy counts them: Lightning's DDP all-reduces every gradient, uncounted.)
+        "bytes_between_ranks_per_step": _median([r["offload/bytes_between_ranks"] for r in steady
+                                                 if "offload/bytes_between_ranks" in r]),
         "world_size": trainer.world_size,
         "link_bytes_to_device_per_step": med("offload/bytes_host_to_device") + med("meft/bytes_host_to_device"),
         "host_optimizer_seconds_per_step": med("offload/host_optimizer_seconds") + med("meft/host_optimizer_seconds"),
@@ -241,7 +249,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
 
-    def size(value: float) -> str:
+    def size(value: float | None) -> str:
+        if value is None:
+            return "n/a"
         # Tiny models move kilobytes: a fixed MiB format would print them as 0.
         for unit, scale in (("GiB", 1024**3), ("MiB", mib), ("KiB", 1024)):
             if value >= scale:
@@ -373,12 +383,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     before: dict[str, float] = {}
-    if not _is_rank_zero():
-        # Another rank of a multi-device run: it trains; rank 0 evaluates, writes and prints.
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        return {}, {"cfg": cfg, "trainer": trainer, "module": module}
     if cfg.get("eval_before", True) and cfg.get("ckpt_path") is None:
-        before = _evaluate(cfg, module, datamodule)
+        before = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=0, metrics=before)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -391,8 +397,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     if last is not None and last["step"] == trainer.global_step:
         after = {k: v for k, v in last.items() if k.startswith("val/")}
     else:
-        after = _evaluate(cfg, module, datamodule)
+        after = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=trainer.global_step, metrics=after)
+    if not _is_rank_zero():
+        # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
+        return {}, {"cfg": cfg, "trainer": trainer, "module": module}
 
     summary = summarize(cfg, lm, datamodule, module, trainer, recorder, before, after, train_seconds)
     write_summary(run_dir, summary)

@@ -123,8 +123,8 @@ def _single(method: str, args: argparse.Namespace) -> None:
             if telemetry.last_timeline is not None else {},
         })
     else:
-        # Plain DDP all-reduces every gradient once (bf16 here, the parameters' dtype).
-        result["bytes_between_ranks_per_step"] = float(parameters * 2)
+        # Plain DDP all-reduces every gradient once (bf16 here, the parameters' dtype): two passes in this count.
+        result["bytes_between_ranks_per_step"] = float(parameters * 2 * 2)
     Path(args.result).write_text(json.dumps(result))
 
 
