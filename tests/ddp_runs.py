@@ -3,7 +3,8 @@
 Lightning's launcher starts rank 1 by running this script again; each rank writes what it saw under ``OUT_DIR`` as
 ``<run>_rank<r>.pt`` (final weights, losses, projectors, bytes between ranks per step), and checkpoints where a run
 resumes. Scenarios: ``equivalence`` (lossless and learned projectors, accumulation and clipping, resume), ``bytes``
-(lsp vs zero on a model whose layers are all projectable) and ``fail`` (a host job raises on rank 1).
+(lsp vs zero on a model whose layers are all projectable), ``variants`` (a device Adam, speculation, bf16) and
+``fail_on_rank_<r>`` (a host job raises on rank r).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def strategy(kind: str, **kwargs: Any) -> Any:
     if kind == "lossless":
         return LSPOffloadDDPStrategy(rank=1.0, density=1, min_dim=16, projectors="random",
                                      projector_factory=signed_permutation_projector, **common)
+    if kind.startswith("lossless_"):  # lossless_<setting>=<value>: one setting changed
+        setting, value = kind.removeprefix("lossless_").split("=")
+        parsed: Any = {"True": True, "False": False}.get(value, value)
+        return LSPOffloadDDPStrategy(rank=1.0, density=1, min_dim=16, projectors="random",
+                                     projector_factory=signed_permutation_projector, **{setting: parsed}, **common)
     if kind == "learned":
         return LSPOffloadDDPStrategy(rank=0.5, density=2, min_dim=16, projectors="learned", **common)
     if kind == "lsp_all":
@@ -144,17 +150,25 @@ def main() -> None:
             fit(out, kind, kind, TinyClassifier(), 8, checkpoint_every=4, **clipping)
             (path,) = (out / kind).glob("*step=4.ckpt")
             fit(out, f"{kind}_resumed", kind, TinyClassifier(seed=7), 8, resume=str(path), **clipping)
+    elif scenario == "variants":
+        # A device Adam's parameters (all-reduced, stepped on every rank), speculative host steps, and bf16
+        # weights with bf16 crossing between ranks.
+        fit(out, "device_head", "lossless_head=device", TinyClassifier(), 4, **clipping)
+        fit(out, "speculative", "lossless_speculative=True", TinyClassifier(), 4, **clipping)
+        fit(out, "bf16", "lossless_link_dtype=bf16", TinyClassifier(), 4, precision="bf16-true", **clipping)
+        fit(out, "fp32_link", "lossless", TinyClassifier(), 4, precision="bf16-true", **clipping)
     elif scenario == "bytes":
         # The second step's figures: the reductions of its gradients and the broadcasts of the first step's updates.
         fit(out, "zero", "zero", Projectable(), 3)
         fit(out, "lsp_all", "lsp_all", Projectable(), 3)
-    elif scenario == "fail":
-        if int(os.environ.get("LOCAL_RANK", "0")) == 1:
+    elif scenario.startswith("fail_on_rank_"):
+        failing_rank = int(scenario.removeprefix("fail_on_rank_"))
+        if int(os.environ.get("LOCAL_RANK", "0")) == failing_rank:
             planted = OffloadOptimizer._host_job
 
             def failing(self: OffloadOptimizer, *args: Any, **kwargs: Any) -> None:
                 if self.telemetry.steps >= 1:
-                    raise RuntimeError("planted failure on rank 1")
+                    raise RuntimeError(f"planted failure on rank {failing_rank}")
                 planted(self, *args, **kwargs)
 
             OffloadOptimizer._host_job = failing  # type: ignore[method-assign]

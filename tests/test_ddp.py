@@ -51,6 +51,14 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def variant_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_variants")
+    result = _launch(out, "variants")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
 def bytes_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_bytes")
     result = _launch(out, "bytes")
@@ -58,10 +66,10 @@ def bytes_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _single_process(kind: str, steps: int, resume: Path | None = None) -> dict[str, torch.Tensor]:
+def _single_process(kind: str, steps: int, resume: Path | None = None, **settings: Any) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)  # as the ranks run, so the projector fits take the same arithmetic
     if kind == "lossless":
-        strategy, callbacks = lossless_lsp(), []
+        strategy, callbacks = lossless_lsp(**settings), []
     else:
         strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="learned", embeddings="host")
         callbacks = [ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=6, seed=0)]
@@ -82,6 +90,27 @@ def test_two_ranks_equal_one_process_at_twice_the_batch(equivalence_runs, kind):
         assert not torch.equal(value, start[name]), f"{name} did not train"
         # Summing the ranks' (compressed) gradients instead of the batch's reorders fp32 additions, nothing more.
         torch.testing.assert_close(rank0["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("run, settings", [("device_head", {"head": "device"}),
+                                           ("speculative", {"speculative": True})])
+def test_device_adam_and_speculative_steps_equal_one_process(variant_runs, run, settings):
+    rank0, rank1 = _record(variant_runs, run, 0), _record(variant_runs, run, 1)
+    single = _single_process("lossless", 4, **settings)
+    for name, value in single.items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), f"ranks disagree on {name}"
+        torch.testing.assert_close(rank0["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_between_ranks_halves_the_bytes(variant_runs):
+    bf16, fp32 = _record(variant_runs, "bf16", 0), _record(variant_runs, "fp32_link", 0)
+    rank1 = _record(variant_runs, "bf16", 1)
+    start = params_of(TinyClassifier())
+    for name, value in bf16["params"].items():
+        assert value.dtype == torch.float32 and torch.equal(value, rank1["params"][name])
+        assert not torch.equal(value, start[name])
+    # Gradients and compressed updates cross in bf16; dense bf16 parameters cross in their own dtype either way.
+    assert bf16["bytes_between_ranks"][-1] < 0.8 * fp32["bytes_between_ranks"][-1]
 
 
 @pytest.mark.parametrize("kind", ["lossless", "learned"])
@@ -133,10 +162,11 @@ def test_compressed_gradients_cut_the_bytes_between_ranks(bytes_runs):
     assert len(_record(bytes_runs, "lsp_all", 0)["projectors"]) == 3  # every layer projected
 
 
-def test_a_failure_on_rank_1_stops_both_processes_with_its_error(tmp_path):
-    result = _launch(tmp_path, "fail", timeout=180.0)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failure_on_one_rank_stops_both_processes_with_its_error(tmp_path, rank):
+    result = _launch(tmp_path, f"fail_on_rank_{rank}", timeout=180.0)
     assert result.returncode != 0
-    assert "planted failure on rank 1" in result.stderr
+    assert f"planted failure on rank {rank}" in result.stderr
     assert not list(tmp_path.glob("fail_rank*.pt")), "no rank may finish the run"
 
 
