@@ -14,7 +14,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
@@ -23,7 +22,6 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
@@ -94,22 +92,14 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         self._add_refit_callback(module._trainer if module is not None else None)
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        assert self.model is not None
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+    def _prepare_model(self) -> None:
         # Not wrapped in DistributedDataParallel: the offload optimizer reduces the gradients (compressed ones for
         # projected weights, which never fill param.grad). DDP's wrapper would also make every rank start from
         # rank 0's weights; that is done here.
+        assert self.model is not None
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        # Deliberately no `_optimizers_to_device`: the optimizer state stays on the host.
 
     @override
     def _rank_shards(self) -> RankShards | None:

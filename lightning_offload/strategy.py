@@ -181,6 +181,23 @@ class OffloadMixin:
                 )
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._prepare_model()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Deliberately no `_optimizers_to_device`: Lightning would move every optimizer-state tensor to the device,
+        # and the whole point is that this state stays on the host.
+
+    def _prepare_model(self) -> None:
+        """What the strategy does to the model on its device before the optimizer is built."""
+
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
@@ -489,18 +506,8 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
         self._add_refit_callback(trainer)
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        assert self.model is not None
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+    def _prepare_model(self) -> None:
         self.model = self._setup_model(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        # Deliberately no `_optimizers_to_device`: Lightning would move every optimizer-state tensor to the device,
-        # and the whole point is that this state stays on the host.
 
 
 class ZeroOffloadStrategy(LSPOffloadStrategy):

@@ -42,28 +42,26 @@ def _record(out: Path, run: str, rank: int) -> dict[str, Any]:
     return torch.load(out / f"{run}_rank{rank}.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_equivalence")
-    result = _launch(out, "equivalence")
+def _scenario(factory: pytest.TempPathFactory, scenario: str) -> Path:
+    out = factory.mktemp(f"ddp_{scenario}")
+    result = _launch(out, scenario)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _scenario(tmp_path_factory, "equivalence")
 
 
 @pytest.fixture(scope="module")
 def variant_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_variants")
-    result = _launch(out, "variants")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
+    return _scenario(tmp_path_factory, "variants")
 
 
 @pytest.fixture(scope="module")
 def bytes_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_bytes")
-    result = _launch(out, "bytes")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
+    return _scenario(tmp_path_factory, "bytes")
 
 
 def _single_process(kind: str, steps: int, resume: Path | None = None, **settings: Any) -> dict[str, torch.Tensor]:
