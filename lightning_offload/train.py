@@ -147,6 +147,15 @@ def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.Lightn
     return {key: float(value) for key, value in metrics.items()}
 
 
+def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule | None:
+    """The data of ``heldout_data`` (text the run never trains on), prepared; ``None`` when not configured."""
+    if cfg.get("heldout_data") is None:
+        return None
+    heldout: pl.LightningDataModule = hydra.utils.instantiate(cfg.heldout_data, tokenizer=lm.tokenizer)
+    heldout.prepare_data()
+    return heldout
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -282,6 +291,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         steps_line
         + (f", {summary['skipped_steps']} skipped (non-finite gradients)" if summary.get("skipped_steps") else ""),
         f"eval loss           {num(summary['loss_before'], '.4f')} -> {num(summary['loss_after'], '.4f')}",
+        *([f"held-out text loss  {num(summary['heldout_loss_before'], '.4f')} -> "
+           f"{num(summary['heldout_loss_after'], '.4f')} ({summary['heldout_task']}, never trained on)"]
+          if "heldout_loss_after" in summary else []),
     ]
     if summary["metric"] != "val/loss":
         lines.append(f"{summary['metric']:<20}{num(summary['metric_before'], '.4f')} -> "
@@ -383,9 +395,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     before: dict[str, float] = {}
+    heldout = _heldout_data(cfg, lm)
+    heldout_before: float | None = None
     if cfg.get("eval_before", True) and cfg.get("ckpt_path") is None:
         before = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=0, metrics=before)
+        if heldout is not None:
+            # After the task's own evaluation: MEFT fixes its input statistics on the first batch it sees.
+            heldout_before = _evaluate(cfg, module, heldout, trainer).get("val/loss")
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     train_seconds = time.perf_counter() - start
@@ -399,11 +416,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     else:
         after = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=trainer.global_step, metrics=after)
+    heldout_after = _evaluate(cfg, module, heldout, trainer).get("val/loss") if heldout is not None else None
     if not _is_rank_zero():
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
         return {}, {"cfg": cfg, "trainer": trainer, "module": module}
 
     summary = summarize(cfg, lm, datamodule, module, trainer, recorder, before, after, train_seconds)
+    if heldout is not None:
+        summary.update({"heldout_task": getattr(heldout, "task", None) or type(heldout).__name__,
+                        "heldout_loss_before": heldout_before, "heldout_loss_after": heldout_after})
     write_summary(run_dir, summary)
     print("\n" + format_summary(summary))
     scalars = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}

@@ -5,12 +5,13 @@ parameters, ``link_dtype="bf16"``, ``rank=0.25``, embeddings and head on the hos
 tensors and their sizes come from the model itself (built on the ``meta`` device, projected layers picked by the
 strategy's own rule: :mod:`benchmark_host_elements`); what is assumed is stated by the flags:
 
-* **Collectives** are bandwidth-bound rings: an all-reduce of ``P`` bytes over ``N`` ranks moves ``2(N−1)/N·P``
-  bytes per rank, a reduce or a broadcast ``(N−1)/N·P``. Plain DDP all-reduces every bf16 gradient; the offload
-  strategies reduce each gradient (``S`` for a projected weight) to its owner and broadcast the update (``U``, or
-  a dense parameter's new bf16 value), so each moves its payload twice, once each way.
-* **Bandwidth per GPU**: ``--intra-gbs`` within a node; across nodes a ring is limited by the node's network,
-  ``--inter-gbps`` shared by its 8 GPUs (hierarchical algorithms do better; this is the simple bound).
+* **Payload** is counted as ``offload/bytes_between_ranks`` counts it: an all-reduce as two passes (a reduce and a
+  broadcast). Plain DDP all-reduces every bf16 gradient: ``2 × 2`` bytes per parameter. The offload strategies
+  reduce each gradient (``S`` for a projected weight) to its owner and broadcast the update (``U``, or a dense
+  parameter's new bf16 value): one pass each.
+* **Collectives** are bandwidth-bound and hierarchical, as NCCL runs them across nodes: per pass, a ring over the
+  node's 8 GPUs moves ``7/8`` of the payload per GPU at ``--intra-gbs``, then each node's network (``--inter-gbps``)
+  carries ``(M−1)/M`` of the payload between the ``M`` nodes; the two phases are added (no overlap assumed).
 * **Host work**: the host Adam's elements are sharded over all ranks, so a node steps ``1/M`` of them. Fused CPU
   AdamW is memory-bound: ~28 bytes per element (read parameter, gradient and both moments in fp32, write three
   back), at ``--host-gbs`` of effective memory bandwidth per node.
@@ -36,11 +37,11 @@ ADAM_BYTES_PER_ELEMENT = 28
 GPUS_PER_NODE = 8
 
 
-def wire_seconds(payload: float, ranks: int, passes: float, gbs: float) -> float:
-    """Seconds to move ``passes`` ring passes of ``payload`` bytes over ``ranks`` at ``gbs`` GB/s per rank."""
-    if ranks == 1:
-        return 0.0
-    return passes * (ranks - 1) / ranks * payload / (gbs * 1e9)
+def wire_seconds(payload: float, nodes: int, intra_gbs: float, inter_gbps: float) -> float:
+    """Seconds to move ``payload`` bytes (counted in passes) between 8 GPUs per node over ``nodes`` nodes."""
+    within = (GPUS_PER_NODE - 1) / GPUS_PER_NODE * payload / (intra_gbs * 1e9)
+    between = (nodes - 1) / nodes * payload / (inter_gbps / 8 * 1e9)
+    return within + between
 
 
 def main() -> None:
@@ -63,17 +64,14 @@ def main() -> None:
         lsp = per_step(model, "host", "host", args.tokens, 0.25)
         zero = {"host_elements": float(parameters), "to_host": 2.0 * parameters, "to_device": 2.0 * parameters}
         methods = {
-            "plain DDP": (2.0 * parameters, 2.0, 0.0),
-            "zero_offload_ddp": (zero["to_host"] + zero["to_device"], 1.0, zero["host_elements"]),
-            "lsp_offload_ddp": (lsp["to_host"] + lsp["to_device"], 1.0, lsp["host_elements"]),
+            "plain DDP": (4.0 * parameters, 0.0),
+            "zero_offload_ddp": (zero["to_host"] + zero["to_device"], zero["host_elements"]),
+            "lsp_offload_ddp": (lsp["to_host"] + lsp["to_device"], lsp["host_elements"]),
         }
         for nodes in args.nodes:
-            ranks = nodes * GPUS_PER_NODE
-            for method, (payload, passes, host_elements) in methods.items():
-                times = []
-                for intra, inter in zip(args.intra_gbs, args.inter_gbps):
-                    per_gpu = intra if nodes == 1 else min(intra, inter / 8 / GPUS_PER_NODE)
-                    times.append(wire_seconds(payload, ranks, passes, per_gpu))
+            for method, (payload, host_elements) in methods.items():
+                times = [wire_seconds(payload, nodes, intra, inter)
+                         for intra, inter in zip(args.intra_gbs, args.inter_gbps)]
                 per_node = host_elements / nodes
                 host_seconds = per_node * ADAM_BYTES_PER_ELEMENT / (args.host_gbs * 1e9)
                 print(f"| {shape} | {nodes} × {GPUS_PER_NODE} | {method} | {payload / 2**20:,.0f} | "

@@ -49,6 +49,21 @@ def test_two_devices_run_the_ddp_form_of_the_offload_strategy(tmp_path: Path, en
     assert steps == sorted(set(steps)) and len(steps) == 4
 
 
+def test_heldout_text_loss_is_reported_before_and_after(tmp_path: Path, env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    done = run_cli(["experiment=qa_adapters", "model=tiny_llama", "trainer=cpu", "logger=none", "offload=lora",
+                    "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
+                    "data.max_verses=16", "data.max_val_examples=8", "heldout_data.max_val_blocks=8",
+                    "trainer.precision=32-true", f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["heldout_task"] == "bible_lm"
+    assert summary["heldout_loss_before"] > 0 and summary["heldout_loss_after"] > 0
+    # A different dataset from the task's own evaluation, so a different loss.
+    assert summary["heldout_loss_before"] != summary["loss_before"]
+    assert "held-out text loss" in done.stdout
+
+
 def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict[str, str]) -> None:
     sweep = tmp_path / "sweep"
     done = run_cli(["-m", "offload=lsp,zero,none", "logger=csv", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path, env)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,7 +20,9 @@ from lightning_offload.offload_optimizer import NonFiniteGradientError
 from lightning_offload.pipeline import HostWorkerError
 from lightning_offload.module import CausalLMModule
 
-SMALL = dict(num_neurons=256, top_k=8, num_experts=16, experts_per_token=4)
+# Standardisation measured on the first batch alone: tests that compare runs fix it with one forward beforehand
+# (the calibration tests set calibration_batches themselves).
+SMALL = dict(num_neurons=256, top_k=8, num_experts=16, experts_per_token=4, calibration_batches=1)
 
 
 def batches(n: int, batch: int = 2, length: int = 12, seed: int = 0, pad_last: int = 0) -> list[dict]:
@@ -179,33 +183,59 @@ def test_scoring_only_the_kept_experts_routes_like_scoring_every_neuron() -> Non
     torch.testing.assert_close(fast.gates.gather(1, order_fast), reference.gates.gather(1, order_ref))
 
 
-def test_inputs_are_standardised_on_the_first_batch_and_kept() -> None:
-    model = meft_model()
-    adapters = meft_adapters(model)
+def _first_adapter_inputs(model: torch.nn.Module) -> tuple[Any, list[torch.Tensor]]:
+    """The first adapter and a list that collects the FFN inputs it is given."""
+    ffn = meft_adapters(model)[0]
     seen: list[torch.Tensor] = []
-    ffn = adapters[0]
     host_module = next(m for m in model.modules() if getattr(m, "adapter", None) is ffn)
     host_module.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().reshape(-1, 64)))
-    first, second = batches(2, pad_last=4)
+    return ffn, seen
+
+
+@pytest.mark.parametrize("calibration_batches", [1, 3])
+def test_inputs_are_standardised_over_the_calibration_batches_and_kept(calibration_batches: int) -> None:
+    model = meft_model(calibration_batches=calibration_batches)
+    ffn, seen = _first_adapter_inputs(model)
+    data = batches(calibration_batches + 1, pad_last=4)
     with torch.no_grad():
-        model(**first)
-    valid = first["attention_mask"].reshape(-1).bool()
-    x = ffn.adapter_input(seen[0], valid)[valid]
-    torch.testing.assert_close(x.mean(dim=0), torch.zeros(64), atol=1e-5, rtol=0)  # padding left out of μ
+        for batch in data[:calibration_batches]:
+            model(**batch)
+    # Over the real tokens of every calibration batch (padding left out): zero mean, unit mean square.
+    valid = torch.cat([b["attention_mask"].reshape(-1).bool() for b in data[:calibration_batches]])
+    x = ffn.adapter_input(torch.cat(seen), valid)[valid]
+    torch.testing.assert_close(x.mean(dim=0), torch.zeros(64), atol=1e-5, rtol=0)
     torch.testing.assert_close(x.pow(2).mean(), torch.tensor(1.0), atol=1e-5, rtol=0)
     mean = ffn.input_mean.clone()
     with torch.no_grad():
-        model(**second)
-    assert torch.equal(ffn.input_mean, mean)  # fixed after the first batch
+        model(**data[-1])
+    assert torch.equal(ffn.input_mean, mean)  # fixed after the calibration batches
     # Saved with the model: a fresh injected model loads the same standardisation instead of measuring its own.
-    fresh = meft_model()
+    fresh = meft_model(calibration_batches=calibration_batches)
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
-        fresh(**second)
+        fresh(**data[-1])
     assert torch.equal(meft_adapters(fresh)[0].input_mean, mean)
     # Off: the adapter reads the FFN input itself.
     plain = meft_adapters(meft_model(standardize_inputs=False))[0]
     assert torch.equal(plain.adapter_input(seen[0]), seen[0])
+
+
+def test_calibration_resumed_midway_continues_the_same_estimate() -> None:
+    data = batches(3, pad_last=4)
+    straight = meft_model(calibration_batches=3)
+    interrupted = meft_model(calibration_batches=3)
+    with torch.no_grad():
+        for batch in data:
+            straight(**batch)
+        interrupted(**data[0])
+        resumed = meft_model(calibration_batches=3)
+        resumed.load_state_dict(interrupted.state_dict())  # after one of the three calibration batches
+        for batch in data[1:]:
+            resumed(**batch)
+    a, b = meft_adapters(straight)[0], meft_adapters(resumed)[0]
+    assert bool(b.input_calibrated) and int(b.input_batches) == 3
+    torch.testing.assert_close(b.input_mean, a.input_mean, rtol=0, atol=0)
+    torch.testing.assert_close(b.input_inv_scale, a.input_inv_scale, rtol=0, atol=0)
 
 
 def test_padding_tokens_fetch_no_rows() -> None:

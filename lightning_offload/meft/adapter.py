@@ -217,11 +217,16 @@ class MEFTAdapter(nn.Module):
         # fp32 host keys are the truth (saved in the state dict by the hooks below).
         self.register_buffer("routing_keys", keys.to(torch.bfloat16) if config.routing == "device" else None,
                              persistent=False)
-        # Standardisation of the adapter's input (see MEFTConfig.standardize_inputs): measured once, then constants
-        # saved with the model so a resumed or evaluated model reads its input exactly as training did.
+        # Standardisation of the adapter's input (see MEFTConfig.standardize_inputs): measured over the first batches,
+        # then constants saved with the model so a resumed or evaluated model reads its input exactly as training did.
+        # The running sums (fp64: token counts reach millions) are saved too, so a run resumed mid-calibration goes on.
         self.register_buffer("input_mean", torch.zeros(hidden_size))
         self.register_buffer("input_inv_scale", torch.ones(()))
         self.register_buffer("input_calibrated", torch.tensor(not config.standardize_inputs))
+        self.register_buffer("input_sum", torch.zeros(hidden_size, dtype=torch.float64))
+        self.register_buffer("input_square_sum", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("input_tokens", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("input_batches", torch.zeros((), dtype=torch.int64))
         # A host-side mirror of `input_calibrated`: reading the buffer on a GPU would synchronise every forward.
         self._calibrated = not config.standardize_inputs
         self.attention_mask: torch.Tensor | None = None  # set per forward by the model's pre-hook (padding)
@@ -244,19 +249,26 @@ class MEFTAdapter(nn.Module):
 
     @torch.no_grad()
     def _calibrate(self, flat: torch.Tensor, valid: torch.Tensor) -> None:
-        # The first batch's real tokens, while V is still zero (the adapter's output is 0 whatever it reads).
-        tokens = flat[valid].float() if valid.any() else flat.float()
-        mean = tokens.mean(dim=0)
-        rms = (tokens - mean).pow(2).mean().sqrt()
+        # This batch's real tokens join the running sums; μ and σ are those of every calibration token so far
+        # (σ² = Σ‖h‖²/(T·H) − ‖μ‖²/H). The first batch comes while V is still zero, the next few while it is small.
+        tokens = (flat[valid] if valid.any() else flat).double()
+        self.input_sum.add_(tokens.sum(dim=0))
+        self.input_square_sum.add_(tokens.pow(2).sum())
+        self.input_tokens.add_(tokens.shape[0])
+        self.input_batches.add_(1)
+        mean = self.input_sum / self.input_tokens
+        variance = (self.input_square_sum / self.input_tokens - mean.pow(2).sum()) / mean.numel()
         self.input_mean.copy_(mean)
-        self.input_inv_scale.copy_(1.0 / rms.clamp_min(1e-6))
-        self.input_calibrated.fill_(True)
-        self._calibrated = True
+        self.input_inv_scale.copy_(1.0 / variance.clamp_min(1e-12).sqrt())
+        if int(self.input_batches) >= self.config.calibration_batches:
+            self.input_calibrated.fill_(True)
+            self._calibrated = True
 
     def adapter_input(self, flat: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """``x = (h − μ)/σ`` for flattened states ``[T, h]`` (``h`` itself when ``standardize_inputs`` is off).
 
-        The first call calibrates ``μ``/``σ`` on its real tokens (``valid``) unless they were loaded.
+        The first ``calibration_batches`` calls calibrate ``μ``/``σ`` on their real tokens (``valid``) unless they
+        were loaded.
         """
         if not self.config.standardize_inputs:
             return flat

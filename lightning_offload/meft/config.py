@@ -34,11 +34,13 @@ class MEFTConfig:
         routing: ``"device"``: key scores from a bf16 copy of the keys on the device (fast, ``N·h·2`` bytes per
             layer); ``"host"``: scores computed on the host from the fp32 keys (no key memory on the device).
         standardize_inputs: The adapter reads ``x = (h − μ)/σ`` instead of the FFN input ``h``: ``μ`` (per feature)
-            and ``σ`` (one scale) are measured on the real tokens of the first batch the adapter sees, while its
-            values are still zero, then kept fixed and saved with the model. Hidden states share a large common
+            and ``σ`` (one scale) are measured on the real tokens of the first ``calibration_batches`` batches the
+            adapter sees (a running estimate over them, exact from the first batch on, while its values are still
+            near zero), then kept fixed and saved with the model. Hidden states share a large common
             direction (about half their norm in SmolLM2), so raw key scores rank the same few neurons first for
             every token and the adapter's capacity collapses onto them; centring spreads the routing over the
             neurons, and the scale puts key scores at O(1) in every layer.
+        calibration_batches: Batches the standardisation is measured over (1: the first batch alone).
         key_init_std: Standard deviation of the initial keys (default ``1/√h``); values start at zero, so an
             injected model computes exactly what the base model computes.
         seed: Seed of the key initialisation.
@@ -55,11 +57,13 @@ class MEFTConfig:
     freeze_base: bool = True
     routing: str = "device"
     standardize_inputs: bool = True
+    calibration_batches: int = 4
     key_init_std: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_neurons", "top_k", "num_experts", "experts_per_sequence", "experts_per_token"):
+        for name in ("num_neurons", "top_k", "num_experts", "experts_per_sequence", "experts_per_token",
+                     "calibration_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MEFTConfig.{name}={value!r} must be a positive integer.")
