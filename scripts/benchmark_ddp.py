@@ -69,12 +69,17 @@ def main() -> None:
                 summary = run(method, args, Path(workdir))
                 results[method].append({
                     "median_step_seconds": summary["median_step_seconds"],
-                    "bytes_between_ranks_per_step": summary.get("bytes_between_ranks_per_step", 0.0),
+                    # None where no offload strategy counts them (plain DDP).
+                    "bytes_between_ranks_per_step": summary.get("bytes_between_ranks_per_step") or 0.0,
                     "trainable_parameters": summary["trainable_parameters"],
                     "host_state_bytes": summary.get("host_state_bytes"),
                 })
                 print(f"[{repeat + 1}/{args.repeats}] {method}: {summary['median_step_seconds']:.2f} s/step",
                       flush=True)
+                if args.out is not None:  # kept as it goes: a run cut short keeps what it measured
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)},
+                                                    "runs": results}, indent=2))
     rows = {}
     for method, runs in results.items():
         seconds = statistics.median(r["median_step_seconds"] for r in runs)
