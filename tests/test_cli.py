@@ -44,9 +44,11 @@ def test_two_devices_run_the_ddp_form_of_the_offload_strategy(tmp_path: Path, en
     assert "between ranks" in done.stdout
     # Said, not silent: the switch and the embedding placement it implies.
     assert "runs as LSPOffloadDDPStrategy (embeddings=host" in (run_dir / "train.log").read_text()
-    # One history, written by rank 0.
+    # One history and one CSV log, written by rank 0.
     steps = [r["step"] for r in read_history(run_dir) if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and len(steps) == 4
+    (metrics_csv,) = run_dir.rglob("metrics.csv")
+    assert "offload/bytes_between_ranks" in metrics_csv.read_text().splitlines()[0]
 
 
 def test_heldout_text_loss_is_reported_before_and_after(tmp_path: Path, env: dict[str, str]) -> None:
