@@ -10,10 +10,36 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+class StepClock(pl.Callback):
+    """Wall time of each training step, batch start to batch end (the optimizer step included), for benchmark
+    scripts that build their own Trainer. On CUDA the device is synchronised at both ends, so a step's time includes
+    the kernels it queued."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def _sync(self, trainer: pl.Trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._sync(trainer)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._sync(trainer)
+        self.seconds.append(time.perf_counter() - self._start)
+
 
 #: The methods the benchmarks compare, by the names their tables use.
 METHODS = ("none", "adamw", "frozen", "zero_offload", "lsp_offload", "lsp_learned", "lsp_random", "galore", "lora")

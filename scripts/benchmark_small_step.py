@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.benchmark_run import StepClock
 from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.module import CausalLMModule
 
@@ -41,20 +41,6 @@ CONFIGS: dict[str, Any] = {
 }
 
 
-class _StepClock(pl.Callback):
-    """Wall time of each training step (batch start to batch end, the optimizer step included)."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-
-
 def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidden: int,
             untied: bool = False) -> float:
     """Median steady step seconds of one configuration."""
@@ -65,7 +51,7 @@ def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidd
     loader = DataLoader(TensorDataset(tokens), batch_size=8,
                         collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows]),
                                                  "labels": torch.stack([r[0] for r in rows])})
-    clock = _StepClock()
+    clock = StepClock()
     # Plain training with torch's fused AdamW, the baseline a user would otherwise run (the offload strategies step
     # a fused Adam on the host whatever the flag).
     module = CausalLMModule(model, lr=1e-4, fused=True if name.startswith("plain") else None)

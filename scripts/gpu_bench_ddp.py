@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ def _single(method: str, args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_offload  # noqa: F401  (registers the strategy names)
+    from lightning_offload.benchmark_run import StepClock
 
     cuda = torch.cuda.is_available() and not args.smoke
     torch.set_num_threads(1 if args.smoke else max(1, (os.cpu_count() or 2) // args.devices))
@@ -67,18 +67,6 @@ def _single(method: str, args: argparse.Namespace) -> None:
             self.model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
             if args.checkpointing:
                 self.model.gradient_checkpointing_enable()
-            self.times: list[float] = []
-            self._start = 0.0
-
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self._start)
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch, labels=batch).loss
@@ -96,15 +84,15 @@ def _single(method: str, args: argparse.Namespace) -> None:
         lsp = dict(projectors="random", min_dim=32 if args.smoke else 128)
         strategy = (LSPOffloadDDPStrategy(**lsp, **settings) if method == "lsp_offload_ddp"
                     else ZeroOffloadDDPStrategy(**settings))
-    module = Synthetic()
+    module, clock = Synthetic(), StepClock()
     trainer = pl.Trainer(accelerator="cuda" if cuda else "cpu", devices=args.devices, num_nodes=args.nodes,
                          strategy=strategy, precision="bf16-true", max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, callbacks=[clock])
     trainer.fit(module, DataLoader(Tokens(), batch_size=args.batch))
     if not trainer.is_global_zero:
         return
-    steady = module.times[2:] or module.times
+    steady = clock.seconds[2:] or clock.seconds
     optimizer = getattr(trainer.strategy, "offload_optimizer", None)
     parameters = sum(p.numel() for p in module.parameters())
     result: dict[str, Any] = {
