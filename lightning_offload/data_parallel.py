@@ -64,8 +64,6 @@ class _Bucket:
     waiting: int = 0
     flat: Tensor | None = None
     work: Any = None
-    launched: bool = False
-    done: bool = False
     offsets: list[int] = field(default_factory=list)
 
 
@@ -112,8 +110,7 @@ class RankShards:
         self.stream_ordered = dist.get_backend() == "nccl"
         self.buckets: list[_Bucket] = []
         self._by_key: dict[int, ReducedTensor] = {}
-        self._next_launch = 0
-        self.bytes_this_step = 0
+        self.reset()
 
     # ------------------------------------------------------------------------------------------------ set-up
     def build(self, tensors: Sequence[ReducedTensor]) -> None:
@@ -143,10 +140,11 @@ class RankShards:
         """Forget the current step's reductions (after the step, or when it is abandoned)."""
         for bucket in self.buckets:
             bucket.waiting = len(bucket.tensors)
-            bucket.flat, bucket.work, bucket.launched, bucket.done = None, None, False, False
+            bucket.flat, bucket.work = None, None
             for tensor in bucket.tensors:
                 tensor.ready = False
-        self._next_launch = 0
+        # Buckets launch and finish in order: those before _next_finish are done, those before _next_launch under way.
+        self._next_launch = self._next_finish = 0
         self.bytes_this_step = 0
 
     def ready(self, key: Any) -> None:
@@ -162,20 +160,17 @@ class RankShards:
 
     def poll(self) -> None:
         """Finish the launched buckets whose reductions have completed (in order; stops at the first that has not)."""
-        for bucket in self.buckets[:self._next_launch]:
-            if bucket.done:
-                continue
-            if not self.stream_ordered and not bucket.work.is_completed():
+        while self._next_finish < self._next_launch:
+            if not self.stream_ordered and not self.buckets[self._next_finish].work.is_completed():
                 return
-            self._finish(bucket)
+            self._finish(self.buckets[self._next_finish])
 
     def finish(self) -> None:
         """Launch every bucket not launched yet (with whatever gradients exist now) and wait for all of them."""
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
-        for bucket in self.buckets:
-            if not bucket.done:
-                self._finish(bucket)
+        while self._next_finish < len(self.buckets):
+            self._finish(self.buckets[self._next_finish])
 
     def _launch(self, bucket: _Bucket) -> None:
         device_grads = [tensor.gradient() for tensor in bucket.tensors]
@@ -196,13 +191,13 @@ class RankShards:
             bucket.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
         else:
             bucket.work = dist.reduce(flat, dst=bucket.owner, op=dist.ReduceOp.SUM, async_op=True)
-        bucket.flat, bucket.launched = flat, True
+        bucket.flat = flat
         self.bytes_this_step += flat.numel() * flat.element_size() * (2 if bucket.owner is None else 1)
         self._next_launch += 1
 
     def _finish(self, bucket: _Bucket) -> None:
         bucket.work.wait()
-        bucket.done = True
+        self._next_finish += 1
         if not self.owned(bucket.owner):
             bucket.flat = None
             return

@@ -524,20 +524,23 @@ class OffloadOptimizer(Optimizer):
         which every rank holds, counted on rank 0), summed in one all-reduce that also carries, per tensor, how many
         ranks had a gradient for it."""
         self.ranks.finish()
-        squares, present = [], []
+        grads, ratios, present = [], [], []
         for slot in self.slots:
             local = slot.layer.has_grad if slot.layer is not None else slot.param.grad is not None
             present.append(1.0 if local else 0.0)
             if slot.owned and local:
-                grad = slot.layer.grad_buffer if slot.layer is not None else slot.param.grad
-                ratio = slot.layer.norm_ratio if slot.layer is not None else 1.0
-                squares.append((torch.linalg.vector_norm(grad.float()) / ratio).square())
+                grads.append(slot.layer.grad_buffer if slot.layer is not None else slot.param.grad)
+                ratios.append(slot.layer.norm_ratio if slot.layer is not None else 1.0)
         if self.ranks.rank == 0:
-            for param in self.device_adam.params if self.device_adam is not None else ():
-                if param.grad is not None:
-                    squares.append(torch.linalg.vector_norm(param.grad.float()).square())
-        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=self.device)
-        vector = torch.cat([total.to(self.device, torch.float32), torch.tensor(present, device=self.device)])
+            device_grads = [p.grad for p in (self.device_adam.params if self.device_adam is not None else ())
+                            if p.grad is not None]
+            grads, ratios = grads + device_grads, ratios + [1.0] * len(device_grads)
+        total = torch.zeros(1, device=self.device)
+        if grads:
+            # One foreach kernel for every owned tensor's norm, as the single-process norm does.
+            norms = torch.stack([n.float().to(self.device) for n in torch._foreach_norm(grads)])
+            total = (norms / torch.tensor(ratios, device=self.device)).square().sum().reshape(1)
+        vector = torch.cat([total, torch.tensor(present, device=self.device)])
         self.ranks.all_reduce_(vector)
         counts = vector[1:].tolist()
         partial = [slot.name for slot, count in zip(self.slots, counts) if 0 < count < self.ranks.world]

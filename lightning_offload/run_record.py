@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 HISTORY_FILE = "history.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -77,10 +78,9 @@ class RunRecorder(pl.Callback):
     """
 
     def __init__(self, run_dir: str | Path | None, resume: bool = False) -> None:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-        # With several ranks, rank 0 writes the run's files (the others' ranks are in their environment already).
-        self.run_dir = Path(run_dir) if run_dir is not None and getattr(rank_zero_only, "rank", 0) == 0 else None
+        # With several ranks, rank 0 writes the run's files (Lightning's launcher puts the others' rank in their
+        # environment, which rank_zero_only reads at import).
+        self.run_dir = Path(run_dir) if run_dir is not None and rank_zero_only.rank == 0 else None
         self.resume = resume
         self.previous: list[dict[str, Any]] = []
         self.start_step = 0

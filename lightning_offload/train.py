@@ -20,6 +20,7 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
@@ -223,8 +224,8 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "whole_adapter_bytes": float(getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)() * 4) or None,
         # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
         "link_bytes_to_host_per_step": med("offload/bytes_device_to_host") + med("meft/bytes_device_to_host"),
-        # Data parallelism: what this rank (rank 0) handed to collectives per step; 0 on one device.
-        # (None where no offload strategy counts them: Lightning's DDP all-reduces every gradient, uncounted.)
+        # Data parallelism: what rank 0 handed to collectives per step (0 on one device; None where no offload
+        # strategy counts them, e.g. Lightning's own DDP).
         "bytes_between_ranks_per_step": _median([r["offload/bytes_between_ranks"] for r in steady
                                                  if "offload/bytes_between_ranks" in r]),
         "world_size": trainer.world_size,
@@ -342,13 +343,6 @@ def _data_parallel_offload(cfg: DictConfig) -> None:
              strategy.get("embeddings"))
 
 
-def _is_rank_zero() -> bool:
-    """Whether this process is rank 0 (Lightning's launcher sets the rank in the environment of the others)."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-    return getattr(rank_zero_only, "rank", 0) == 0
-
-
 def _output_dir(cfg: DictConfig) -> Path:
     path = cfg.paths.get("output_dir") if "paths" in cfg else None
     if path is None:
@@ -377,6 +371,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data, tokenizer=lm.tokenizer)
     # Tokenise and cache the data now: a missing dataset fails here, before a trainer or a projector fit is built.
     datamodule.prepare_data()
+    heldout = _heldout_data(cfg, lm)
     _data_parallel_offload(cfg)
     policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
     module = build_module(lm, datamodule, policy, cfg.optim)
@@ -395,7 +390,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     before: dict[str, float] = {}
-    heldout = _heldout_data(cfg, lm)
     heldout_before: float | None = None
     if cfg.get("eval_before", True) and cfg.get("ckpt_path") is None:
         before = _evaluate(cfg, module, datamodule, trainer)
@@ -417,7 +411,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         after = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=trainer.global_step, metrics=after)
     heldout_after = _evaluate(cfg, module, heldout, trainer).get("val/loss") if heldout is not None else None
-    if not _is_rank_zero():
+    if rank_zero_only.rank != 0:
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
         return {}, {"cfg": cfg, "trainer": trainer, "module": module}
 
