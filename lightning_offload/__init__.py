@@ -15,7 +15,7 @@ from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
 from lightning_offload.meft.config import MEFTConfig
-from lightning_offload.meft.lazy_adam import LazyRowAdam
+from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
 from lightning_offload.offload_optimizer import NonFiniteGradientError, NonFiniteStepWarning, OffloadOptimizer
@@ -30,9 +30,9 @@ for _strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStra
 
 __version__ = "0.1.0"
 __all__ = [
+    "BlockRowAdam",
     "LSPOffloadDDPStrategy",
     "LSPOffloadStrategy",
-    "LazyRowAdam",
     "MEFTAdapter",
     "MEFTConfig",
     "MEFTOffloadStrategy",
@@ -52,6 +52,7 @@ __all__ = [
     "meft_adapters",
     "random_projector",
     "reconstruction_error",
+    "RowAdamSettings",
     "register_strategies",
     "signed_permutation_projector",
     "stochastic_round_to_bf16",

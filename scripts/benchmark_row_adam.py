@@ -1,14 +1,22 @@
 """Host nanoseconds per element of the row-sparse Adams against torch's fused AdamW on the same number of elements.
 
-One process, interleaved repeats, medians: :class:`~lightning_offload.row_adam.HostRowAdam` (the row-sparse
-embedding's Adam: gathers the touched rows into preallocated workspaces, catches their moments up, steps, scatters)
-and MEFT's :class:`~lightning_offload.meft.lazy_adam.LazyRowAdam` (keys and values, per-row step counts) on ``--rows``
-of an ``--height × --width`` fp32 matrix, and ``torch.optim.AdamW(fused=True)`` stepping a dense tensor of the same
-element count (the floor: one fused pass, no gather).
+One process, interleaved repeats, medians, two tables:
 
-    python scripts/benchmark_row_adam.py                          # 2048 of 32000 rows of width 2048 (1.3B embedding)
-    python scripts/benchmark_row_adam.py --height 16384 --width 576 --rows 1600
-    python scripts/benchmark_row_adam.py --threads 1                # on a busy machine: no waits at thread barriers
+* the row-sparse embedding's :class:`~lightning_offload.row_adam.HostRowAdam` (gathers the touched rows into
+  preallocated workspaces, catches their moments up, steps, scatters) on ``--rows`` of an ``--height × --width``
+  matrix;
+* MEFT's :class:`~lightning_offload.meft.block_adam.BlockRowAdam` on one adapter (keys and values, ``--neurons × --width``
+  each, blocks of ``--neurons / --experts`` rows), ``--blocks`` blocks per step: the whole row step as the strategy runs
+  it (the gradient norm over the stepped blocks, the moments' catch-up, the fused Adam kernel on the slices, zeroing
+  the accumulators), with the same blocks at every step (no catch-up) and with blocks drawn at random per step (most of
+  them caught up over a gap);
+
+each against ``torch.optim.AdamW(fused=True)`` stepping dense tensors of the same element count (the floor: one fused
+pass, no gather, no norm, no zeroing).
+
+    python scripts/benchmark_row_adam.py                   # 2048 of 32000 rows × 2048; MEFT at the 1.3B shape
+    python scripts/benchmark_row_adam.py --neurons 16384 --width 576 --experts 128 --blocks 24   # bible_qa's shape
+    python scripts/benchmark_row_adam.py --threads 1       # on a busy machine: no waits at thread barriers
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_offload.meft.lazy_adam import LazyAdamSettings, LazyRowAdam
+from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.row_adam import HostRowAdam
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -35,51 +43,112 @@ def _time(step: Callable[[int], None], repeats: int) -> float:
     return statistics.median(seconds[1:])  # the first call sizes workspaces and creates state
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--height", type=int, default=32000)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    generator = torch.Generator().manual_seed(0)
+def _fused_floor(rows: int, width: int, matrices: int, generator: torch.Generator) -> Callable[[int], None]:
+    dense = [torch.randn(rows, width, generator=generator, requires_grad=True) for _ in range(matrices)]
+    grads = [[torch.randn(rows, width, generator=generator) for _ in range(matrices)] for _ in range(2)]
+    fused = torch.optim.AdamW(dense, **SETTINGS, fused=True)
+
+    def step(i: int) -> None:
+        for p, g in zip(dense, grads[i % 2]):
+            p.grad = g
+        fused.step()
+
+    return step
+
+
+def _table(results: dict[str, list[float]], elements: dict[str, int], floor_name: str) -> None:
+    print("| optimizer | ms / step | ns / element | × fused AdamW |\n|---|---|---|---|")
+    floor = statistics.median(results[floor_name]) / elements[floor_name]
+    for name, values in results.items():
+        seconds = statistics.median(values)
+        per_element = seconds / elements[name]
+        print(f"| {name} | {seconds * 1e3:.1f} | {per_element * 1e9:.2f} | {per_element / floor:.2f} |")
+
+
+def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> None:
+    """HostRowAdam on the touched rows of an embedding against fused AdamW on as many elements."""
     elements = args.rows * args.width
     row_sets = [torch.randperm(args.height, generator=generator)[:args.rows].sort().values for _ in range(4)]
     grads = [torch.randn(args.rows, args.width, generator=generator) for _ in range(4)]
-
     row_adam = HostRowAdam(torch.randn(args.height, args.width, generator=generator))
 
     def host_row(i: int) -> None:
         row_adam.step(row_sets[i % 4], grads[i % 4].clone(), **SETTINGS)
 
-    lazy = LazyRowAdam([torch.randn(args.height, args.width, generator=generator)])
-    lazy_settings = LazyAdamSettings(**SETTINGS)
+    steps = {"torch AdamW (fused), dense": _fused_floor(args.rows, args.width, 1, generator),
+             "HostRowAdam (embedding rows)": host_row}
+    results: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(3):  # interleaved, so load on the machine hits all alike
+        for name, step in steps.items():
+            results[name].append(_time(step, args.repeats))
+    print(f"\nEmbedding: {args.rows} of {args.height} rows × {args.width} ({elements / 1e6:.1f}M elements per step)\n")
+    _table(results, dict.fromkeys(results, elements), "torch AdamW (fused), dense")
 
-    def lazy_row(i: int) -> None:
-        lazy.step(row_sets[i % 4], [grads[i % 4]], lazy_settings)
 
-    dense = torch.randn(args.rows, args.width, generator=generator, requires_grad=True)
-    fused = torch.optim.AdamW([dense], **SETTINGS, fused=True)
+def meft_table(args: argparse.Namespace, generator: torch.Generator) -> None:
+    """BlockRowAdam's whole row step on one adapter against fused AdamW on the stepped element count."""
+    block_rows = args.neurons // args.experts
+    elements = 2 * args.blocks * block_rows * args.width  # keys and values
+    params = [torch.randn(args.neurons, args.width, generator=generator) for _ in range(2)]
+    accumulators = [torch.zeros(args.neurons, args.width) for _ in range(2)]
+    optimizer = BlockRowAdam(params, block_rows)
+    settings = RowAdamSettings(**SETTINGS)
+    fixed = torch.randperm(args.experts, generator=generator)[:args.blocks].sort().values
+    drawn = [torch.randperm(args.experts, generator=generator)[:args.blocks].sort().values for _ in range(8)]
+    noise = torch.randn(block_rows, args.width, generator=generator)
 
-    def fused_dense(i: int) -> None:
-        dense.grad = grads[i % 4]
-        fused.step()
+    def row_step(blocks: torch.Tensor) -> tuple[float, float]:
+        for accumulator in accumulators:  # the host sums of this step's gradients (not timed: made before the clock)
+            for block in blocks.tolist():
+                accumulator[block * block_rows:(block + 1) * block_rows].copy_(noise)
+        start = time.perf_counter()
+        norm = optimizer.grad_norm_squares(accumulators, blocks).sqrt()  # the finite check and clipping read it
+        middle = time.perf_counter()
+        optimizer.step(blocks, accumulators, settings, ("norm", min(1.0, 1.0 / float(norm))))
+        return middle - start, time.perf_counter() - middle
 
-    results: dict[str, list[float]] = {"torch AdamW (fused), dense": [], "HostRowAdam": [], "LazyRowAdam (MEFT)": []}
-    for _ in range(3):  # interleaved, so load on the machine hits all three alike
-        results["torch AdamW (fused), dense"].append(_time(fused_dense, args.repeats))
-        results["HostRowAdam"].append(_time(host_row, args.repeats))
-        results["LazyRowAdam (MEFT)"].append(_time(lazy_row, args.repeats))
-    floor = statistics.median(results["torch AdamW (fused), dense"])
-    print(f"{args.rows} of {args.height} rows × {args.width} ({elements / 1e6:.1f}M elements per step), "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| optimizer | ms / step | ns / element | × fused AdamW |\n|---|---|---|---|")
-    for name, values in results.items():
-        seconds = statistics.median(values)
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / elements * 1e9:.2f} | {seconds / floor:.2f} |")
+    def timed(choose: Callable[[int], torch.Tensor], part: int | None) -> Callable[[], float]:
+        def run() -> float:
+            seconds = [row_step(choose(i)) for i in range(args.repeats)][1:]
+            return statistics.median(sum(s) if part is None else s[part] for s in seconds)
+        return run
+
+    floor = _fused_floor(args.blocks * block_rows, args.width, 2, generator)
+    same, drawn_per_step = (lambda i: fixed), (lambda i: drawn[i % len(drawn)])
+    runs = {"torch AdamW (fused), dense": lambda: _time(floor, args.repeats),
+            "BlockRowAdam, the same blocks every step: norm + step": timed(same, None),
+            "BlockRowAdam, blocks drawn per step (caught up over gaps): norm + step": timed(drawn_per_step, None),
+            "– of which the gradient norm": timed(drawn_per_step, 0),
+            "– of which the step (catch-up, fused Adam, zeroing the sums)": timed(drawn_per_step, 1)}
+    results: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(3):
+        for name, run in runs.items():
+            results[name].append(run())
+    print(f"\nMEFT adapter: {args.blocks} of {args.experts} blocks of {block_rows} rows × {args.width}, keys and values "
+          f"({elements / 1e6:.1f}M elements per step; norm, catch-up, Adam and zeroing timed)\n")
+    _table(results, dict.fromkeys(results, elements), "torch AdamW (fused), dense")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--height", type=int, default=32000)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--neurons", type=int, default=8192, help="MEFT adapter rows (keys and values each)")
+    parser.add_argument("--experts", type=int, default=64, help="MEFT experts: blocks of neurons/experts rows")
+    parser.add_argument("--blocks", type=int, default=16, help="MEFT blocks stepped per step (4 sequences × 4)")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--only", choices=("embedding", "meft"), default=None, help="run one table")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    generator = torch.Generator().manual_seed(0)
+    if args.only != "meft":
+        embedding_table(args, generator)
+    if args.only != "embedding":
+        meft_table(args, generator)
 
 
 if __name__ == "__main__":

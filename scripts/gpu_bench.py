@@ -264,7 +264,10 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         total_rows = sum(a.config.num_neurons for a in trainer.strategy.adapters)
         meft = {
             "meft_rows_share_per_step": rows["meft/rows_moved"] / total_rows,
+            # Whole blocks are stepped on the host: the touched rows plus their blocks' idle rows.
+            "meft_rows_stepped_share_per_step": rows["meft/rows_stepped"] / total_rows,
             "meft_link_bytes_per_step": rows["meft/bytes_host_to_device"] + rows["meft/bytes_device_to_host"],
+            "meft_routing_key_bytes_per_step": rows["meft/bytes_routing_keys_to_device"],
             "meft_host_seconds_per_step": rows["meft/host_optimizer_seconds"],
             "meft_adapter_device_bytes": rows["meft/adapter_device_bytes"],
         }

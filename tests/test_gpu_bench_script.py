@@ -41,6 +41,7 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
         assert "error" not in entry, entry
         assert 0 < entry["meft_rows_share_per_step"] <= 1 and entry["meft_link_bytes_per_step"] > 0
         assert entry["meft_rows_share_per_step"] <= entry["meft_row_bound_share"] < 1  # per-sequence routing
+        assert entry["meft_rows_share_per_step"] <= entry["meft_rows_stepped_share_per_step"] <= 1
     # Host routing keeps no key copy on the device.
     assert by_method["meft_host_routing"]["meft_adapter_device_bytes"] < \
         by_method["meft_device_routing"]["meft_adapter_device_bytes"]

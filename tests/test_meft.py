@@ -1,4 +1,4 @@
-"""MEFT: injection, Key-Experts routing, host rows with lazy Adam, accumulation, resume, the meft_offload strategy."""
+"""MEFT: injection, Key-Experts routing, host rows with the block Adam, accumulation, resume, the meft_offload strategy."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
-from lightning_offload import LazyRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
+from lightning_offload import BlockRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
 from lightning_offload.meft.adapter import expert_key_scores, route, select_experts, select_neurons
-from lightning_offload.meft.lazy_adam import LazyAdamSettings
+from lightning_offload.meft.block_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.models import tiny_gpt2, tiny_llama
 from lightning_offload.offload_optimizer import NonFiniteGradientError
 from lightning_offload.pipeline import HostWorkerError
@@ -249,24 +249,178 @@ def test_padding_tokens_fetch_no_rows() -> None:
         assert 0 < int(adapter.host.touched.sum()) <= 2 * SMALL["top_k"]
 
 
-def test_lazy_adam_equals_dense_adam_on_rows_touched_every_step() -> None:
+def _block_adam_run(settings: RowAdamSettings, clip=None, steps: int = 7, block_rows: int = 4):
+    """A BlockRowAdam over 24 rows and torch's own Adam/AdamW (not fused) on a separate copy of the always-touched
+    blocks (rows 4–11), both fed the same gradients; every step touches those blocks plus one random other row."""
     g = torch.Generator().manual_seed(0)
-    rows, hidden, steps = 20, 6, 7
-    always = torch.tensor([1, 4, 9, 15])
-    lazy_param = torch.randn(rows, hidden, generator=g)
-    dense_param = lazy_param[always].clone().requires_grad_(True)
-    lazy = LazyRowAdam([lazy_param])
-    settings = LazyAdamSettings(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    dense = torch.optim.AdamW([dense_param], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    for step in range(steps):
-        extra = torch.randperm(rows, generator=g)[:3]
-        touched = torch.unique(torch.cat([always, extra]))
-        grads = torch.randn(rows, hidden, generator=g)
-        lazy.step(touched, [grads[touched]], settings)
-        dense_param.grad = grads[always].clone()
-        dense.step()
-    torch.testing.assert_close(lazy_param[always], dense_param.detach(), rtol=1e-6, atol=1e-6)
-    assert (lazy.steps[always] == steps).all()
+    rows, hidden = 24, 5
+    always = torch.arange(4, 12)
+    param = torch.randn(rows, hidden, generator=g)
+    reference = param[always].clone().requires_grad_(True)
+    block = BlockRowAdam([param], block_rows)
+    optimizer_class = torch.optim.AdamW if settings.decoupled else torch.optim.Adam
+    torch_adam = optimizer_class([reference], lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                                 weight_decay=settings.weight_decay, maximize=settings.maximize)
+    accumulator = torch.zeros(rows, hidden)
+    for _ in range(steps):
+        touched = torch.zeros(rows, dtype=torch.bool)
+        touched[always] = True
+        touched[int(torch.randint(rows, (1,), generator=g))] = True
+        grads = torch.randn(rows, hidden, generator=g) * touched.unsqueeze(1)
+        accumulator += grads
+        block.step(block.blocks_of(touched), [accumulator], settings, clip)
+        assert (accumulator == 0).all()  # the stepped rows' sums are zeroed, ready for the next step
+        reference.grad = grads[always].clone()
+        if clip is not None and clip[0] == "norm":
+            reference.grad.mul_(clip[1])
+        elif clip is not None:
+            reference.grad.clamp_(-clip[1], clip[1])
+        torch_adam.step()
+    return param[always], reference.detach(), block
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+@pytest.mark.parametrize("clip", [None, ("norm", 0.3), ("value", 0.5)], ids=["noclip", "norm", "value"])
+def test_block_adam_equals_torch_adam_on_blocks_touched_every_step(decoupled: bool, maximize: bool, clip) -> None:
+    settings = RowAdamSettings(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, decoupled=decoupled,
+                               maximize=maximize)
+    stepped, reference, block = _block_adam_run(settings, clip)
+    torch.testing.assert_close(stepped, reference, rtol=1e-6, atol=1e-6)
+    assert block.step_count == 7 and (block.last_step[1:3] == 7).all()
+
+
+def test_block_adam_moments_over_a_gap_equal_dense_adamw_with_zero_gradients() -> None:
+    g = torch.Generator().manual_seed(1)
+    rows, hidden, block_rows = 12, 3, 4
+    settings = RowAdamSettings(lr=0.02, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.5)
+    param = torch.randn(rows, hidden, generator=g)
+    dense = param.clone().requires_grad_(True)
+    block = BlockRowAdam([param], block_rows)
+    torch_adam = torch.optim.AdamW([dense], lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                                   weight_decay=settings.weight_decay)
+    accumulator = torch.zeros(rows, hidden)
+    # Block 1 (rows 4–7) is touched at steps 1 and 5 only; block 0 at every step; block 2 never.
+    for step in range(1, 6):
+        touched = torch.zeros(rows, dtype=torch.bool)
+        touched[0:4] = True
+        if step in (1, 5):
+            touched[5] = True  # one row of block 1: the whole block is stepped, its other rows with zero gradient
+        grads = torch.randn(rows, hidden, generator=g) * touched.unsqueeze(1)
+        accumulator += grads
+        block.step(block.blocks_of(touched), [accumulator], settings)
+        dense.grad = grads.clone()
+        torch_adam.step()
+        if step == 4:
+            # Over the gap dense AdamW decays the block's weights and moves them on momentum; the block Adam
+            # leaves them alone until the block is touched again.
+            assert not torch.equal(dense.detach()[4:8], param[4:8])
+    state = torch_adam.state[dense]
+    exp_avg, exp_avg_sq = block.moments(0)
+    # Moments of the block that missed steps 2–4 were caught up: they equal dense AdamW's with zero gradients.
+    torch.testing.assert_close(exp_avg[4:8], state["exp_avg"][4:8], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(exp_avg_sq[4:8], state["exp_avg_sq"][4:8], rtol=1e-5, atol=1e-9)
+    # The block touched at every step equals dense AdamW outright; the untouched block kept its value and no state.
+    torch.testing.assert_close(param[0:4], dense.detach()[0:4], rtol=1e-6, atol=1e-6)
+    assert (exp_avg[8:] == 0).all() and (block.last_step == torch.tensor([5, 5, 0])).all()
+
+
+def _explicit_catch_up_adam(param: torch.Tensor, block_rows: int, steps: list[tuple[torch.Tensor, torch.Tensor]],
+                            settings: RowAdamSettings, coefficient: float) -> tuple[torch.Tensor, ...]:
+    """The block Adam written out plainly, in float64: a touched block's moments and (decoupled) decay are caught up
+    by multiplying them over its gap, then the textbook Adam step at the global step count."""
+    p, m, v = param.double().clone(), torch.zeros_like(param, dtype=torch.float64), torch.zeros_like(
+        param, dtype=torch.float64)
+    last = torch.zeros(param.shape[0] // block_rows, dtype=torch.int64)
+    beta1, beta2 = settings.betas
+    for t, (blocks, grad) in enumerate(steps, start=1):
+        for block in blocks.tolist():
+            rows = slice(block * block_rows, (block + 1) * block_rows)
+            gap = t - 1 - int(last[block])
+            g = grad[rows].double() * coefficient
+            g = -g if settings.maximize else g
+            m[rows] *= beta1**gap
+            v[rows] *= beta2**gap
+            if settings.decoupled:
+                p[rows] *= (1 - settings.lr * settings.weight_decay)**(gap + 1)
+            else:
+                g = g + settings.weight_decay * p[rows]
+            m[rows] = beta1 * m[rows] + (1 - beta1) * g
+            v[rows] = beta2 * v[rows] + (1 - beta2) * g * g
+            denominator = (v[rows] / (1 - beta2**t)).sqrt() + settings.eps
+            p[rows] -= settings.lr * m[rows] / (1 - beta1**t) / denominator
+            last[block] = t
+    return p, m, v
+
+
+@pytest.mark.parametrize("decoupled, maximize, coefficient, beta2", [
+    (True, False, 1.0, 0.999), (False, True, 0.25, 0.99), (True, True, 0.5, 0.5)],
+    ids=["adamw", "adam-l2-max-clip", "adamw-max-clip-renormalising"])
+def test_block_adam_equals_the_catch_up_written_out(decoupled: bool, maximize: bool, coefficient: float,
+                                                    beta2: float) -> None:
+    """Blocks drawn at random for 40 steps, gaps of up to tens of steps (at β₂ = 0.5 the scales fall below the
+    renormalisation threshold within ten): the scaled moments give the explicit catch-up's weights and moments."""
+    g = torch.Generator().manual_seed(5)
+    rows, hidden, block_rows = 32, 3, 4
+    # ε comparable to √v, so that its rescaling in the scaled step is checked too.
+    settings = RowAdamSettings(lr=0.01, betas=(0.8, beta2), eps=0.3, weight_decay=0.2, decoupled=decoupled,
+                               maximize=maximize)
+    param = torch.randn(rows, hidden, generator=g)
+    start = param.clone()
+    block = BlockRowAdam([param], block_rows)
+    accumulator = torch.zeros(rows, hidden)
+    steps = []
+    for t in range(40):
+        count = 1 + int(torch.randint(4, (1,), generator=g))
+        blocks = torch.randperm(rows // block_rows, generator=g)[:count].sort().values
+        if t >= 20:
+            blocks = blocks[blocks != 7]  # block 7 then misses the last 20 steps, once touched again at the end
+        if t == 39:
+            blocks = torch.cat([blocks, torch.tensor([7])]).unique()
+        grad = torch.randn(rows, hidden, generator=g) * block.blocks_mask(blocks).unsqueeze(1)
+        steps.append((blocks, grad))
+        accumulator += grad
+        block.step(blocks, [accumulator], settings, ("norm", coefficient) if coefficient != 1.0 else None)
+    want_p, want_m, want_v = _explicit_catch_up_adam(start, block_rows, steps, settings, coefficient)
+    got_m, got_v = block.moments(0)
+    last = block.last_step.repeat_interleave(block_rows).unsqueeze(1).double()
+    # moments() decays every block to the latest step; the written-out version holds them as of each block's last.
+    torch.testing.assert_close(got_m.double(), want_m * settings.betas[0]**(40 - last), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got_v.double(), want_v * beta2**(40 - last), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(param.double(), want_p, rtol=1e-5, atol=1e-6)
+    assert (block.scale1 != 1).any()  # the scaled path ran, not only the plain one
+    if beta2**20 < RENORMALIZE_BELOW:  # block 7's moments were rescaled in place after its 20-step gap
+        assert block.scale1[7] == 1 and block.scale2[7] == 1
+
+
+def test_block_adam_catches_up_decoupled_weight_decay_over_a_gap() -> None:
+    rows, hidden = 8, 2
+    lr, decay = 0.1, 0.5
+    param = torch.ones(rows, hidden)
+    block = BlockRowAdam([param], 4)
+    accumulator = torch.zeros(rows, hidden)
+    settings = RowAdamSettings(lr=lr, weight_decay=decay)
+    touched_first, touched_second = torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool)
+    touched_first[0], touched_second[4] = True, True
+    block.step(block.blocks_of(touched_first | touched_second), [accumulator], settings)  # step 1: both, zero grads
+    for _ in range(3):  # steps 2–4: block 0 only
+        block.step(block.blocks_of(touched_first), [accumulator], settings)
+    block.step(block.blocks_of(touched_second), [accumulator], settings)  # step 5: block 1 again, after 3 missed
+    # Zero gradients throughout: the weights see only decay, five steps of it in both blocks.
+    torch.testing.assert_close(param[4:], torch.full((4, hidden), (1 - lr * decay) ** 5))
+    torch.testing.assert_close(param[:4], torch.full((4, hidden), (1 - lr * decay) ** 4))
+
+
+def test_block_adam_refuses_bad_layouts_and_foreign_state() -> None:
+    with pytest.raises(ValueError, match="block_rows=5 must be a positive divisor of the 12 rows"):
+        BlockRowAdam([torch.zeros(12, 2)], 5)
+    block = BlockRowAdam([torch.zeros(12, 2)], 4)
+    with pytest.raises(ValueError, match="per-row Adam step counts"):
+        block.load_state_dict({"exp_avg": [torch.zeros(12, 2)], "exp_avg_sq": [torch.zeros(12, 2)],
+                               "steps": torch.zeros(12, dtype=torch.int64)})
+    other = BlockRowAdam([torch.zeros(12, 2)], 6).state_dict()
+    with pytest.raises(ValueError, match=r"row_block=6"):
+        block.load_state_dict(other)
 
 
 def _dense_reference_grads(model: torch.nn.Module, micro_batches: list[dict]) -> list[tuple[torch.Tensor, ...]]:
@@ -394,7 +548,7 @@ def test_host_routing_trains_without_keys_on_the_device(tmp_path: Path) -> None:
 
 
 def _row_gradients_per_step(strategy: MEFTOffloadStrategy) -> list[list[torch.Tensor]]:
-    """Records, at every optimizer step, the accumulated row gradients the lazy Adam is about to consume."""
+    """Records, at every optimizer step, the accumulated row gradients the block Adam is about to consume."""
     seen: list[list[torch.Tensor]] = []
     step_rows = strategy.step_rows
 
@@ -419,7 +573,7 @@ def test_accumulation_equals_one_large_batch(tmp_path: Path) -> None:
     trainer(tmp_path / "a", 2, small_strategy, accumulate_grad_batches=2).fit(
         CausalLMModule(small_model, lr=1e-2), train_dataloaders=loader(data))
     trainer(tmp_path / "b", 2, big_strategy).fit(CausalLMModule(big_model, lr=1e-2), train_dataloaders=loader(big))
-    # The gradients each lazy Adam step consumed: the second step's depend on the first step's update, so they
+    # The gradients each block Adam step consumed: the second step's depend on the first step's update, so they
     # agree only if the accumulated rows (which change between micro-batches) were summed correctly both times.
     assert len(small_grads) == len(big_grads) == 2
     for small_step, big_step in zip(small_grads, big_grads):
@@ -474,9 +628,10 @@ def test_a_failing_row_fetch_surfaces_in_the_forward() -> None:
         model(**batches(1)[0])
 
 
-def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Wraps the row optimizers once they exist: records the rows and gradients each lazy Adam step consumed."""
-    consumed: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[list[tuple[int, int]], list[torch.Tensor], Any]]:
+    """Wraps the row optimizers once they exist: records the row ranges, the gradient rows and the clipping each
+    block Adam step consumed."""
+    consumed: list[tuple[list[tuple[int, int]], list[torch.Tensor], Any]] = []
     setup = strategy.setup_optimizers
 
     def recording_setup(trainer: pl.Trainer) -> None:
@@ -484,9 +639,10 @@ def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[torch.Tensor,
         for optimizer in strategy.row_optimizers:
             step = optimizer.step
 
-            def recording_step(rows, grads, settings, step=step):
-                consumed.append((rows.clone(), [g.clone() for g in grads]))
-                step(rows, grads, settings)
+            def recording_step(blocks, grads, settings, clip=None, step=step, optimizer=optimizer):
+                ranges = optimizer.row_ranges(blocks)
+                consumed.append((ranges, [torch.cat([g[a:b] for a, b in ranges]).clone() for g in grads], clip))
+                return step(blocks, grads, settings, clip)
 
             optimizer.step = recording_step
 
@@ -506,25 +662,22 @@ def test_gradient_clipping_covers_the_adapter_rows(tmp_path: Path, mode: str) ->
     adapters = meft_adapters(model)
     assert len(consumed) == len(adapters)
     raw = before[0]
+    clips = {clip for _, _, clip in consumed}
+    assert len(clips) == 1  # one clipping decision for every adapter
+    kind, amount = clips.pop()
+    assert kind == mode
     if mode == "norm":
         row_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw]))
-        ratios = []
-        for i, (rows, grads) in enumerate(consumed):
-            for got, full in zip(grads, (raw[2 * i][rows], raw[2 * i + 1][rows])):
-                nonzero = full != 0
-                ratios.append(got[nonzero] / full[nonzero])
-        ratio = torch.cat(ratios)
-        coefficient = ratio.mean()
-        torch.testing.assert_close(ratio, torch.full_like(ratio, coefficient.item()))  # one global coefficient
-        # The norm it was computed from includes the routers' gradients too: strictly larger than the rows' alone.
-        assert coefficient * row_norm < clip_value
+        # The norm the coefficient came from includes the routers' gradients too: strictly larger than the rows'.
+        assert amount * row_norm < clip_value
     else:
-        for i, (rows, grads) in enumerate(consumed):
-            for got, full in zip(grads, (raw[2 * i][rows], raw[2 * i + 1][rows])):
-                if not full.any():
-                    continue  # keys get no gradient while the values are still zero
-                assert full.abs().max() > clip_value  # the bound bites
-                torch.testing.assert_close(got, full.clamp(-clip_value, clip_value))
+        assert amount == clip_value
+        assert max(float(g.abs().max()) for _, grads, _ in consumed for g in grads) > clip_value  # the bound bites
+    # The optimizer received the accumulated gradients unaltered (it applies the clipping itself; the block Adam
+    # tests compare its clipped steps with torch's).
+    for i, (ranges, grads, _) in enumerate(consumed):
+        for got, full in zip(grads, (raw[2 * i], raw[2 * i + 1])):
+            torch.testing.assert_close(got, torch.cat([full[a:b] for a, b in ranges]), rtol=0, atol=0)
 
 
 def test_pipelined_row_updates_equal_finishing_them_in_the_step(tmp_path: Path) -> None:
@@ -547,7 +700,7 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
     def breaking_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
 
-        def broken(rows, grads, settings):
+        def broken(blocks, grads, settings, clip=None):
             raise RuntimeError("host Adam failed")
 
         strategy.row_optimizers[1].step = broken
@@ -568,15 +721,16 @@ def test_non_finite_row_gradients_leave_the_host_rows_untouched(tmp_path: Path, 
     model = meft_model()
     adapters = meft_adapters(model)
     strategy = MEFTOffloadStrategy(device="cpu", on_nonfinite=policy)
-    step_rows = strategy.step_rows
+    row_grad_norm = strategy.row_grad_norm
 
-    def poisoned_step_rows() -> None:
+    def poisoned_row_grad_norm() -> torch.Tensor:
+        # The summed gradients are poisoned before the step's norm reads them (the norm decides finiteness).
         strategy.row_pipeline.flush()
         host = adapters[0].host
         host.grad_values[host.touched.nonzero()[0]] = float("nan")
-        step_rows()
+        return row_grad_norm()
 
-    strategy.step_rows = poisoned_step_rows
+    strategy.row_grad_norm = poisoned_row_grad_norm
     values = [a.host.values.clone() for a in adapters]
     keys = [a.host.keys.clone() for a in adapters]
     _fit_one_skipped_step(trainer(tmp_path, 1, strategy), model, strategy, policy)
@@ -601,14 +755,16 @@ def test_key_lr_scale_slows_the_keys_only() -> None:
     g = torch.Generator().manual_seed(4)
     keys, values = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g)
     start_keys, start_values = keys.clone(), values.clone()
-    adam = LazyRowAdam([keys, values], lr_scales=[0.1, 1.0])
-    rows = torch.tensor([0, 3])
-    adam.step(rows, [torch.ones(2, 3), torch.ones(2, 3)], LazyAdamSettings(lr=0.01))
+    adam = BlockRowAdam([keys, values], 2, lr_scales=[0.1, 1.0])
+    blocks = torch.tensor([0, 2])
+    stepped = torch.tensor([0, 1, 4, 5])
+    adam.step(blocks, [torch.ones(6, 3), torch.ones(6, 3)], RowAdamSettings(lr=0.01))
     # First Adam step: each element moves by lr·scale (the sign of a constant gradient).
-    torch.testing.assert_close(start_keys[rows] - keys[rows], torch.full((2, 3), 1e-3))
-    torch.testing.assert_close(start_values[rows] - values[rows], torch.full((2, 3), 1e-2))
+    torch.testing.assert_close(start_keys[stepped] - keys[stepped], torch.full((4, 3), 1e-3))
+    torch.testing.assert_close(start_values[stepped] - values[stepped], torch.full((4, 3), 1e-2))
+    assert torch.equal(keys[2:4], start_keys[2:4])
     with pytest.raises(ValueError, match="lr_scales"):
-        LazyRowAdam([keys, values], lr_scales=[0.1])
+        BlockRowAdam([keys, values], 2, lr_scales=[0.1])
     with pytest.raises(ValueError, match="key_lr_scale=0"):
         MEFTOffloadStrategy(device="cpu", key_lr_scale=0)
 
@@ -673,3 +829,64 @@ def test_one_non_finite_decision_covers_routers_and_rows(tmp_path: Path, poisone
     for adapter, v in zip(adapters, values):
         assert torch.equal(adapter.host.values, v)
         assert not adapter.host.touched.any()
+
+
+# Every neuron fires (top_k = num_neurons, one expert): the adapter is then a dense ReLU memory, every row is touched
+# at every step, and meft_offload must train it exactly as torch.optim trains the same memory held as parameters.
+DENSE_EQUIVALENT = dict(num_neurons=32, top_k=32, num_experts=1, experts_per_sequence=1, experts_per_token=1)
+USER_OPTIMIZERS = {
+    "adamw": lambda maximize: lambda model: torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1,
+        maximize=maximize),
+    "adam_l2": lambda maximize: lambda model: torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
+        maximize=maximize),
+}
+USER_CLIPS = {"none": {}, "norm": {"gradient_clip_val": 2e-3, "gradient_clip_algorithm": "norm"},
+              "value": {"gradient_clip_val": 2e-5, "gradient_clip_algorithm": "value"}}
+
+
+def _with_dense_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Gives each adapter its keys and values as ordinary parameters, which its own forward then reads in place of
+    the fetched host rows (the reference: the same arithmetic, trained by torch.optim)."""
+    for adapter in meft_adapters(model):
+        adapter.dense_keys = torch.nn.Parameter(adapter.host.keys.clone())
+        adapter.dense_values = torch.nn.Parameter(adapter.host.values.clone())
+
+        def rows_of_the_parameters(rows: torch.Tensor, keys: Any, values: Any, device: Any, adapter=adapter) -> Any:
+            return adapter.dense_keys.index_select(0, rows), adapter.dense_values.index_select(0, rows)
+
+        adapter._to_device = rows_of_the_parameters
+    return model
+
+
+def _fit_user_setting(tmp_path: Path, dense: bool, optimizer: str, clip: str, maximize: bool,
+                      accumulate: int) -> list[torch.Tensor]:
+    model = meft_model(**DENSE_EQUIVALENT)
+    if dense:
+        _with_dense_parameters(model)
+    strategy = "auto" if dense else MEFTOffloadStrategy(device="cpu")
+    module = CausalLMModule(model, optimizer_factory=USER_OPTIMIZERS[optimizer](maximize))
+    trainer(tmp_path / f"{dense}-{optimizer}-{clip}", 4, strategy, accumulate_grad_batches=accumulate,
+            **USER_CLIPS[clip]).fit(module, train_dataloaders=loader(batches(4 * accumulate, seed=21)))
+    adapters = meft_adapters(model)
+    if dense:
+        return [t.detach() for a in adapters for t in (a.dense_keys, a.dense_values, a.router.weight)]
+    return [t.detach() for a in adapters for t in (a.host.keys, a.host.values, a.router.weight)]
+
+
+@pytest.mark.parametrize("optimizer", list(USER_OPTIMIZERS))
+@pytest.mark.parametrize("clip", list(USER_CLIPS))
+@pytest.mark.parametrize("maximize, accumulate", [(False, 1), (True, 2)], ids=["min-acc1", "max-acc2"])
+def test_meft_offload_equals_torch_optim_at_the_users_settings(tmp_path: Path, optimizer: str, clip: str,
+                                                               maximize: bool, accumulate: int) -> None:
+    offloaded = _fit_user_setting(tmp_path, False, optimizer, clip, maximize, accumulate)
+    reference = _fit_user_setting(tmp_path, True, optimizer, clip, maximize, accumulate)
+    initial = [t for a in meft_adapters(meft_model(**DENSE_EQUIVALENT)) for t in (a.host.keys, a.host.values)]
+    for got, want, start in zip(offloaded[0::3], reference[0::3], initial[0::2]):
+        assert not torch.equal(want, start)  # the keys trained: the comparison is not vacuous
+    for got, want in zip(offloaded, reference):
+        torch.testing.assert_close(got, want)
+    if clip != "none":  # the clipping fired: the unclipped run ends elsewhere
+        unclipped = _fit_user_setting(tmp_path / "unclipped", True, optimizer, "none", maximize, accumulate)
+        assert not torch.allclose(unclipped[1], reference[1])

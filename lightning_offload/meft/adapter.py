@@ -399,15 +399,16 @@ class MEFTAdapter(nn.Module):
         self._calibrated = bool(self.input_calibrated)  # once per load, not per forward
 
     @torch.no_grad()
-    def refresh_routing_keys(self, rows: torch.Tensor | None = None) -> None:
-        """Copies updated host keys (all, or ``rows``) into the device routing copy."""
+    def refresh_routing_keys(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Copies updated host keys (all, or the ``[start, end)`` row ranges given) into the device routing copy."""
         if self.routing_keys is None:
             return
-        if rows is None:
-            self.routing_keys.copy_(self.host.keys.to(self.routing_keys.device, self.routing_keys.dtype))
-        else:
-            self.routing_keys[rows.to(self.routing_keys.device)] = self.host.keys[rows].to(
-                self.routing_keys.device, self.routing_keys.dtype)
+        if ranges is None:
+            ranges = [(0, self.config.num_neurons)]
+        for start, end in ranges:
+            # Narrowed to bf16 on the host, so the link carries 2 bytes per element.
+            self.routing_keys[start:end] = self.host.keys[start:end].to(self.routing_keys.dtype).to(
+                self.routing_keys.device)
 
 
 def link_dtype(x: torch.Tensor) -> torch.dtype:

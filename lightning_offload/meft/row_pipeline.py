@@ -57,6 +57,7 @@ class RowPipeline:
         self.link = Link(device)
         self._staging = _PinnedPool() if self.link.is_cuda else None
         self._last: Job | None = None
+        self.gradients_queued = 0  # row gradients handed to the worker so far (a cached norm checks it is current)
         self._busy_seconds = 0.0
         self._lock = threading.Lock()  # the busy-time counter is written by the worker, read by the main thread
 
@@ -67,6 +68,7 @@ class RowPipeline:
         The gradient crosses the link in its own dtype (bf16 under autocast) and is widened on the host.
         """
         grad = grad.detach()
+        self.gradients_queued += 1
         if self._staging is None:
             # CPU "device": the gradient already is host memory; the job keeps it alive until it has been added.
             self._last = self.worker.submit(partial(self._add_rows, rows, grad, accumulator, None, None, None),

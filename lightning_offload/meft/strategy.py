@@ -2,9 +2,10 @@
 
 The adapters (see :mod:`lightning_offload.meft.adapter`) fetch the rows their tokens route to, and a host worker
 (:class:`~lightning_offload.meft.row_pipeline.RowPipeline`) sums those rows' gradients into host accumulators while
-backward goes on. At the optimizer step this strategy checks the gradients, then queues a row-sparse Adam per adapter
-on the worker over exactly the rows touched since the last step (the union over the accumulated micro-batches), which
-also refreshes the device's bf16 routing copy of those keys. The next forward waits for an adapter's update only when
+backward goes on. At the optimizer step this strategy checks the gradients, then queues a block Adam per adapter
+(:class:`~lightning_offload.meft.block_adam.BlockRowAdam`) on the worker over the blocks of rows touched since the last
+step (the union over the accumulated micro-batches; a block is one expert's neurons unless ``row_block`` says
+otherwise), which also refreshes the device's bf16 routing copy of those keys. The next forward waits for an adapter's update only when
 it reaches that adapter. Every other trainable parameter (the routers, anything the user left unfrozen) is stepped by
 the ``zero_offload`` machinery this strategy inherits: dense host Adam, nothing on the device. Gradient clipping
 (``Trainer(gradient_clip_val=...)``) takes the adapter rows into the global norm.
@@ -22,9 +23,9 @@ import torch
 from typing_extensions import override
 
 from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic, meft_adapters
-from lightning_offload.meft.lazy_adam import LazyAdamSettings, LazyRowAdam
+from lightning_offload.meft.block_adam import BlockRowAdam, Clip, RowAdamSettings
 from lightning_offload.meft.row_pipeline import RowPipeline
-from lightning_offload.offload_optimizer import NonFiniteGradientError
+from lightning_offload.offload_optimizer import NonFiniteGradientError, _is_decoupled
 from lightning_offload.strategy import LSPOffloadStrategy, _as_offload_optimizer
 
 _STATE_KEY = "meft_host_rows"
@@ -39,6 +40,9 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         weight_decay: decoupled weight decay of the adapter rows (``None``: the first param group's).
         key_lr_scale: the keys' learning rate relative to the values' (keys decide the routing: a smaller step keeps
             each token's neuron set stable while the values learn).
+        row_block: rows per block of the host Adam, the unit it steps (``None``: the neurons of one expert, which the
+            routing touches together). A touched block is stepped whole, its untouched rows with a zero gradient as
+            dense AdamW would; smaller blocks step fewer idle rows in more, smaller kernel calls.
         seed, on_nonfinite, log_telemetry, link_dtype: as for ``zero_offload`` (they apply to the dense parameters:
             routers and anything else left trainable).
         pipelined: as for ``zero_offload``, and for the rows: ``True`` lets the row updates run on the host while
@@ -49,7 +53,8 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     data_parallel_form = None
 
     def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
-                 weight_decay: float | None = None, key_lr_scale: float = 1.0, **kwargs: Any) -> None:
+                 weight_decay: float | None = None, key_lr_scale: float = 1.0, row_block: int | None = None,
+                 **kwargs: Any) -> None:
         kwargs["projection"] = False
         super().__init__(device, **kwargs)
         if lr is not None and not lr > 0:
@@ -57,11 +62,18 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         if not key_lr_scale > 0:
             raise ValueError(f"meft_offload key_lr_scale={key_lr_scale} must be positive (1.0: keys and values "
                              f"share the learning rate).")
+        if row_block is not None and (not isinstance(row_block, int) or row_block < 1):
+            raise ValueError(f"meft_offload row_block={row_block!r} must be a positive integer dividing the adapters' "
+                             f"num_neurons (or None: one expert's neurons).")
         self.lr = lr
         self.weight_decay = weight_decay
         self.key_lr_scale = float(key_lr_scale)
+        self.row_block = row_block
         self.adapters: list[MEFTAdapter] = []
-        self.row_optimizers: list[LazyRowAdam] = []
+        self.row_optimizers: list[BlockRowAdam] = []
+        # This step's row-gradient norm², once computed (the non-finite check and norm clipping both read it).
+        # Keyed by how many row gradients had been queued when it was computed, so a later micro-batch invalidates it.
+        self._row_norm: tuple[int, torch.Tensor] | None = None
         self.row_pipeline: RowPipeline | None = None
         self._row_clip: tuple[str, float] | None = None
         self.skipped_row_steps = 0
@@ -83,8 +95,8 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         self.row_pipeline = RowPipeline(self.root_device)
         for adapter in self.adapters:
             adapter.row_pipeline = self.row_pipeline
-        self.row_optimizers = [LazyRowAdam([a.host.keys, a.host.values], lr_scales=[self.key_lr_scale, 1.0])
-                               for a in self.adapters]
+        self.row_optimizers = [BlockRowAdam([a.host.keys, a.host.values], self._block_rows(a),
+                                            lr_scales=[self.key_lr_scale, 1.0]) for a in self.adapters]
         # One non-finite decision per step for routers and rows together: the dense optimizer's check includes the
         # rows' norm, and step_rows follows its verdict.
         assert self.offload_optimizer is not None
@@ -94,13 +106,29 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             self._pending_state = None
 
     # ---------------------------------------------------------------------------------------------- training
-    def _settings(self) -> LazyAdamSettings:
-        group = self.optimizers[0].param_groups[0]
-        return LazyAdamSettings(
+    def _block_rows(self, adapter: MEFTAdapter) -> int:
+        rows = self.row_block if self.row_block is not None else adapter.config.neurons_per_expert
+        if adapter.config.num_neurons % rows:
+            raise ValueError(f"meft_offload row_block={rows} does not divide num_neurons="
+                             f"{adapter.config.num_neurons}; pick a divisor, e.g. the neurons of one expert "
+                             f"({adapter.config.neurons_per_expert}).")
+        return rows
+
+    def _settings(self) -> RowAdamSettings:
+        optimizer = self.optimizers[0]
+        wrapped = getattr(optimizer, "wrapped", optimizer)  # the user's optimizer, inside the offload wrapper
+        group = optimizer.param_groups[0]
+        if group.get("amsgrad", False):
+            raise ValueError("meft_offload's host row Adam has no amsgrad: its per-row maxima would have to cross "
+                             "the host for every row ever touched. Use amsgrad=False.")
+        return RowAdamSettings(
             lr=self.lr if self.lr is not None else float(group["lr"]),
             betas=tuple(group.get("betas", (0.9, 0.999))),
             eps=float(group.get("eps", 1e-8)),
             weight_decay=self.weight_decay if self.weight_decay is not None else float(group.get("weight_decay", 0)),
+            # An explicit meft_offload(weight_decay=...) is decoupled, as AdamW's; else the user's optimizer decides.
+            decoupled=self.weight_decay is not None or _is_decoupled(wrapped, group),
+            maximize=bool(group.get("maximize", False)),
         )
 
     @override
@@ -111,8 +139,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         except NonFiniteGradientError:
             # on_nonfinite="raise": the dense optimizer stopped before touching anything; neither may the rows.
             self.row_pipeline.flush()
-            for adapter in self.adapters:
-                _clear_rows(adapter, adapter.host.touched.nonzero().squeeze(1))
+            self._clear_all_rows()
             self.skipped_row_steps += 1
             raise
         self.step_rows()
@@ -122,7 +149,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
 
     @torch.no_grad()
     def step_rows(self) -> None:
-        """Queue lazy Adam on every adapter's touched rows (public for manual loops; see :meth:`synchronize`).
+        """Queue the block Adam on every adapter's touched blocks (public for manual loops; see :meth:`synchronize`).
 
         Waits for the gradients still being added on the host, skips (or raises on) non-finite ones, applies the
         clipping set up for this step, and leaves each adapter's update running on the host worker: the adapter's
@@ -132,37 +159,44 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         self.row_pipeline.flush()
         settings = self._settings()
         clip, self._row_clip = self._row_clip, None
-        rows_moved = bytes_to_device = bytes_to_host = touched_total = 0
-        # The step's verdict on routers and rows together (see setup_optimizers); the rows are checked again for
-        # manual loops that call this without the dense optimizer's step.
-        finite = not self.offload_optimizer.last_step_skipped and all(
-            torch.isfinite(a.host.grad_keys[a.host.touched]).all()
-            and torch.isfinite(a.host.grad_values[a.host.touched]).all() for a in self.adapters)
+        # The step's verdict on routers and rows together (see setup_optimizers); the rows' norm is checked again
+        # (it is cached: no second pass) for manual loops that call this without the dense optimizer's step.
+        finite = not self.offload_optimizer.last_step_skipped and bool(torch.isfinite(self.row_grad_norm()))
+        self._row_norm = None
         if not finite:
             self.skipped_row_steps += 1
             if self.on_nonfinite == "raise":
-                for adapter in self.adapters:
-                    _clear_rows(adapter, adapter.host.touched.nonzero().squeeze(1))
+                self._clear_all_rows()
                 raise NonFiniteGradientError("A MEFT adapter row received an inf/nan gradient; the host rows and "
                                              "their Adam state were not touched. Pass on_nonfinite='skip' to skip "
                                              "such steps instead.")
+        rows_moved = bytes_to_device = bytes_to_host = touched_total = stepped_total = routing_bytes = 0
         for index, (adapter, optimizer) in enumerate(zip(self.adapters, self.row_optimizers)):
             host = adapter.host
-            rows = host.touched.nonzero().squeeze(1)
-            touched_total += rows.numel()
+            touched_total += int(host.touched.sum())
+            blocks = optimizer.blocks_of(host.touched)
+            if finite:
+                stepped = blocks.numel() * optimizer.block_rows
+                stepped_total += stepped
+                if adapter.routing_keys is not None:
+                    routing_bytes += stepped * adapter.hidden_size * adapter.routing_keys.element_size()
             rows_moved += host.traffic.rows
             bytes_to_device += host.traffic.bytes_to_device
             bytes_to_host += host.traffic.bytes_to_host
             host.traffic.rows = host.traffic.bytes_to_device = host.traffic.bytes_to_host = 0
-            update = partial(_update_rows, adapter, optimizer, rows, settings, clip if finite else None, finite)
+            update = partial(_update_rows, adapter, optimizer, blocks, settings, clip if finite else None, finite)
             adapter.pending_update = self.row_pipeline.submit(update, f"meft rows {index}")
         if not self.pipelined:
             self._wait_for_rows()
         self._last_metrics = {
             "meft/rows_moved": float(rows_moved),
             "meft/rows_updated": float(touched_total),
+            # Whole blocks are stepped: the touched rows plus their blocks' idle rows (zero gradient).
+            "meft/rows_stepped": float(stepped_total),
             "meft/bytes_host_to_device": float(bytes_to_device),
             "meft/bytes_device_to_host": float(bytes_to_host),
+            # The stepped keys' new bf16 routing copy, sent to the device after the update (device routing only).
+            "meft/bytes_routing_keys_to_device": float(routing_bytes),
             # Host work finished since the last step: this step's gradient sums and the previous step's updates
             # (this step's own updates are still running when pipelined).
             "meft/host_optimizer_seconds": self.row_pipeline.take_busy_seconds(),
@@ -170,6 +204,11 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             "meft/skipped_steps": float(self.skipped_row_steps),
             **self.expert_usage(),
         }
+
+    def _clear_all_rows(self) -> None:
+        self._row_norm = None
+        for adapter, optimizer in zip(self.adapters, self.row_optimizers):
+            _clear_rows(adapter, optimizer, optimizer.blocks_of(adapter.host.touched))
 
     @override
     def on_validation_end(self) -> None:
@@ -193,15 +232,22 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     # ------------------------------------------------------------------------------------------------ clipping
     @torch.no_grad()
     def row_grad_norm(self) -> torch.Tensor:
-        """2-norm of the accumulated adapter-row gradients of this step (waits for the host to finish summing)."""
+        """2-norm of the accumulated adapter-row gradients of this step (waits for the host to finish summing).
+
+        Read in place over the touched blocks' slices (the rest of each accumulator is zero), once per step: the
+        non-finite check and norm clipping share it. A non-finite gradient makes it non-finite.
+        """
         if self.row_pipeline is not None:
             self.row_pipeline.flush()
-        squares = [torch.zeros((), dtype=torch.float64)]
-        for adapter in self.adapters:
-            touched = adapter.host.touched
-            for grad in (adapter.host.grad_keys[touched], adapter.host.grad_values[touched]):
-                squares.append(grad.double().pow(2).sum())
-        return torch.stack(squares).sum().sqrt().float()
+        queued = self.row_pipeline.gradients_queued if self.row_pipeline is not None else -1
+        if self._row_norm is None or self._row_norm[0] != queued or queued < 0:
+            squares = [torch.zeros((), dtype=torch.float64)]
+            for adapter, optimizer in zip(self.adapters, self.row_optimizers):
+                host = adapter.host
+                squares.append(optimizer.grad_norm_squares([host.grad_keys, host.grad_values],
+                                                           optimizer.blocks_of(host.touched)))
+            self._row_norm = (queued, torch.stack(squares).sum().sqrt().float())
+        return self._row_norm[1]
 
     @override
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
@@ -321,26 +367,24 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         self.skipped_row_steps = int(state["skipped"])
 
 
-def _clear_rows(adapter: MEFTAdapter, rows: torch.Tensor) -> None:
+def _clear_rows(adapter: MEFTAdapter, optimizer: BlockRowAdam, blocks: torch.Tensor) -> None:
+    """Zero the gradient accumulators of ``blocks`` and forget which rows were touched (a step not taken)."""
     host = adapter.host
-    host.grad_keys[rows] = 0
-    host.grad_values[rows] = 0
-    host.touched[rows] = False
+    for start, end in optimizer.row_ranges(blocks):
+        host.grad_keys[start:end] = 0
+        host.grad_values[start:end] = 0
+        host.touched[start:end] = False
 
 
 @torch.no_grad()
-def _update_rows(adapter: MEFTAdapter, optimizer: LazyRowAdam, rows: torch.Tensor, settings: LazyAdamSettings,
-                 clip: tuple[str, float] | None, finite: bool) -> None:
-    """Host worker: one adapter's lazy Adam step on ``rows``, then its accumulators are cleared."""
-    host = adapter.host
-    if finite and rows.numel():
-        grads = [host.grad_keys[rows], host.grad_values[rows]]
-        if clip is not None:
-            for grad in grads:
-                if clip[0] == "norm":
-                    grad.mul_(clip[1])
-                else:
-                    grad.clamp_(-clip[1], clip[1])
-        optimizer.step(rows, grads, settings)
-        adapter.refresh_routing_keys(rows)
-    _clear_rows(adapter, rows)
+def _update_rows(adapter: MEFTAdapter, optimizer: BlockRowAdam, blocks: torch.Tensor, settings: RowAdamSettings,
+                 clip: Clip, finite: bool) -> None:
+    """Host worker: one adapter's block Adam step (which zeroes the stepped gradient rows), then the routing copy of
+    the stepped keys is refreshed and the touched marks cleared."""
+    if not finite:
+        _clear_rows(adapter, optimizer, blocks)
+        return
+    ranges = optimizer.step(blocks, [adapter.host.grad_keys, adapter.host.grad_values], settings, clip)
+    adapter.refresh_routing_keys(ranges)
+    for start, end in ranges:
+        adapter.host.touched[start:end] = False
