@@ -554,7 +554,7 @@ def _row_gradients_per_step(strategy: MEFTOffloadStrategy) -> list[list[torch.Te
 
     def recording_step_rows() -> None:
         strategy.row_pipeline.flush()  # the gradients of the last backward are still being added on the host
-        seen.append([g.clone() for a in strategy.adapters for g in (a.host.grad_keys, a.host.grad_values)])
+        seen.append([g for a in strategy.adapters for g in a.host.summed_gradients()])
         step_rows()
 
     strategy.step_rows = recording_step_rows
@@ -639,10 +639,10 @@ def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[list[tuple[in
         for optimizer in strategy.row_optimizers:
             step = optimizer.step
 
-            def recording_step(blocks, grads, settings, clip=None, step=step, optimizer=optimizer):
+            def recording_step(blocks, grads, settings, clip=None, zero_grads=True, step=step, optimizer=optimizer):
                 ranges = optimizer.row_ranges(blocks)
                 consumed.append((ranges, [torch.cat([g[a:b] for a, b in ranges]).clone() for g in grads], clip))
-                return step(blocks, grads, settings, clip)
+                return step(blocks, grads, settings, clip, zero_grads)
 
             optimizer.step = recording_step
 
@@ -700,7 +700,7 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
     def breaking_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
 
-        def broken(blocks, grads, settings, clip=None):
+        def broken(*args, **kwargs):
             raise RuntimeError("host Adam failed")
 
         strategy.row_optimizers[1].step = broken
@@ -716,27 +716,37 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
     assert any(a.host.grad_values.abs().sum() > 0 for a in meft_adapters(model))
 
 
+def _poison_row_gradients(adapter: Any) -> None:
+    """Puts a NaN into every row gradient of ``adapter`` as backward hands it to the host (as a real overflow
+    would arrive)."""
+    make_sink = adapter._gradient_sink
+
+    def poisoned(rows: torch.Tensor, accumulator: torch.Tensor, written: torch.Tensor) -> Any:
+        sink = make_sink(rows, accumulator, written)
+
+        def poisoned_sink(grad: torch.Tensor) -> None:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("nan")
+            sink(grad)
+
+        return poisoned_sink
+
+    adapter._gradient_sink = poisoned
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_non_finite_row_gradients_leave_the_host_rows_untouched(tmp_path: Path, policy: str) -> None:
     model = meft_model()
     adapters = meft_adapters(model)
     strategy = MEFTOffloadStrategy(device="cpu", on_nonfinite=policy)
-    row_grad_norm = strategy.row_grad_norm
-
-    def poisoned_row_grad_norm() -> torch.Tensor:
-        # The summed gradients are poisoned before the step's norm reads them (the norm decides finiteness).
-        strategy.row_pipeline.flush()
-        host = adapters[0].host
-        host.grad_values[host.touched.nonzero()[0]] = float("nan")
-        return row_grad_norm()
-
-    strategy.row_grad_norm = poisoned_row_grad_norm
+    _poison_row_gradients(adapters[0])
     values = [a.host.values.clone() for a in adapters]
     keys = [a.host.keys.clone() for a in adapters]
     _fit_one_skipped_step(trainer(tmp_path, 1, strategy), model, strategy, policy)
     for adapter, v, k in zip(adapters, values, keys):
         assert torch.equal(adapter.host.values, v) and torch.equal(adapter.host.keys, k)
-        assert not adapter.host.touched.any() and adapter.host.grad_values.abs().sum() == 0
+        assert not adapter.host.touched.any() and not adapter.host.written_values.any()  # the gradients dropped
+        assert all(g.abs().sum() == 0 for g in adapter.host.summed_gradients())
 
 
 def _fit_one_skipped_step(fit: pl.Trainer, model: torch.nn.Module, strategy: MEFTOffloadStrategy,
@@ -808,13 +818,12 @@ def test_one_non_finite_decision_covers_routers_and_rows(tmp_path: Path, poisone
     adapters = meft_adapters(model)
     strategy = MEFTOffloadStrategy(device="cpu", on_nonfinite=policy)
 
+    if poisoned == "rows":
+        _poison_row_gradients(adapters[0])
+
     class Poison(Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            if poisoned == "rows":
-                strategy.row_pipeline.flush()
-                host = adapters[0].host
-                host.grad_values[host.touched.nonzero()[0]] = float("nan")
-            else:
+            if poisoned == "routers":
                 router = next(p for p in model.parameters() if p.requires_grad and p.grad is not None)
                 router.grad.fill_(float("nan"))
 
@@ -890,3 +899,37 @@ def test_meft_offload_equals_torch_optim_at_the_users_settings(tmp_path: Path, o
     if clip != "none":  # the clipping fired: the unclipped run ends elsewhere
         unclipped = _fit_user_setting(tmp_path / "unclipped", True, optimizer, "none", maximize, accumulate)
         assert not torch.allclose(unclipped[1], reference[1])
+
+
+def test_idle_rows_of_a_stepped_block_read_zero_though_their_old_sums_were_never_zeroed(tmp_path: Path) -> None:
+    """Accumulator rows are overwritten by a step's first gradient rather than zeroed after each step; a row the
+    step did not touch, in a block it steps, must still read zero, not the sum an earlier step consumed."""
+    strategy = MEFTOffloadStrategy(device="cpu")
+    setup = strategy.setup_optimizers
+    checked = {"idle": 0, "stale": 0}
+
+    def checking_setup(trainer: pl.Trainer) -> None:
+        setup(trainer)
+        for adapter, optimizer in zip(strategy.adapters, strategy.row_optimizers):
+            step = optimizer.step
+            ever_touched = torch.zeros(adapter.config.num_neurons, dtype=torch.bool)
+
+            def checking_step(blocks, grads, settings, clip=None, zero_grads=True, step=step, optimizer=optimizer,
+                              adapter=adapter, ever_touched=ever_touched):
+                idle = optimizer.blocks_mask(blocks) & ~adapter.host.touched
+                checked["idle"] += int(idle.sum())
+                checked["stale"] += int((idle & ever_touched).sum())
+                for grad in grads:
+                    assert (grad[idle] == 0).all()
+                ever_touched |= adapter.host.touched
+                return step(blocks, grads, settings, clip, zero_grads)
+
+            optimizer.step = checking_step
+
+    strategy.setup_optimizers = checking_setup
+    model = meft_model()
+    with torch.no_grad():  # values away from zero, so keys get gradients too
+        for adapter in meft_adapters(model):
+            adapter.host.values.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    trainer(tmp_path, 6, strategy).fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(6, seed=9)))
+    assert checked["stale"] > 0  # the case in question happened: idle rows that an earlier step had written

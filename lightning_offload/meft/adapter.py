@@ -185,15 +185,27 @@ class RowTraffic:
 
 @dataclass
 class _HostRows:
-    """The host side of one adapter: parameters, gradient accumulators and the set of rows touched."""
+    """The host side of one adapter: parameters, gradient accumulators and the set of rows touched.
+
+    Without ``meft_offload`` the accumulators sum gradients like ``.grad`` (zero-initialised, added to). Under it, a
+    row's accumulator holds this step's sum only where ``written_keys`` / ``written_values`` say so: the step's first
+    gradient of a row is copied in rather than added, so no pass ever zeroes the rows a step consumed (see
+    :meth:`summed_gradients`).
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
     grad_keys: torch.Tensor
     grad_values: torch.Tensor
-    touched: torch.Tensor  # bool [N]
+    touched: torch.Tensor  # bool [N]: rows fetched with gradients enabled since the last step
+    written_keys: torch.Tensor  # bool [N]: rows of grad_keys holding this step's sum (under meft_offload)
+    written_values: torch.Tensor  # bool [N]: likewise for grad_values
     traffic: RowTraffic = field(default_factory=RowTraffic)
     expert_counts: torch.Tensor | None = None
+
+    def summed_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of this step's summed key and value gradients, zero in rows that received none."""
+        return (self.grad_keys * self.written_keys.unsqueeze(1), self.grad_values * self.written_values.unsqueeze(1))
 
 
 class MEFTAdapter(nn.Module):
@@ -211,7 +223,7 @@ class MEFTAdapter(nn.Module):
         with torch.no_grad():
             self.router.weight.copy_(keys.view(config.num_experts, -1, hidden_size).mean(dim=1))
         self.host = _HostRows(keys, values, torch.zeros_like(keys), torch.zeros_like(values),
-                              torch.zeros(config.num_neurons, dtype=torch.bool),
+                              *(torch.zeros(config.num_neurons, dtype=torch.bool) for _ in range(3)),
                               expert_counts=torch.zeros(config.num_experts, dtype=torch.int64))
         # Device routing reads a bf16 copy of the keys; a buffer so `.to(device)` moves it, non-persistent because the
         # fp32 host keys are the truth (saved in the state dict by the hooks below).
@@ -352,8 +364,8 @@ class MEFTAdapter(nn.Module):
         if torch.is_grad_enabled():
             keys.requires_grad_(True)
             values.requires_grad_(True)
-            keys.register_hook(self._gradient_sink(rows, h.grad_keys))
-            values.register_hook(self._gradient_sink(rows, h.grad_values))
+            keys.register_hook(self._gradient_sink(rows, h.grad_keys, h.written_keys))
+            values.register_hook(self._gradient_sink(rows, h.grad_values, h.written_values))
             h.touched[rows] = True
         return keys, values
 
@@ -364,12 +376,12 @@ class MEFTAdapter(nn.Module):
             self.row_pipeline.wait(self.pending_update)
             self.pending_update = None
 
-    def _gradient_sink(self, rows: torch.Tensor, accumulator: torch.Tensor) -> Any:
+    def _gradient_sink(self, rows: torch.Tensor, accumulator: torch.Tensor, written: torch.Tensor) -> Any:
         def sink(grad: torch.Tensor) -> None:
             # Row gradients are summed into the host accumulator (over micro-batches); nothing stays on the device.
             self.host.traffic.bytes_to_host += grad.numel() * grad.element_size()
             if self.row_pipeline is not None:
-                self.row_pipeline.accumulate(rows, grad, accumulator)  # copied and added off the main thread
+                self.row_pipeline.accumulate(rows, grad, accumulator, written)  # copied and added off the main thread
             else:
                 accumulator.index_add_(0, rows, grad.detach().float().cpu())
 

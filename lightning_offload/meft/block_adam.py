@@ -103,7 +103,15 @@ class BlockRowAdam:
         # The step count the fused kernel reads (one tensor handed for every slice: the kernel only reads it).
         self._step = torch.zeros((), dtype=torch.float32)
         self._rows_stepped = 0
+        # Each block of every matrix and moment as a view, made once: a step hands them to the kernel as they are.
+        self._param_blocks = [self._by_block(p) for p in params]
+        self._exp_avg_blocks = [self._by_block(m) for m in self.exp_avg]
+        self._exp_avg_sq_blocks = [self._by_block(v) for v in self.exp_avg_sq]
         self._betas = (0.9, 0.999)  # the latest step's, for reading the moments back (moments())
+
+    def _by_block(self, matrix: Tensor) -> tuple[Tensor, ...]:
+        """``matrix``'s blocks as ``[block_rows, h]`` views (one call, whatever the block count)."""
+        return matrix.view(self.last_step.numel(), self.block_rows, matrix.shape[1]).unbind(0)
 
     @property
     def num_blocks(self) -> int:
@@ -155,16 +163,18 @@ class BlockRowAdam:
         return norms.pow(2).sum()
 
     @torch.no_grad()
-    def step(self, blocks: Tensor, grads: list[Tensor], settings: RowAdamSettings, clip: Clip = None) -> \
-            list[tuple[int, int]]:
+    def step(self, blocks: Tensor, grads: list[Tensor], settings: RowAdamSettings, clip: Clip = None,
+             zero_grads: bool = True) -> list[tuple[int, int]]:
         """One Adam step on ``blocks``, reading their rows of the full-size gradient accumulators ``grads`` (one per
-        matrix) and zeroing those rows afterwards, ready for the next step's sums.
+        matrix) and, with ``zero_grads``, zeroing those rows afterwards, ready for the next step's sums.
 
         Args:
             blocks: sorted unique int64 block ids (:meth:`blocks_of`).
             grads: ``[N, h]`` fp32 gradient accumulators, one per matrix, zero outside the touched rows.
             settings: this step's hyper-parameters.
             clip: ``("norm", c)`` scales the gradients by ``c``; ``("value", b)`` clamps them to ``[−b, b]``.
+            zero_grads: zero the stepped rows of ``grads`` (``False`` when the caller overwrites them at the next
+                step's first gradient instead, as ``meft_offload`` does).
 
         Returns:
             The ``[start, end)`` row ranges stepped (for refreshing copies of the rows elsewhere).
@@ -177,7 +187,9 @@ class BlockRowAdam:
         self._rows_stepped = blocks.numel() * self.block_rows
         if not ranges:
             return []  # a step whose batch touched no row (all padding): only the count advances
-        grad_slices = [g[start:end] for g in grads for start, end in ranges]
+        grad_blocks = [self._by_block(g) for g in grads]
+        block_list = blocks.tolist()
+        grad_slices = [g[block] for g in grad_blocks for block in block_list]
         if clip is not None and clip[0] == "value":
             for piece in grad_slices:
                 piece.clamp_(-clip[1], clip[1])
@@ -189,17 +201,19 @@ class BlockRowAdam:
         for lr_scale in dict.fromkeys(self.lr_scales):  # matrices sharing a learning rate share the kernel calls
             matrices = [i for i, s in enumerate(self.lr_scales) if s == lr_scale]
             calls = self._calls(blocks, gaps, scale1, scale2, new_scale1, settings, settings.lr * lr_scale)
-            for (hyper, moment_scale), rows in calls.items():
-                slices = [(i, start, end) for i in matrices for start, end in rows]
+            for (hyper, moment_scale), members in calls.items():
+                pairs = [(i, block) for i in matrices for block in members]
                 grad_scale = moment_scale / coefficient  # the kernel divides the gradient by it
-                kernel([self.params[i][a:b] for i, a, b in slices], [grads[i][a:b] for i, a, b in slices],
-                       [self.exp_avg[i][a:b] for i, a, b in slices], [self.exp_avg_sq[i][a:b] for i, a, b in slices],
-                       [], [self._step] * len(slices), **dict(hyper), amsgrad=False, maximize=settings.maximize,
+                kernel([self._param_blocks[i][b] for i, b in pairs], [grad_blocks[i][b] for i, b in pairs],
+                       [self._exp_avg_blocks[i][b] for i, b in pairs],
+                       [self._exp_avg_sq_blocks[i][b] for i, b in pairs], [], [self._step] * len(pairs),
+                       **dict(hyper), amsgrad=False, maximize=settings.maximize,
                        grad_scale=None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32),
                        found_inf=None)
         self.scale1[blocks] = new_scale1
         self.scale2[blocks] = scale2
-        torch._foreach_zero_(grad_slices)
+        if zero_grads:
+            torch._foreach_zero_(grad_slices)
         self.last_step[blocks] = self.step_count
         return ranges
 
@@ -233,17 +247,16 @@ class BlockRowAdam:
         return torch.where(exact, 1.0, beta1 * scale1 + (1.0 - beta1) * scale2.sqrt())
 
     def _calls(self, blocks: Tensor, gaps: Tensor, scale1: Tensor, scale2: Tensor, new_scale1: Tensor,
-               settings: RowAdamSettings, lr: float) -> dict[tuple[tuple[tuple[str, float], ...], float],
-                                                             list[tuple[int, int]]]:
-        """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), the row
-        ranges they step. With ``m = s1·M`` and ``v = s2·W`` stored as ``M`` and ``W``, Adam's true step
+               settings: RowAdamSettings, lr: float) -> dict[tuple[tuple[tuple[str, float], ...], float], list[int]]:
+        """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), the blocks
+        they step. With ``m = s1·M`` and ``v = s2·W`` stored as ``M`` and ``W``, Adam's true step
         ``m' = β₁m + (1−β₁)g``, ``v' = β₂v + (1−β₂)g²``, ``p' = d·p − lr·(m'/b₁)/(√(v'/b₂) + ε)`` is the kernel's
         step on ``M, W`` with gradient ``g/c``, ``β₁' = β₁s1/s1'``, ``β₂``, ``ε' = ε/c`` and
         ``lr' = lr·s1'·(1 − β₁'^t)/(b₁·c)``; decoupled decay over the gap folds into the kernel's decay. Blocks never
         skipped get the user's hyper-parameters unchanged."""
         beta1, beta2 = settings.betas
         bias1 = 1.0 - beta1**self.step_count
-        calls: dict[tuple[tuple[tuple[str, float], ...], float], list[tuple[int, int]]] = {}
+        calls: dict[tuple[tuple[tuple[str, float], ...], float], list[int]] = {}
         for block, gap, s1, s2, s1_new in zip(blocks.tolist(), gaps.tolist(), scale1.tolist(), scale2.tolist(),
                                               new_scale1.tolist()):
             if s1 == 1.0 and s2 == 1.0:
@@ -260,12 +273,7 @@ class BlockRowAdam:
                 decay = decay / c  # Adam's L2 joins the gradient after the kernel divided it by c
             hyper = (("lr", kernel_lr), ("beta1", kernel_beta1), ("beta2", beta2), ("weight_decay", decay),
                      ("eps", kernel_eps))
-            rows = calls.setdefault((hyper, c), [])
-            start = block * self.block_rows
-            if rows and rows[-1][1] == start:
-                rows[-1] = (rows[-1][0], start + self.block_rows)  # neighbours with one call: one slice
-            else:
-                rows.append((start, start + self.block_rows))
+            calls.setdefault((hyper, c), []).append(block)
         return calls
 
     def state_tensors(self) -> list[Tensor]:

@@ -58,39 +58,73 @@ class RowPipeline:
         self._staging = _PinnedPool() if self.link.is_cuda else None
         self._last: Job | None = None
         self.gradients_queued = 0  # row gradients handed to the worker so far (a cached norm checks it is current)
+        # Σ‖g‖² of the gradients summed since the last step, taken as each lands (while the rows are at hand), and
+        # whether it is the squared norm of the sums: true while no row received two gradients (no accumulation).
+        self._square_sum = 0.0
+        self._square_sum_is_norm = True
         self._busy_seconds = 0.0
         self._lock = threading.Lock()  # the busy-time counter is written by the worker, read by the main thread
 
     # ---------------------------------------------------------------------------------------------- gradients
-    def accumulate(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor) -> None:
+    def accumulate(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor,
+                   written: torch.Tensor) -> None:
         """Queue ``accumulator[rows] += grad`` (called from an autograd hook; returns without waiting).
 
-        The gradient crosses the link in its own dtype (bf16 under autocast) and is widened on the host.
+        Rows not yet ``written`` this step are copied into rather than added to (their old contents are a consumed
+        step's), and become written. The gradient crosses the link in its own dtype (bf16 under autocast) and is
+        widened on the host.
         """
         grad = grad.detach()
         self.gradients_queued += 1
         if self._staging is None:
             # CPU "device": the gradient already is host memory; the job keeps it alive until it has been added.
-            self._last = self.worker.submit(partial(self._add_rows, rows, grad, accumulator, None, None, None),
-                                            "grad")
+            self._last = self.worker.submit(partial(self._add_rows, rows, grad, accumulator, written, None, None,
+                                                    None), "grad")
             return
         buffer = self._staging.take(grad.numel(), grad.dtype)
         staged = buffer[: grad.numel()].view_as(grad)
         # The copy stream waits for backward to have produced the gradient; the job waits for the copy to land.
         # `grad` rides along in the job so the caching allocator cannot reuse its memory before the copy read it.
         landed = self.link.to_host(grad, staged)
-        self._last = self.worker.submit(partial(self._add_rows, rows, staged, accumulator, landed, grad, buffer),
-                                        "grad")
+        self._last = self.worker.submit(partial(self._add_rows, rows, staged, accumulator, written, landed, grad,
+                                                buffer), "grad")
 
-    def _add_rows(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor, landed: Any,
-                  source: torch.Tensor | None, buffer: torch.Tensor | None) -> None:
+    def _add_rows(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor, written: torch.Tensor,
+                  landed: Any, source: torch.Tensor | None, buffer: torch.Tensor | None) -> None:
         # `source` (the device gradient) is only held, never read here: its memory must outlive the copy.
         start = time.perf_counter()
         self.link.host_wait(landed)
-        accumulator.index_add_(0, rows, grad.to(accumulator.dtype))
+        grad = grad.to(accumulator.dtype)
+        fresh = ~written[rows]
+        if bool(fresh.all()):  # the step's first gradient of these rows (every row, without accumulation)
+            accumulator.index_copy_(0, rows, grad)
+            flat = grad.reshape(-1)
+            square = float(torch.dot(flat, flat))
+            with self._lock:
+                self._square_sum += square
+        elif not bool(fresh.any()):
+            accumulator.index_add_(0, rows, grad)
+        else:
+            accumulator.index_copy_(0, rows[fresh], grad[fresh])
+            accumulator.index_add_(0, rows[~fresh], grad[~fresh])
+        if not bool(fresh.all()):
+            with self._lock:
+                self._square_sum_is_norm = False  # summed rows: the norm must be read from the sums themselves
+        written[rows] = True
         if buffer is not None:
             self._staging.give_back(buffer)  # type: ignore[union-attr]
         self._record(time.perf_counter() - start)
+
+    def landed_square_sum(self) -> float | None:
+        """Σ‖g‖² of the row gradients summed since :meth:`start_step`, when that is the squared norm of their sums
+        (no row received two), else ``None`` (call after :meth:`flush`)."""
+        with self._lock:
+            return self._square_sum if self._square_sum_is_norm else None
+
+    def start_step(self) -> None:
+        """The step's gradients are consumed (or dropped): the next gradients start a new sum."""
+        with self._lock:
+            self._square_sum, self._square_sum_is_norm = 0.0, True
 
     def flush(self) -> None:
         """Block until every queued gradient has been added (before reading the accumulators)."""

@@ -72,7 +72,9 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         self.adapters: list[MEFTAdapter] = []
         self.row_optimizers: list[BlockRowAdam] = []
         # This step's row-gradient norm², once computed (the non-finite check and norm clipping both read it).
-        # Keyed by how many row gradients had been queued when it was computed, so a later micro-batch invalidates it.
+        # This step's touched blocks per adapter (their idle rows zeroed) and row-gradient norm, once computed; keyed
+        # by how many row gradients had been queued by then, so a later micro-batch invalidates them.
+        self._prepared: tuple[int, list[torch.Tensor]] | None = None
         self._row_norm: tuple[int, torch.Tensor] | None = None
         self.row_pipeline: RowPipeline | None = None
         self._row_clip: tuple[str, float] | None = None
@@ -162,7 +164,9 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         # The step's verdict on routers and rows together (see setup_optimizers); the rows' norm is checked again
         # (it is cached: no second pass) for manual loops that call this without the dense optimizer's step.
         finite = not self.offload_optimizer.last_step_skipped and bool(torch.isfinite(self.row_grad_norm()))
-        self._row_norm = None
+        step_blocks = self._step_blocks()
+        self._prepared = self._row_norm = None
+        self.row_pipeline.start_step()
         if not finite:
             self.skipped_row_steps += 1
             if self.on_nonfinite == "raise":
@@ -171,10 +175,9 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
                                              "their Adam state were not touched. Pass on_nonfinite='skip' to skip "
                                              "such steps instead.")
         rows_moved = bytes_to_device = bytes_to_host = touched_total = stepped_total = routing_bytes = 0
-        for index, (adapter, optimizer) in enumerate(zip(self.adapters, self.row_optimizers)):
+        for index, (adapter, optimizer, blocks) in enumerate(zip(self.adapters, self.row_optimizers, step_blocks)):
             host = adapter.host
             touched_total += int(host.touched.sum())
-            blocks = optimizer.blocks_of(host.touched)
             if finite:
                 stepped = blocks.numel() * optimizer.block_rows
                 stepped_total += stepped
@@ -206,9 +209,37 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         }
 
     def _clear_all_rows(self) -> None:
-        self._row_norm = None
+        self._prepared = self._row_norm = None
+        if self.row_pipeline is not None:
+            self.row_pipeline.start_step()
         for adapter, optimizer in zip(self.adapters, self.row_optimizers):
             _clear_rows(adapter, optimizer, optimizer.blocks_of(adapter.host.touched))
+
+    def _step_blocks(self) -> list[torch.Tensor]:
+        """Each adapter's touched blocks for this step, their idle rows zeroed in the accumulators (once per step).
+
+        A block is stepped whole, so its rows without a gradient this step must read zero; their accumulator rows may
+        still hold a consumed step's sum (the step's first gradient of a row is copied in, never added to a zeroed
+        row), so exactly those rows are zeroed here.
+        """
+        if self.row_pipeline is not None:
+            self.row_pipeline.flush()
+        queued = self.row_pipeline.gradients_queued if self.row_pipeline is not None else -1
+        if self._prepared is None or self._prepared[0] != queued or queued < 0:
+            step_blocks = []
+            for adapter, optimizer in zip(self.adapters, self.row_optimizers):
+                host = adapter.host
+                blocks = optimizer.blocks_of(host.touched)
+                in_blocks = optimizer.blocks_mask(blocks)
+                for accumulator, written in ((host.grad_keys, host.written_keys),
+                                             (host.grad_values, host.written_values)):
+                    idle = (in_blocks & ~written).nonzero().squeeze(1)
+                    if idle.numel():
+                        accumulator.index_fill_(0, idle, 0.0)
+                    written[in_blocks] = True  # every row of the stepped blocks now holds this step's sum
+                step_blocks.append(blocks)
+            self._prepared = (queued, step_blocks)
+        return self._prepared[1]
 
     @override
     def on_validation_end(self) -> None:
@@ -234,19 +265,22 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     def row_grad_norm(self) -> torch.Tensor:
         """2-norm of the accumulated adapter-row gradients of this step (waits for the host to finish summing).
 
-        Read in place over the touched blocks' slices (the rest of each accumulator is zero), once per step: the
-        non-finite check and norm clipping share it. A non-finite gradient makes it non-finite.
+        Once per step, shared by the non-finite check and norm clipping: summed on the host worker as the gradients
+        landed (no pass over the accumulators) when no row received two gradients this step, else read in place over
+        the touched blocks' slices (no other row has a gradient). A non-finite gradient makes it non-finite.
         """
-        if self.row_pipeline is not None:
-            self.row_pipeline.flush()
+        step_blocks = self._step_blocks()
         queued = self.row_pipeline.gradients_queued if self.row_pipeline is not None else -1
         if self._row_norm is None or self._row_norm[0] != queued or queued < 0:
-            squares = [torch.zeros((), dtype=torch.float64)]
-            for adapter, optimizer in zip(self.adapters, self.row_optimizers):
-                host = adapter.host
-                squares.append(optimizer.grad_norm_squares([host.grad_keys, host.grad_values],
-                                                           optimizer.blocks_of(host.touched)))
-            self._row_norm = (queued, torch.stack(squares).sum().sqrt().float())
+            # Taken as the gradients landed on the host when no row was summed twice; else read from the sums.
+            landed = self.row_pipeline.landed_square_sum() if self.row_pipeline is not None else None
+            if landed is not None:
+                squares = torch.tensor(landed, dtype=torch.float64)
+            else:
+                squares = torch.stack([torch.zeros((), dtype=torch.float64)] + [
+                    optimizer.grad_norm_squares([adapter.host.grad_keys, adapter.host.grad_values], blocks)
+                    for adapter, optimizer, blocks in zip(self.adapters, self.row_optimizers, step_blocks)]).sum()
+            self._row_norm = (queued, squares.sqrt().float())
         return self._row_norm[1]
 
     @override
@@ -356,6 +390,12 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
                 adapter.row_pipeline = None
                 adapter.pending_update = None
             pipeline.close(timeout=5.0 if finish else 1.0)
+            for adapter in self.adapters:
+                # Handed back for plain backward, which adds to the accumulators as to `.grad`: rows holding a
+                # consumed step's sum are zeroed, the sums of micro-batches not yet stepped are kept.
+                host = adapter.host
+                host.grad_keys[~host.written_keys] = 0
+                host.grad_values[~host.written_values] = 0
 
     def _load_row_state(self, state: Mapping[str, Any]) -> None:
         self._wait_for_rows()
@@ -368,23 +408,22 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
 
 
 def _clear_rows(adapter: MEFTAdapter, optimizer: BlockRowAdam, blocks: torch.Tensor) -> None:
-    """Zero the gradient accumulators of ``blocks`` and forget which rows were touched (a step not taken)."""
+    """Forget the gradients of ``blocks``: their rows are no longer touched or written, so the next step's first
+    gradient overwrites them (a step consumed, or one not taken)."""
     host = adapter.host
     for start, end in optimizer.row_ranges(blocks):
-        host.grad_keys[start:end] = 0
-        host.grad_values[start:end] = 0
         host.touched[start:end] = False
+        host.written_keys[start:end] = False
+        host.written_values[start:end] = False
 
 
 @torch.no_grad()
 def _update_rows(adapter: MEFTAdapter, optimizer: BlockRowAdam, blocks: torch.Tensor, settings: RowAdamSettings,
                  clip: Clip, finite: bool) -> None:
-    """Host worker: one adapter's block Adam step (which zeroes the stepped gradient rows), then the routing copy of
-    the stepped keys is refreshed and the touched marks cleared."""
-    if not finite:
-        _clear_rows(adapter, optimizer, blocks)
-        return
-    ranges = optimizer.step(blocks, [adapter.host.grad_keys, adapter.host.grad_values], settings, clip)
-    adapter.refresh_routing_keys(ranges)
-    for start, end in ranges:
-        adapter.host.touched[start:end] = False
+    """Host worker: one adapter's block Adam step, then the routing copy of the stepped keys is refreshed and the
+    stepped rows' gradients forgotten (not zeroed: the next step's first gradient overwrites them)."""
+    if finite:
+        ranges = optimizer.step(blocks, [adapter.host.grad_keys, adapter.host.grad_values], settings, clip,
+                                zero_grads=False)
+        adapter.refresh_routing_keys(ranges)
+    _clear_rows(adapter, optimizer, blocks)
