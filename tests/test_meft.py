@@ -933,3 +933,29 @@ def test_idle_rows_of_a_stepped_block_read_zero_though_their_old_sums_were_never
             adapter.host.values.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
     trainer(tmp_path, 6, strategy).fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(6, seed=9)))
     assert checked["stale"] > 0  # the case in question happened: idle rows that an earlier step had written
+
+
+def test_bad_row_settings_are_refused_with_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"row_block=0 must be a positive integer"):
+        MEFTOffloadStrategy(device="cpu", row_block=0)
+    with pytest.raises(ValueError, match=r"row_block=5 does not divide num_neurons=256"):
+        trainer(tmp_path, 1, MEFTOffloadStrategy(device="cpu", row_block=5)).fit(
+            CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(batches(1)))
+    amsgrad = lambda model: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],  # noqa: E731
+                                              amsgrad=True)
+    with pytest.raises(ValueError, match="no amsgrad"):
+        trainer(tmp_path, 1, MEFTOffloadStrategy(device="cpu")).fit(
+            CausalLMModule(meft_model(), optimizer_factory=amsgrad), train_dataloaders=loader(batches(1)))
+
+
+def test_a_smaller_row_block_steps_fewer_idle_rows(tmp_path: Path) -> None:
+    stepped = {}
+    for row_block in (None, 2):
+        strategy = MEFTOffloadStrategy(device="cpu", row_block=row_block)
+        trainer(tmp_path / str(row_block), 1, strategy).fit(CausalLMModule(meft_model(), lr=1e-2),
+                                                            train_dataloaders=loader(batches(1)))
+        metrics = strategy.last_metrics
+        assert metrics["meft/rows_updated"] <= metrics["meft/rows_stepped"]
+        stepped[row_block] = metrics["meft/rows_stepped"]
+        assert all(o.block_rows == (row_block or 16) for o in strategy.row_optimizers)
+    assert stepped[2] < stepped[None]
