@@ -9,19 +9,20 @@ the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``::
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_offload.callbacks import ProjectorRefit, RefitRecord
-from lightning_offload.ddp_strategy import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
+from lightning_offload.engine.clipping import NonFiniteGradientError, NonFiniteStepWarning
+from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.lsp.rounding import stochastic_round_to_bf16
+from lightning_offload.engine.telemetry import OffloadTelemetry, StepTelemetry
 from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
-from lightning_offload.meft.config import MEFTConfig
-from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
-from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
-from lightning_offload.offload_optimizer import NonFiniteGradientError, NonFiniteStepWarning, OffloadOptimizer
-from lightning_offload.rounding import stochastic_round_to_bf16
-from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
-from lightning_offload.telemetry import OffloadTelemetry, StepTelemetry
+from lightning_offload.lsp.refit import ProjectorRefit, RefitRecord
+from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
+from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.strategy import MEFTOffloadStrategy
+from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
+from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
 
 register_strategies()
 # Here: these modules import strategy, not the reverse.

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import torch
 
-from lightning_offload.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
+from lightning_offload.cli.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
 METHODS = ("none", "zero_offload", "lsp_offload")
 LABELS = {"none": "plain AdamW (device)", "zero_offload": "zero_offload", "lsp_offload": "lsp_offload"}

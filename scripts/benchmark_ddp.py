@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_offload.run_record import read_summary
+from lightning_offload.reporting.run_record import read_summary
 
 METHODS = {
     "plain DDP (AdamW on the device)": ["offload=none"],
@@ -42,7 +42,7 @@ def run(method: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                  "data.max_val_blocks=8", "trainer.limit_val_batches=2", "logger=none", f"seed={args.seed}",
                  f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, "-m", "lightning_offload.train", *overrides], env=env, text=True,
+    done = subprocess.run([sys.executable, "-m", "lightning_offload.cli.train", *overrides], env=env, text=True,
                           capture_output=True, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{method} failed:\n{done.stderr[-3000:]}")

@@ -25,7 +25,7 @@ def fit_seconds(fit_threads: int | None) -> float:
     """Seconds of the initial fit of a tiny LLaMA's projectors (one optimizer step after it)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_offload.module import CausalLMModule
+    from lightning_offload.tasks.causal_lm import CausalLMModule
 
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=256, hidden=64, intermediate=172, heads=4, kv_heads=2)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.models.tiny import tiny_llama
-from lightning_offload.module import CausalLMModule
+from lightning_offload.tasks.causal_lm import CausalLMModule
 
 
 def measure(strategy_name: str, precision: str, link_dtype: str, steps: int, warmup: int, vocab: int,

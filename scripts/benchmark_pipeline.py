@@ -18,7 +18,7 @@ import json
 import statistics
 from dataclasses import asdict
 
-from lightning_offload.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
+from lightning_offload.cli.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
 
 # mode → (pipelined, speculative)

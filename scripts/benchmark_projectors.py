@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lightning_offload.benchmark_run import method_overrides, recipe_overrides, run_benchmark
+from lightning_offload.cli.benchmark_run import method_overrides, recipe_overrides, run_benchmark
 
 # SmolLM2-135M's projected layers per block: (out, in) of q, k, v, o, gate, up, down; 30 blocks.
 SMOLLM2_LAYERS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30

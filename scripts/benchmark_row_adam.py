@@ -2,7 +2,7 @@
 
 One process, interleaved repeats, medians, two tables:
 
-* the row-sparse embedding's :class:`~lightning_offload.row_adam.HostRowAdam` (gathers the touched rows into
+* the row-sparse embedding's :class:`~lightning_offload.engine.row_adam.HostRowAdam` (gathers the touched rows into
   preallocated workspaces, catches their moments up, steps, scatters) on ``--rows`` of an ``--height × --width``
   matrix;
 * MEFT's :class:`~lightning_offload.meft.block_adam.BlockRowAdam` on one adapter (keys and values, ``--neurons × --width``
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_offload.engine.row_adam import HostRowAdam
 from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
-from lightning_offload.row_adam import HostRowAdam
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 

@@ -31,8 +31,8 @@ from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_llama
-from lightning_offload.module import CausalLMModule
-from lightning_offload.strategy import LSPOffloadStrategy
+from lightning_offload.strategies.offload import LSPOffloadStrategy
+from lightning_offload.tasks.causal_lm import CausalLMModule
 
 METHODS = {
     "adamw": None,

@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.benchmark_run import StepClock
+from lightning_offload.cli.benchmark_run import StepClock
 from lightning_offload.models.tiny import tiny_llama
-from lightning_offload.module import CausalLMModule
+from lightning_offload.tasks.causal_lm import CausalLMModule
 
 # The offload strategies at their CPU defaults (not speculative) and with speculation forced on (the GPU default).
 CONFIGS: dict[str, Any] = {

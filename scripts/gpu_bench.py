@@ -170,7 +170,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
             with torch.device("cuda" if cuda else "cpu"):
                 self.model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
             if method == "lora_device":
-                from lightning_offload.baselines import add_lora
+                from lightning_offload.cli.baselines import add_lora
 
                 self.model = add_lora(self.model, rank=16, min_dim=min(128, s["hidden"]), train_others=False)
             self.manual = method == "torchao_offload"

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 export WANDB_MODE=${WANDB_MODE:-offline}
-python -m lightning_offload.train "$@"
+python -m lightning_offload.cli.train "$@"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_offload.baselines import (
+from lightning_offload.cli.baselines import (
     add_lora,
     freeze_projectable,
     galore_optimizer,
@@ -11,9 +11,9 @@ from lightning_offload.baselines import (
     projectable_layers,
 )
 from lightning_offload import LSPOffloadStrategy
+from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.models.tiny import tiny_llama
-from lightning_offload.module import CausalLMModule
-from lightning_offload.policies import OffloadPolicy
+from lightning_offload.tasks.causal_lm import CausalLMModule
 from tiny_modules import tiny_hf_model, token_data
 
 PROJECTED = {f"model.layers.{b}.{m}" for b in range(2) for m in (
@@ -78,7 +78,7 @@ def test_layer_groups_give_the_projectable_layers_their_own_lr():
 
 
 def _module(policy: OffloadPolicy, model: torch.nn.Module, lr: float = 1e-4) -> CausalLMModule:
-    # What train() builds for a language-modelling task (lightning_offload.train.build_module), minus the data.
+    # What train() builds for a language-modelling task (lightning_offload.cli.train.build_module), minus the data.
     return CausalLMModule(policy.prepare(model), lr=lr, weight_decay=0.0,
                           optimizer_factory=policy.optimizer_factory(lr, 0.0))
 

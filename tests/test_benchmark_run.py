@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_offload.benchmark_run import METHODS, method_overrides, recipe_overrides, run_benchmark
+from lightning_offload.cli.benchmark_run import METHODS, method_overrides, recipe_overrides, run_benchmark
 
 TINY = dict(steps=3, batch_size=2, block_size=32, eval_blocks=4, precision="32-true", lr=1e-3, model="tiny_llama")
 

@@ -8,11 +8,11 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offload.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.data.bible import load_books
 from lightning_offload.data.bible_tasks import IGNORE_INDEX, BibleGenreDataModule, BibleQADataModule, PadCollator
 from lightning_offload.models import ByteTokenizer, tiny_gpt2, tiny_llama
-from lightning_offload.module import CausalLMModule
+from lightning_offload.tasks.causal_lm import CausalLMModule
+from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
 
 
 @pytest.fixture(scope="module")

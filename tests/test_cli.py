@@ -12,8 +12,8 @@ import pytest
 import yaml
 from hydra.core.global_hydra import GlobalHydra
 
-from lightning_offload.plots import find_runs, main as plots_main
-from lightning_offload.run_record import read_history, read_summary
+from lightning_offload.reporting.plots import find_runs, main as plots_main
+from lightning_offload.reporting.run_record import read_history, read_summary
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
@@ -97,7 +97,7 @@ def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict
         assert "| val/token_acc 0." in row  # a language model's metric column is filled
         assert row.endswith("| – |")  # no device peak on a CPU run
     # The projector fit is shaded on the time axis: it spans the seconds the summary reports, before the first step.
-    from lightning_offload.plots import _fit_span
+    from lightning_offload.reporting.plots import _fit_span
 
     (lsp,) = [run for run in runs if run.label == "offload=lsp"]
     start, end = _fit_span(lsp)
@@ -118,7 +118,7 @@ def test_plots_of_a_missing_directory_fail_clearly(tmp_path: Path, capsys: pytes
 def test_wandb_offline_run_is_written_inside_the_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from test_configs import compose_cfg
 
-    from lightning_offload.train import _finish_wandb, train
+    from lightning_offload.cli.train import _finish_wandb, train
 
     monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -132,7 +132,7 @@ def test_wandb_offline_run_is_written_inside_the_run_dir(tmp_path: Path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # nothing written beside it
     (events,) = wandb_run.glob("run-*.wandb")
     data = events.read_bytes()  # protobuf records: keys and config values are stored as plain strings
-    for key in (b"lightning_offload.strategy.LSPOffloadStrategy", b"tiny_causal_lm",  # the config
+    for key in (b"lightning_offload.strategies.offload.LSPOffloadStrategy", b"tiny_causal_lm",  # the config
                 b"offload/bytes_device_to_host", b"val/loss", b"train/loss", b"summary/loss_after"):
         assert key in data, key
 
@@ -167,7 +167,7 @@ def test_a_run_without_a_logger(tmp_path: Path, env: dict[str, str], spelling: s
 
 
 def test_null_for_a_group_means_its_none_option() -> None:
-    from lightning_offload.train import null_group_overrides
+    from lightning_offload.cli.train import null_group_overrides
 
     assert null_group_overrides(["logger=null", "callbacks=null", "ckpt_path=null", "optim.lr=1e-3", "-m"]) == [
         "logger=none", "callbacks=none", "ckpt_path=null", "optim.lr=1e-3", "-m"]
@@ -229,7 +229,7 @@ def test_a_missing_bible_fails_before_the_trainer_is_built(tmp_path: Path, monke
     import lightning.pytorch as pl
     from test_configs import compose_cfg
 
-    from lightning_offload.train import error_paragraph, train
+    from lightning_offload.cli.train import error_paragraph, train
 
     from lightning_offload.data import bible
 

@@ -13,14 +13,14 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from lightning_offload.classifier import SequenceClassifierModule
+from lightning_offload.cli.policies import OffloadPolicy
+from lightning_offload.cli.train import CONFIG_DIR, compose_config, train
+from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.models.tiny import ByteTokenizer
-from lightning_offload.module import CausalLMModule
-from lightning_offload.policies import OffloadPolicy
-from lightning_offload.meft.strategy import MEFTOffloadStrategy
-from lightning_offload.strategy import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.train import CONFIG_DIR, compose_config, train
+from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.tasks.causal_lm import CausalLMModule
+from lightning_offload.tasks.classifier import SequenceClassifierModule
 
 GROUPS = ("model", "data", "offload", "trainer", "logger", "callbacks", "experiment", "hparams_search", "debug",
           "paths")

@@ -22,7 +22,7 @@ from lightning_offload import (
     ProjectorRefit,
     ZeroOffloadDDPStrategy,
 )
-from lightning_offload.data_parallel import contiguous_owners
+from lightning_offload.engine.data_parallel import contiguous_owners
 
 RUNS = Path(__file__).parent / "ddp_runs.py"
 # ddp_runs.py: 2 ranks × batch 4, two batches accumulated per step, clipped by norm.

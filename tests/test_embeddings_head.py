@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.engine.row_adam import HostRowAdam
 from lightning_offload.models.tiny import tiny_llama
-from lightning_offload.row_adam import HostRowAdam
 from tiny_modules import TinyCausalLM, lossless_lsp, params_of, tiny_hf_model, token_data, trainer
 
 EMBEDDING = "model.model.embed_tokens.weight"

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from lightning_offload.train import compose_config, train
+from lightning_offload.cli.train import compose_config, train
 
 
 @pytest.mark.smollm2

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.offload_optimizer import OffloadOptimizer
+from lightning_offload.engine.optimizer import OffloadOptimizer
 from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
 
 

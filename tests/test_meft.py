@@ -13,12 +13,12 @@ from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import BlockRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
+from lightning_offload.engine.clipping import NonFiniteGradientError
+from lightning_offload.engine.pipeline import HostWorkerError
 from lightning_offload.meft.adapter import expert_key_scores, route, select_experts, select_neurons
 from lightning_offload.meft.block_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.models import tiny_gpt2, tiny_llama
-from lightning_offload.offload_optimizer import NonFiniteGradientError
-from lightning_offload.pipeline import HostWorkerError
-from lightning_offload.module import CausalLMModule
+from lightning_offload.tasks.causal_lm import CausalLMModule
 
 # Standardisation measured on the first batch alone: tests that compare runs fix it with one forward beforehand
 # (the calibration tests set calibration_batches themselves).

@@ -104,7 +104,7 @@ def test_load_hf_model_from_local_dir(tmp_path) -> None:
 def test_smollm2_real_checkpoint() -> None:
     """Loads SmolLM2-135M (converting it once into the default cache) and checks it is a real LM."""
     from lightning_offload.data import BibleLMDataModule
-    from lightning_offload.module import evaluate_loss
+    from lightning_offload.tasks.causal_lm import evaluate_loss
 
     try:
         model, tok = load_smollm2()

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_offload.data import BibleLMDataModule
 from lightning_offload.models import ByteTokenizer, tiny_gpt2, tiny_llama
-from lightning_offload.module import CausalLMModule, LinearWarmup, evaluate_loss, param_groups
+from lightning_offload.tasks.causal_lm import CausalLMModule, LinearWarmup, evaluate_loss, param_groups
 
 
 def plain_trainer(**kwargs) -> L.Trainer:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.run_record import RunRecorder, read_history
+from lightning_offload.reporting.run_record import RunRecorder, read_history
 from tiny_modules import TinyClassifier, classification_data, trainer
 
 

@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_offload import LSPOffloadStrategy, NonFiniteGradientError, ZeroOffloadStrategy
-from lightning_offload.offload_optimizer import OffloadOptimizer
+from lightning_offload.engine.optimizer import OffloadOptimizer
 from tiny_modules import (
     TinyCausalLM,
     TinyClassifier,

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.checkpoint import checkpoint
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.offload_optimizer import OffloadOptimizer
+from lightning_offload.engine.optimizer import OffloadOptimizer
 from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, lossless_lsp, params_of, tiny_hf_model, \
     token_data, trainer
 
@@ -262,7 +262,7 @@ def test_default_projectors_keep_most_of_adamws_gain_at_the_users_learning_rate(
     from lightning_offload.data.bible import BibleLMDataModule
     from lightning_offload.lsp.targets import select_projected_modules
     from lightning_offload.models import load_smollm2_tokenizer, tiny_llama
-    from lightning_offload.module import CausalLMModule
+    from lightning_offload.tasks.causal_lm import CausalLMModule
 
     data = BibleLMDataModule(load_smollm2_tokenizer(), block_size=64, batch_size=4, max_val_blocks=32, seed=0)
     data.prepare_data()

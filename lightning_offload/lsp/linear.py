@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.rounding import copy_stochastic_rounded_
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:

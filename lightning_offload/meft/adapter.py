@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_offload.engine.pipeline import Job
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.row_pipeline import RowPipeline
-from lightning_offload.pipeline import Job
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_offload.pipeline import HostWorker, Job, Link
+from lightning_offload.engine.pipeline import HostWorker, Job, Link
 
 
 class _PinnedPool:

@@ -22,11 +22,12 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_offload.engine.clipping import NonFiniteGradientError
+from lightning_offload.engine.slots import is_decoupled
 from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic, meft_adapters
 from lightning_offload.meft.block_adam import BlockRowAdam, Clip, RowAdamSettings
 from lightning_offload.meft.row_pipeline import RowPipeline
-from lightning_offload.offload_optimizer import NonFiniteGradientError, _is_decoupled
-from lightning_offload.strategy import LSPOffloadStrategy, _as_offload_optimizer
+from lightning_offload.strategies.offload import LSPOffloadStrategy, _as_offload_optimizer
 
 _STATE_KEY = "meft_host_rows"
 
@@ -129,7 +130,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             eps=float(group.get("eps", 1e-8)),
             weight_decay=self.weight_decay if self.weight_decay is not None else float(group.get("weight_decay", 0)),
             # An explicit meft_offload(weight_decay=...) is decoupled, as AdamW's; else the user's optimizer decides.
-            decoupled=self.weight_decay is not None or _is_decoupled(wrapped, group),
+            decoupled=self.weight_decay is not None or is_decoupled(wrapped, group),
             maximize=bool(group.get("maximize", False)),
         )
 

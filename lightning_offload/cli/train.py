@@ -24,12 +24,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
-from lightning_offload.callbacks import ProjectorRefit
-from lightning_offload.classifier import SequenceClassifierModule, decoder_of
+from lightning_offload.cli.policies import OffloadPolicy
+from lightning_offload.lsp.refit import ProjectorRefit
 from lightning_offload.models.builders import LanguageModel
-from lightning_offload.module import CausalLMModule
-from lightning_offload.policies import OffloadPolicy
-from lightning_offload.run_record import (
+from lightning_offload.tasks.causal_lm import CausalLMModule
+from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
+from lightning_offload.reporting.run_record import (
     RunRecorder,
     device_peak_bytes,
     host_peak_rss_bytes,
@@ -40,7 +40,7 @@ from lightning_offload.run_record import (
 log = logging.getLogger(__name__)
 
 #: The repository's ``conf/`` directory (the package is installed editable from a checkout; see the README).
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def run_dir_of_checkpoint(ckpt_path: str | None) -> str | None:
@@ -307,8 +307,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 #: Single-device offload strategies and their forms on Lightning's DDP.
 _DATA_PARALLEL_FORMS = {
-    "lightning_offload.strategy.LSPOffloadStrategy": "lightning_offload.ddp_strategy.LSPOffloadDDPStrategy",
-    "lightning_offload.strategy.ZeroOffloadStrategy": "lightning_offload.ddp_strategy.ZeroOffloadDDPStrategy",
+    "lightning_offload.strategies.offload.LSPOffloadStrategy": "lightning_offload.strategies.ddp.LSPOffloadDDPStrategy",
+    "lightning_offload.strategies.offload.ZeroOffloadStrategy": "lightning_offload.strategies.ddp.ZeroOffloadDDPStrategy",
 }
 
 

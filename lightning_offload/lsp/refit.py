@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -36,6 +36,29 @@ from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.sampling import sample_gradients
 
 LossFn = Callable[[pl.LightningModule, Any], Tensor]
+
+
+@runtime_checkable
+class ProjectedTraining(Protocol):
+    """What the refit needs of the Trainer's strategy (``lsp_offload`` and its DDP form provide it): the projected
+    layers' optimizer, and agreement between ranks on what was sampled and fitted. A protocol, so this module does not
+    import the strategies (which add this callback)."""
+
+    projection: bool
+    offload_optimizer: Any
+
+    def synchronize(self) -> None:
+        """Finish the step in flight."""
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """The mean over ranks of a sampled gradient (itself on one rank)."""
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value of a decision, on every rank."""
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """Rank 0's fitted projectors, on every rank."""
 
 
 @dataclass
@@ -158,15 +181,13 @@ class ProjectorRefit(Callback):
     # -------------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_offload.strategy import OffloadMixin
-
         if stage != "fit":
             return
         # Each fit draws new projectors; a checkpoint being resumed restores this flag after `setup`.
         self._initial_fit_done = False
         self._last_checked_step = -1
         strategy = trainer.strategy
-        if not isinstance(strategy, OffloadMixin) or not strategy.projection:
+        if not isinstance(strategy, ProjectedTraining) or not strategy.projection:
             raise ValueError(
                 f"ProjectorRefit fits the projectors of strategy='lsp_offload', but this Trainer uses "
                 f"{type(strategy).__name__}{'' if getattr(strategy, 'projection', True) else ' (projection off)'}. "

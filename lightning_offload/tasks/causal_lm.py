@@ -76,7 +76,7 @@ class CausalLMModule(L.LightningModule):
         optimizer: ``"adamw"`` (decoupled decay) or ``"adam"`` (L2 penalty), both from ``torch.optim``.
         fused: Passed to the torch optimizer (``None`` lets torch choose; fused is fastest on CPU).
         optimizer_factory: builds the optimizer from the model instead (e.g. GaLore from
-            :func:`lightning_offload.baselines.galore_optimizer`); ``optimizer``, ``betas``, ``eps`` and ``fused``
+            :func:`lightning_offload.cli.baselines.galore_optimizer`); ``optimizer``, ``betas``, ``eps`` and ``fused``
             are then unused.
         exact_match: Also log ``val/exact_match`` (meaningful for prompt → answer data such as ``bible_qa``).
     """

@@ -1,4 +1,4 @@
-"""Benchmark runs through the one harness, :func:`~lightning_offload.train.train`: overrides in, measurements out.
+"""Benchmark runs through the one harness, :func:`~lightning_offload.cli.train.train`: overrides in, measurements out.
 
 The benchmark scripts (``scripts/benchmark_*.py``) describe a run as Hydra overrides of the command line's config,
 the same ones a user would type, and read back what the run measured. :func:`recipe_overrides` is the fixed
@@ -140,14 +140,14 @@ def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, proje
 
 
 def run_benchmark(overrides: Sequence[str], output_dir: str | Path | None = None) -> BenchmarkRun:
-    """Compose the config with ``overrides``, run :func:`~lightning_offload.train.train`, return what it measured.
+    """Compose the config with ``overrides``, run :func:`~lightning_offload.cli.train.train`, return what it measured.
 
     Args:
         overrides: Hydra overrides (e.g. ``recipe_overrides(...) + method_overrides(...)``).
         output_dir: the run directory (``history.jsonl``, ``summary.json``); default: a temporary one, removed
             after the run.
     """
-    from lightning_offload.train import compose_config, train
+    from lightning_offload.cli.train import compose_config, train
 
     with tempfile.TemporaryDirectory(prefix="lightning_offload_bench_") as scratch:
         cfg = compose_config(overrides, output_dir if output_dir is not None else scratch)

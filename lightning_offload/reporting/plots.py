@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_offload.run_record import HISTORY_FILE, read_history, read_summary
+from lightning_offload.reporting.run_record import HISTORY_FILE, read_history, read_summary
 
 MIB = 1024**2
 

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_offload.pipeline import LANES
+from lightning_offload.engine.pipeline import LANES
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StepTelemetry:
         sparse_rows: rows of row-sparse embeddings (``embeddings="sparse"``) that crossed and were stepped.
         bytes_between_ranks: with data parallelism, the bytes this rank handed to collectives for one step: its
             gradient buckets, the global norm, and the updates it broadcast or received (payload sizes; see
-            :mod:`lightning_offload.data_parallel`). 0 for one process.
+            :mod:`lightning_offload.engine.data_parallel`). 0 for one process.
     """
 
     bytes_device_to_host: float = 0.0
@@ -63,7 +63,7 @@ class OffloadTelemetry:
             ``device_optimizer`` (state and fp32 masters of parameters kept on the device with a device Adam).
         update_ring_fallbacks: compressed updates so far that found no free buffer in the device update ring and were
             copied into a one-off allocation instead (costs speed, not correctness; raise ``update_buffers``).
-        last_timeline: the latest completed step's :class:`~lightning_offload.pipeline.StepTimeline` (busy seconds
+        last_timeline: the latest completed step's :class:`~lightning_offload.engine.pipeline.StepTimeline` (busy seconds
             per lane: device compute, link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
             so a reader that looks only now and then misses none: a pipelined step completes during the next one,

@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_offload.baselines import (
+from lightning_offload.cli.baselines import (
     add_lora,
     add_parallel_adapters,
     freeze_projectable,

@@ -2,7 +2,7 @@
 
 ``Trainer(strategy="lsp_offload_ddp", devices=N, num_nodes=M)`` runs one process per device with Lightning's own
 launcher and process group. The model is not wrapped in ``DistributedDataParallel``: what crosses between ranks is
-decided by the offload optimizer (:mod:`lightning_offload.data_parallel`): each projected weight's compressed gradient
+decided by the offload optimizer (:mod:`lightning_offload.engine.data_parallel`): each projected weight's compressed gradient
 ``S`` (linear in the gradient, so summing the ranks' ``S`` is exact) and the dense gradients of the rest, bucketed and
 reduced during backward to the rank that owns each tensor's host Adam; the owners' updates are broadcast back. The
 host optimizer is sharded: each rank's host keeps and steps about ``1/(N·M)`` of the state, so ranks sharing a node
@@ -25,15 +25,15 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_offload.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
+from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.strategy import OffloadMixin
+from lightning_offload.strategies.offload import OffloadMixin
 
 
 class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
-    Takes every offload argument of :class:`~lightning_offload.strategy.LSPOffloadStrategy` (``rank``, ``density``,
+    Takes every offload argument of :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` (``rank``, ``density``,
     ``projectors``, ``link_dtype``, ``embeddings``, ``head``, …; gradients cross between ranks in ``link_dtype``) and
     these of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`.
 

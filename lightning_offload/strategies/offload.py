@@ -2,7 +2,7 @@
 
 ``Trainer(strategy="lsp_offload")`` trains any LightningModule with LSP-Offload: at set-up the strategy rebinds the
 forward of every selected Linear/Conv1D so its backward yields a compressed gradient, and it replaces the Adam/AdamW
-from ``configure_optimizers`` by an :class:`~lightning_offload.offload_optimizer.OffloadOptimizer` whose state lives
+from ``configure_optimizers`` by an :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` whose state lives
 on the host. ``zero_offload`` is the same machinery with projection off: full gradients cross the link and a dense
 host Adam steps them (the ZeRO-Offload-style baseline).
 """
@@ -26,12 +26,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_offload.data_parallel import RankShards
-from lightning_offload.embeddings_head import Placement, plan_placement, validate_placements
+from lightning_offload.engine.clipping import NonFinitePolicy
+from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.optimizer import LINK_DTYPES, OffloadOptimizer, validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
+from lightning_offload.lsp.refit import ProjectorRefit
 from lightning_offload.lsp.targets import select_projected_modules
-from lightning_offload.offload_optimizer import LINK_DTYPES, NonFinitePolicy, OffloadOptimizer, validate_user_optimizer
+from lightning_offload.strategies.embeddings_head import Placement, plan_placement, validate_placements
 
 _PRECISION_ADVICE = {
     "16-mixed": (
@@ -168,8 +170,6 @@ class OffloadMixin:
         # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
         # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
         if self.projection and self.projectors == "learned" and trainer is not None:
-            from lightning_offload.callbacks import ProjectorRefit
-
             if not any(isinstance(callback, ProjectorRefit) for callback in trainer.callbacks):
                 refit = ProjectorRefit(seed=self.seed)
                 trainer.callbacks.append(refit)
@@ -417,7 +417,7 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
             (heads included, when they match).
         exclude_modules: regular expressions of modules never projected.
         projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
-            stale ones on a schedule (a :class:`~lightning_offload.callbacks.ProjectorRefit` with its defaults is
+            stale ones on a schedule (a :class:`~lightning_offload.lsp.refit.ProjectorRefit` with its defaults is
             added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
         projector_factory: draws each projector at set-up (default: seeded random); a learned fit starts from it.
         seed: seed of the projector draw and of stochastic rounding.
@@ -433,14 +433,14 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
             updates are read where the host step wrote them.
         speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
             back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
-            non-speculative path bit for bit (see :class:`~lightning_offload.offload_optimizer.OffloadOptimizer`).
+            non-speculative path bit for bit (see :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`).
             ``None``: on for a GPU, off on the CPU (where host and device share the cores).
         embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
             the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
             decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
             under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. ``None``:
             ``"sparse"`` for ``lsp_offload``, ``"host"`` for ``zero_offload``. See
-            :mod:`lightning_offload.embeddings_head`.
+            :mod:`lightning_offload.strategies.embeddings_head`.
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
             embedding takes this setting. ``None``: ``"host"``.

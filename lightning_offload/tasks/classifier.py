@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
-from lightning_offload.module import LinearWarmup, param_groups
+from lightning_offload.tasks.causal_lm import LinearWarmup, param_groups
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -1,0 +1,2 @@
+"""The offload engine: the optimizer that keeps Adam on the host, its layer-wise pipeline, and the host and device
+Adams it runs (no Lightning here: the strategies in :mod:`lightning_offload.strategies` put it in a Trainer)."""

@@ -1,0 +1,1 @@
+"""What a run leaves behind: its record (history, summary, log) and the figures drawn from a sweep's records."""

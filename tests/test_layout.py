@@ -1,0 +1,83 @@
+"""The package's layers, as the README's Layout states them: each module imports only its own layer and those below.
+
+lsp (projectors and projected layers) < engine (the offload optimizer; no Lightning) < strategies (the engine in a
+Trainer) < meft < the product (cli, tasks, reporting, models, data). Imports inside functions count too: a cycle
+hidden in a local import is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lightning_offload
+
+PACKAGE = Path(lightning_offload.__file__).parent
+LAYERS = {"lsp": 0, "engine": 1, "strategies": 2, "meft": 3, "cli": 4, "tasks": 4, "reporting": 4, "models": 4,
+          "data": 4}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The lightning_offload modules ``path`` imports (anywhere in it, local imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_offload"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("lightning_offload")}
+    return found
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    loose = sorted(m for m in _graph() if m != "lightning_offload" and _layer(m) is None)
+    assert not loose, f"modules outside the layers of the README's Layout: {loose}"
+
+
+def test_no_module_imports_a_later_layer() -> None:
+    upward = [(module, imported) for module, imports in _graph().items() for imported in imports
+              if module != "lightning_offload" and _layer(imported) is not None
+              and _layer(imported) > _layer(module)]
+    assert not upward, f"imports of a later layer: {upward}"
+
+
+def test_the_engine_does_not_use_lightning() -> None:
+    for path in (PACKAGE / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names), path
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph[module]):
+            if imported == "lightning_offload":
+                continue
+            if state.get(imported) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(imported):] + [imported])}")
+            if imported not in state:
+                visit(imported, stack + [imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
