@@ -102,7 +102,6 @@ class BlockRowAdam:
         self.scale2 = torch.ones(rows // block_rows, dtype=torch.float64)
         # The step count the fused kernel reads (one tensor handed for every slice: the kernel only reads it).
         self._step = torch.zeros((), dtype=torch.float32)
-        self._rows_stepped = 0
         # Each block of every matrix and moment as a view, made once: a step hands them to the kernel as they are.
         self._param_blocks = [self._by_block(p) for p in params]
         self._exp_avg_blocks = [self._by_block(m) for m in self.exp_avg]
@@ -117,11 +116,6 @@ class BlockRowAdam:
     def num_blocks(self) -> int:
         """``N / block_rows``."""
         return self.last_step.numel()
-
-    @property
-    def rows_stepped(self) -> int:
-        """Rows the latest step read and wrote (whole blocks)."""
-        return self._rows_stepped
 
     def blocks_of(self, touched_rows: Tensor) -> Tensor:
         """Sorted ids of the blocks that hold any of ``touched_rows`` (a bool ``[N]`` mask)."""
@@ -184,7 +178,6 @@ class BlockRowAdam:
         self.step_count += 1
         self._betas = settings.betas
         ranges = self.row_ranges(blocks)
-        self._rows_stepped = blocks.numel() * self.block_rows
         if not ranges:
             return []  # a step whose batch touched no row (all padding): only the count advances
         grad_blocks = [self._by_block(g) for g in grads]
@@ -276,15 +269,12 @@ class BlockRowAdam:
             calls.setdefault((hyper, c), []).append(block)
         return calls
 
-    def state_tensors(self) -> list[Tensor]:
-        """Every host tensor this optimizer holds (for memory accounting)."""
-        return [*self.exp_avg, *self.exp_avg_sq, self.last_step, self.scale1, self.scale2]
-
     def state_dict(self) -> dict[str, Any]:
         """Stored moments and their per-block scales, the step count and each block's last step (host tensors,
         shared, not copied)."""
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "scale1": self.scale1, "scale2": self.scale2,
-                "step": self.step_count, "last_step": self.last_step, "block_rows": self.block_rows}
+                "step": self.step_count, "last_step": self.last_step, "block_rows": self.block_rows,
+                "betas": self._betas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` in place.
@@ -311,3 +301,4 @@ class BlockRowAdam:
         self.scale1.copy_(state["scale1"])
         self.scale2.copy_(state["scale2"])
         self.step_count = int(state["step"])
+        self._betas = tuple(state["betas"])

@@ -98,16 +98,17 @@ class RowPipeline:
         fresh = ~written[rows]
         if bool(fresh.all()):  # the step's first gradient of these rows (every row, without accumulation)
             accumulator.index_copy_(0, rows, grad)
-            flat = grad.reshape(-1)
-            square = float(torch.dot(flat, flat))
-            with self._lock:
-                self._square_sum += square
-        elif not bool(fresh.any()):
-            accumulator.index_add_(0, rows, grad)
+            if self._square_sum_is_norm:  # once rows were summed the norm is read from the sums: no dot needed
+                flat = grad.reshape(-1)
+                square = float(torch.dot(flat, flat))
+                with self._lock:
+                    self._square_sum += square
         else:
-            accumulator.index_copy_(0, rows[fresh], grad[fresh])
-            accumulator.index_add_(0, rows[~fresh], grad[~fresh])
-        if not bool(fresh.all()):
+            if bool(fresh.any()):
+                accumulator.index_copy_(0, rows[fresh], grad[fresh])
+                accumulator.index_add_(0, rows[~fresh], grad[~fresh])
+            else:
+                accumulator.index_add_(0, rows, grad)
             with self._lock:
                 self._square_sum_is_norm = False  # summed rows: the norm must be read from the sums themselves
         written[rows] = True

@@ -76,7 +76,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         # This step's touched blocks per adapter (their idle rows zeroed) and row-gradient norm, once computed; keyed
         # by how many row gradients had been queued by then, so a later micro-batch invalidates them.
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
-        self._row_norm: tuple[int, torch.Tensor] | None = None
+        self._row_norm: torch.Tensor | None = None  # belongs to _prepared: reset with it
         self.row_pipeline: RowPipeline | None = None
         self._row_clip: tuple[str, float] | None = None
         self.skipped_row_steps = 0
@@ -239,7 +239,7 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
                         accumulator.index_fill_(0, idle, 0.0)
                     written[in_blocks] = True  # every row of the stepped blocks now holds this step's sum
                 step_blocks.append(blocks)
-            self._prepared = (queued, step_blocks)
+            self._prepared, self._row_norm = (queued, step_blocks), None
         return self._prepared[1]
 
     @override
@@ -270,9 +270,8 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         landed (no pass over the accumulators) when no row received two gradients this step, else read in place over
         the touched blocks' slices (no other row has a gradient). A non-finite gradient makes it non-finite.
         """
-        step_blocks = self._step_blocks()
-        queued = self.row_pipeline.gradients_queued if self.row_pipeline is not None else -1
-        if self._row_norm is None or self._row_norm[0] != queued or queued < 0:
+        step_blocks = self._step_blocks()  # a new micro-batch's gradients reset the cached norm with the blocks
+        if self._row_norm is None:
             # Taken as the gradients landed on the host when no row was summed twice; else read from the sums.
             landed = self.row_pipeline.landed_square_sum() if self.row_pipeline is not None else None
             if landed is not None:
@@ -281,8 +280,8 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
                 squares = torch.stack([torch.zeros((), dtype=torch.float64)] + [
                     optimizer.grad_norm_squares([adapter.host.grad_keys, adapter.host.grad_values], blocks)
                     for adapter, optimizer, blocks in zip(self.adapters, self.row_optimizers, step_blocks)]).sum()
-            self._row_norm = (queued, squares.sqrt().float())
-        return self._row_norm[1]
+            self._row_norm = squares.sqrt().float()
+        return self._row_norm
 
     @override
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
