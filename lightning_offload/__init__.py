@@ -21,6 +21,7 @@ from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapte
 from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
+from lightning_offload.strategies.hardware_precision import PrecisionChoice, hardware_precision
 from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
 from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
 
@@ -41,6 +42,7 @@ __all__ = [
     "NonFiniteStepWarning",
     "OffloadOptimizer",
     "OffloadTelemetry",
+    "PrecisionChoice",
     "FitSettings",
     "ProjectedWeight",
     "ProjectorRefit",
@@ -49,6 +51,7 @@ __all__ = [
     "StepTelemetry",
     "ZeroOffloadDDPStrategy",
     "ZeroOffloadStrategy",
+    "hardware_precision",
     "inject_meft",
     "meft_adapters",
     "random_projector",

@@ -203,13 +203,32 @@ def test_a_resumed_run_continues_its_history_in_its_own_directory(tmp_path: Path
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["optim.lr=nan"], "ValueError: optim.lr=nan must be a finite number > 0; set e.g. optim.lr=1e-4."),
+    (["optim.lr=nan"], "SettingsError: optim.lr=nan must be a finite number > 0; set e.g. optim.lr=1e-4."),
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a finite number ≥ 0.0; set e.g."),
     (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be an int ≥ 0"),
-    (["offload.strategy.rank=0"], "rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two numbers in [0, 1); set e.g. optim.betas=[0.9,0.999]"),
+    (["optim.decay=step"], "optim.decay='step' is not one of ('constant', 'linear', 'cosine')"),
+    (["optim.warmup_steps=5", "optim.warmup_ratio=0.1"], "both set the warm-up; set one of them to 0"),
+    (["+optim.momentum=0.9"], "optim.momentum is not an optimizer setting; the settings are ['betas', 'decay'"),
+    (["offload.strategy.rank=0"], "ValueError: rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
+], ids=["lr-nan", "weight-decay", "warmup", "betas", "decay", "two-warmups", "unknown", "rank"])
+def test_refused_settings_say_the_fix_and_leave_no_run_directory(tmp_path: Path, env: dict[str, str], overrides,
+                                                                  message):
+    run_dir = tmp_path / "run"
+    done = run_cli(["model=tiny_llama", "trainer=cpu", "logger=none", "trainer.max_steps=1", *overrides,
+                    f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=300)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lightning-offload-train: ") and message in last, done.stderr[-2000:]
+    assert "Traceback (most recent call last)" not in done.stderr
+    assert not run_dir.exists()  # nothing ran: no directory of a run that never was
+
+
+@pytest.mark.parametrize("overrides, message", [
     (["offload=meft", "trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
-], ids=["lr-nan", "weight-decay", "warmup", "rank", "devices"])
-def test_bad_settings_end_in_one_paragraph_naming_the_fix(tmp_path: Path, env: dict[str, str], overrides, message):
+], ids=["devices"])
+def test_failed_runs_end_in_one_paragraph_with_the_traceback_in_the_log(tmp_path: Path, env: dict[str, str],
+                                                                        overrides, message):
     run_dir = tmp_path / "run"
     done = run_cli(["model=tiny_llama", "trainer=cpu", "logger=none", "trainer.max_steps=1", *overrides,
                     f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=300)

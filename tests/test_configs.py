@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -11,10 +12,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, open_dict
 
 from lightning_offload.cli.policies import OffloadPolicy
-from lightning_offload.cli.train import CONFIG_DIR, compose_config, train
+from lightning_offload.cli.train import CONFIG_DIR, compose_config, format_summary, train
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.models.tiny import ByteTokenizer
@@ -96,6 +98,20 @@ def test_hf_model_from_a_local_directory(tmp_path: Path) -> None:
     assert lm.name == str(model_dir) and lm.tokenizer.pad_token is not None
 
 
+def test_a_local_model_directory_without_a_tokenizer_says_so(tmp_path: Path) -> None:
+    """transformers itself would blame a missing sentencepiece package, which installing does not fix."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "weights-only"
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(model_dir)
+    with pytest.raises(Exception) as caught:
+        instantiate(compose_cfg(["model=hf", f"model.name_or_path={model_dir}"], tmp_path).model)
+    message = str(caught.value) + str(caught.value.__cause__)
+    assert f"model.name_or_path='{model_dir}' is a directory without a tokenizer" in message
+    assert f"tokenizer.save_pretrained('{model_dir}')" in message and "sentencepiece" not in message
+
+
 def test_hf_model_without_a_name_says_what_to_set(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="name_or_path"):
         instantiate(compose_cfg(["model=hf"], tmp_path).model)
@@ -129,7 +145,7 @@ def test_offload_policies_instantiate(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["default", "cpu"])
 def test_trainers_instantiate(name: str, tmp_path: Path) -> None:
     trainer = instantiate(compose_cfg([f"trainer={name}"], tmp_path).trainer, logger=False)
-    assert isinstance(trainer, pl.Trainer) and trainer.max_steps == 100
+    assert isinstance(trainer, pl.Trainer) and trainer.max_steps == 40
 
 
 def test_gpu_trainer_composes(tmp_path: Path) -> None:
@@ -198,9 +214,25 @@ def test_baseline_policies_train(offload: str, tmp_path: Path) -> None:
     if offload == "meft":
         assert trainable and all(n.endswith("adapter.router.weight") for n in trainable)
         assert metrics["meft/rows_updated"] > 0
+        # The summary's count is Lightning's (module parameters) plus the adapter rows it cannot see, said so.
+        summary = objects["summary"]
+        lightning_count = ModelSummary(objects["module"]).trainable_parameters
+        host_rows = summary["host_trainable_parameters"]
+        assert host_rows > 0 and summary["trainable_parameters"] == lightning_count + host_rows
+        assert (f"trainable params    {lightning_count + host_rows:,} ({lightning_count:,} module parameters, which "
+                f"Lightning's model summary counts, + {host_rows:,} adapter rows held on the host)"
+                in format_summary(summary))
     if offload == "dense_adapter":
         assert trainable and all(n.endswith(("adapter_keys", "keys", "values")) for n in trainable)
     assert metrics["summary/steps"] == 1
+
+
+def test_lightnings_banner_is_said_once_per_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The run evaluates before and after training with Trainers of its own; they print no second banner."""
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg(["offload=zero", "model=tiny_llama", "trainer=cpu", "debug=fdr", "logger=none"], tmp_path))
+    banners = [r for r in caplog.records if r.getMessage().startswith("GPU available:")]
+    assert len(banners) == 1
 
 
 def test_unknown_option_names_the_choices(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def test_a_fit_lowers_the_error_on_held_out_gradients_well_below_random():
         fitted_error = reconstruction_error(*fit.projectors(), held_out)
         assert fitted_error < 0.5 * random_error, name
         # Also below the norm-scaled random start, a random subspace (error ≈ 1). The margin is small here: the
-        # gradients of a randomly initialised tiny model are nearly isotropic (SmolLM2's are not; see BENCHMARKS.md).
+        # gradients of a randomly initialised tiny model are nearly isotropic (SmolLM2's are not: docs/benchmarks.md).
         assert fitted_error < scaled_error - 0.05, (name, fitted_error, scaled_error)
         # Indices never change during a fit; values do.
         assert torch.equal(fit.projectors()[0].indices, proj_out.indices)

@@ -1,6 +1,7 @@
 """Offload policies: what the Hydra ``offload`` group chooses — the strategy, and what trains the large layers.
 
-A policy bundles the three things that differ between the methods compared side by side (DESIGN.md §5):
+A policy bundles the three things that differ between the methods compared side by side (docs/design.md, "Methods
+compared side by side"):
 
 - the Lightning strategy (``lsp_offload``, ``zero_offload`` or Lightning's own ``"auto"`` for on-device AdamW);
 - the *method* applied to the projectable layers: ``full`` (train them, however the strategy does it), ``frozen``,
@@ -107,15 +108,16 @@ class OffloadPolicy:
             add_parallel_adapters(network, self.adapter_width)
         return network
 
-    def optimizer_factory(self, lr: float, weight_decay: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    def optimizer_factory(self, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
+                          eps: float = 1e-8) -> Callable[[nn.Module], torch.optim.Optimizer]:
         """Builds the run's optimizer from the network: AdamW with the layer lr split, or GaLore-AdamW."""
 
         def build(network: nn.Module) -> torch.optim.Optimizer:
             if self.method == "galore":
                 return galore_optimizer(network, lr=lr, projected_lr=self.projected_lr, rank=self.galore_rank,
                                         scale=self.galore_scale, update_proj_gap=self.galore_update_proj_gap,
-                                        weight_decay=weight_decay)
+                                        weight_decay=weight_decay, betas=betas, eps=eps)
             groups = layer_param_groups(network, lr, self.projected_lr, weight_decay)
-            return torch.optim.AdamW(groups, lr=lr, fused=self.fused_adam)
+            return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.fused_adam)
 
         return build

@@ -7,13 +7,16 @@ then evaluates, trains, evaluates, and prints and writes a summary. See the READ
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
+import shlex
+import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +27,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
+from lightning_offload.cli.interrupt import StopOnInterrupt
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.lsp.refit import ProjectorRefit
 from lightning_offload.models.builders import LanguageModel
+from lightning_offload.strategies.hardware_precision import hardware_precision, uses_cuda
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
+from lightning_offload.tasks.schedule import OptimSettings, SettingsError
 from lightning_offload.reporting.run_record import (
     RunRecorder,
     device_peak_bytes,
@@ -69,40 +75,69 @@ OmegaConf.register_new_resolver("lo_run_dir", _resume_run_dir, replace=True)
 OmegaConf.register_new_resolver("lo_config_subdir", _resume_config_subdir, replace=True)
 
 
-def check_optim(optim: DictConfig) -> None:
-    """Refuses optimizer settings torch would reject with a bare message (or accept and train to nan).
+def check_optim(optim: DictConfig) -> OptimSettings:
+    """The run's optimizer settings, validated (before anything is built: a bad setting costs no model load).
 
     Raises:
-        ValueError: naming the setting, its value and a valid example.
+        SettingsError: naming the setting, its value and a valid example.
     """
-    for name, lowest, example in (("lr", None, "1e-4"), ("weight_decay", 0.0, "0.0 or 0.01")):
-        value = optim.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
-                value <= 0 if lowest is None else value < lowest):
-            bound = "a finite number > 0" if lowest is None else f"a finite number ≥ {lowest}"
-            raise ValueError(f"optim.{name}={value!r} must be {bound}; set e.g. optim.{name}={example}.")
-    warmup = optim.get("warmup_steps", 0)
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"optim.warmup_steps={warmup!r} must be an int ≥ 0 (0: no warmup).")
+    return OptimSettings.from_mapping(OmegaConf.to_container(optim, resolve=True))
+
+
+#: Set by the process that resolves ``trainer.precision=auto``: the ranks Lightning launches as subprocesses inherit
+#: it and train in the same precision (each probing on its own could disagree and hang in the first collective).
+PRECISION_ENV = "LIGHTNING_OFFLOAD_PRECISION"
+
+
+def resolve_precision(cfg: DictConfig) -> str:
+    """Writes the precision this run trains in into ``cfg.trainer.precision`` and returns it.
+
+    ``auto`` (the default) becomes what the hardware computes fastest (:func:`hardware_precision`), said in one log
+    line. ``16-mixed`` on a CPU becomes ``bf16-mixed``, as Lightning itself would run it, with a warning, so the
+    run's records name the precision that ran.
+    """
+    precision = cfg.trainer.get("precision")
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if precision in (None, "auto"):
+        inherited = os.environ.get(PRECISION_ENV)
+        if inherited:
+            precision = inherited
+        else:
+            choice = hardware_precision(accelerator)
+            precision = choice.precision
+            os.environ[PRECISION_ENV] = precision
+            log.info("Precision: %s (trainer.precision=auto: %s; set trainer.precision to choose another).",
+                     precision, choice.reason)
+    elif str(precision) in ("16", "16-mixed") and not uses_cuda(accelerator):
+        warnings.warn("trainer.precision=16-mixed on a CPU: fp16 autocast does not run there, so Lightning trains in "
+                      "bf16-mixed instead; this run is recorded as bf16-mixed. Set trainer.precision=bf16-mixed (or "
+                      "32-true) to choose it yourself.", UserWarning, stacklevel=2)
+        precision = "bf16-mixed"
+    with open_dict(cfg):
+        cfg.trainer.precision = precision
+    return str(precision)
 
 
 def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: OffloadPolicy,
-                 optim: DictConfig) -> pl.LightningModule:
+                 optim: OptimSettings | DictConfig) -> pl.LightningModule:
     """The LightningModule for the data's task: a classifier for labelled data, else a causal LM.
 
     The policy's method (frozen layers, LoRA) is applied to the network that trains, and its optimizer factory
-    (AdamW with the projected-layer lr, or GaLore) builds the optimizer.
+    (AdamW with the projected-layer lr, or GaLore) builds the optimizer with the run's Adam settings.
     """
-    factory = policy.optimizer_factory(optim.lr, optim.weight_decay)
+    if not isinstance(optim, OptimSettings):
+        optim = check_optim(optim)
+    factory = policy.optimizer_factory(optim.lr, optim.weight_decay, optim.betas, optim.eps)
+    settings = dict(lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas, eps=optim.eps,
+                    warmup_steps=optim.warmup_steps, warmup_ratio=optim.warmup_ratio, decay=optim.decay,
+                    min_lr_ratio=optim.min_lr_ratio, optimizer_factory=factory)
     num_classes = getattr(datamodule, "num_classes", None)
     if num_classes is not None:
         decoder = policy.prepare(decoder_of(lm.network))
         return SequenceClassifierModule(decoder, hidden_size=lm.network.config.hidden_size, num_classes=num_classes,
-                                        lr=optim.lr, weight_decay=optim.weight_decay,
-                                        warmup_steps=optim.warmup_steps, optimizer_factory=factory)
-    return CausalLMModule(policy.prepare(lm.network), lr=optim.lr, weight_decay=optim.weight_decay,
-                          warmup_steps=optim.warmup_steps, optimizer_factory=factory,
-                          exact_match=getattr(datamodule, "task", "") == "bible_qa")
+                                        **settings)
+    return CausalLMModule(policy.prepare(lm.network), exact_match=getattr(datamodule, "task", "") == "bible_qa",
+                          **settings)
 
 
 def primary_metric(module: pl.LightningModule) -> str:
@@ -129,6 +164,19 @@ def _instantiate_dict(node: DictConfig | None, what: str) -> list[Any]:
     return objects
 
 
+@contextlib.contextmanager
+def _without_lightning_banner() -> Iterator[None]:
+    """Builds an evaluation Trainer without Lightning's info lines ("GPU available", tips): the run's own Trainer
+    printed them once already."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.LightningDataModule,
               trainer: pl.Trainer) -> dict[str, float]:
     if trainer.world_size > 1:
@@ -140,10 +188,11 @@ def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.Lightn
     # recorder writes the result into the run's history and train() logs it). No inference mode: metric states reset
     # under it would become inference tensors that the fit loop's own validations could no longer update.
     fast = bool(cfg.trainer.get("fast_dev_run"))
-    trainer = pl.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                         limit_val_batches=1 if fast else cfg.trainer.get("limit_val_batches"), logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                         inference_mode=False)
+    with _without_lightning_banner():
+        trainer = pl.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                             limit_val_batches=1 if fast else cfg.trainer.get("limit_val_batches"), logger=False,
+                             enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                             inference_mode=False)
     (metrics,) = trainer.validate(module, datamodule=datamodule, verbose=False)
     return {key: float(value) for key, value in metrics.items()}
 
@@ -213,6 +262,9 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "skipped_steps": _skipped_steps(trainer),
         "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad)
         + getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
+        # MEFT's adapter rows live on the host as plain tensors, not module parameters: Lightning's model summary
+        # does not count them.
+        "host_trainable_parameters": getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
         "device": str(trainer.strategy.root_device),
         "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
@@ -281,7 +333,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"model               {summary['model']}  ({summary['task']})",
         f"offload             {summary['offload']} ({summary['strategy']}, {summary['precision']})",
-        f"trainable params    {summary['trainable_parameters']:,}",
+        f"trainable params    {summary['trainable_parameters']:,}" + (
+            f" ({summary['trainable_parameters'] - host_rows:,} module parameters, which Lightning's model summary "
+            f"counts, + {host_rows:,} adapter rows held on the host)" if (host_rows := summary.get(
+                "host_trainable_parameters") or 0) else ""),
         f"device memory       {device_memory}",
         f"link bytes / step   {size(summary['link_bytes_to_host_per_step'])} to host, "
         f"{size(summary['link_bytes_to_device_per_step'])} to device",
@@ -302,6 +357,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "projector_fit_seconds" in summary:
         lines.append(f"projector fit       {summary['projector_fit_seconds']:.1f} s, mean error "
                      f"{summary['projector_error_drawn']:.3f} -> {summary['projector_error_fitted']:.3f} (held-out)")
+    if summary.get("interrupted"):
+        lines.append(f"interrupted         Ctrl-C: stopped after step {summary['steps']}; checkpoint "
+                     f"{summary['checkpoint']}")
+        lines.append(f"resume with         {summary['resume_command']}")
     return "\n".join(lines)
 
 
@@ -361,9 +420,16 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         objects built (``cfg``, ``model``, ``datamodule``, ``policy``, ``module``, ``trainer``, ``callbacks``,
         ``loggers``, ``recorder``) with the run's ``summary`` (what ``summary.json`` holds).
     """
-    check_optim(cfg.optim)  # before anything is built: a bad setting costs no model load
+    # The settings first, before anything is built: a bad one costs no model load, and leaves no run directory.
+    optim = check_optim(cfg.optim)
+    resolve_precision(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
+    _data_parallel_offload(cfg)
+    try:
+        policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
+    except Exception as error:  # the policy's and strategy's constructors validate their settings
+        raise SettingsError(str(error)) from error
     run_dir = _output_dir(cfg)
     log.info("Run directory: %s", run_dir)
 
@@ -372,13 +438,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     # Tokenise and cache the data now: a missing dataset fails here, before a trainer or a projector fit is built.
     datamodule.prepare_data()
     heldout = _heldout_data(cfg, lm)
-    _data_parallel_offload(cfg)
-    policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
-    module = build_module(lm, datamodule, policy, cfg.optim)
+    module = build_module(lm, datamodule, policy, optim)
 
     resuming = cfg.get("ckpt_path") is not None
     recorder = RunRecorder(run_dir, resume=resuming)
-    callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks") + policy.callbacks() + [recorder]
+    interrupt = StopOnInterrupt(run_dir / "checkpoints" / "last.ckpt")
+    callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks") + policy.callbacks() + [recorder, interrupt]
     loggers = _instantiate_dict(cfg.get("logger"), "logger")
     if not loggers:
         # Lightning refuses a LearningRateMonitor without a logger; with `logger=null` there is nothing to monitor into.
@@ -398,24 +463,32 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             # After the task's own evaluation: MEFT fixes its input statistics on the first batch it sees.
             heldout_before = _evaluate(cfg, module, heldout, trainer).get("val/loss")
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    with interrupt.catching_ctrl_c():
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     train_seconds = time.perf_counter() - start
     if resuming:
         # The evaluation before training is the one at step 0 in the run's history, when it is there.
         first = next((r for r in recorder.previous if r["kind"] == "val" and r["step"] == 0), None)
         before = {k: v for k, v in first.items() if k.startswith("val/")} if first else {}
     last = recorder.last_validation()
+    interrupted = interrupt.stopped_at_step is not None
     if last is not None and last["step"] == trainer.global_step:
         after = {k: v for k, v in last.items() if k.startswith("val/")}
+    elif interrupted:
+        after = {}  # Lightning's own validation at the stop did not run (none configured): a stop is not delayed
     else:
         after = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=trainer.global_step, metrics=after)
-    heldout_after = _evaluate(cfg, module, heldout, trainer).get("val/loss") if heldout is not None else None
+    heldout_after = (_evaluate(cfg, module, heldout, trainer).get("val/loss")
+                     if heldout is not None and not interrupted else None)
     if rank_zero_only.rank != 0:
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
         return {}, {"cfg": cfg, "trainer": trainer, "module": module}
 
     summary = summarize(cfg, lm, datamodule, module, trainer, recorder, before, after, train_seconds)
+    if interrupted:
+        summary.update({"interrupted": True, "checkpoint": str(interrupt.checkpoint),
+                        "resume_command": resume_command(interrupt.checkpoint)})
     if heldout is not None:
         summary.update({"heldout_task": getattr(heldout, "task", None) or type(heldout).__name__,
                         "heldout_loss_before": heldout_before, "heldout_loss_after": heldout_after})
@@ -433,6 +506,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
                "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder,
                "summary": summary}
     return metrics, objects
+
+
+def resume_command(checkpoint: str | Path) -> str:
+    """The command line that continues this run from ``checkpoint``: the same overrides plus ``ckpt_path``."""
+    overrides: list[str] = []
+    if HydraConfig.initialized():
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("ckpt_path=")]
+    return " ".join(["lightning-offload-train", *map(shlex.quote, overrides), shlex.quote(f"ckpt_path={checkpoint}")])
 
 
 def _finish_wandb() -> None:
@@ -463,7 +544,7 @@ def compose_config(overrides: Sequence[str] = (), output_dir: str | Path | None 
         output_dir: the run directory (history, summary); default: the directory Hydra's settings name.
 
     Returns:
-        The config :func:`train` takes, with ``paths.output_dir`` resolved.
+        The config :func:`train` takes, with ``paths.output_dir`` and ``trainer.precision`` resolved.
     """
     from hydra import compose, initialize_config_dir
 
@@ -473,6 +554,7 @@ def compose_config(overrides: Sequence[str] = (), output_dir: str | Path | None 
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir) if output_dir is not None else cfg.hydra.run.dir
         del cfg["hydra"]  # the task function never sees the hydra node
+    resolve_precision(cfg)  # `precision: auto` is this package's: the Trainer the config builds takes a concrete one
     return cfg
 
 
@@ -498,10 +580,31 @@ def _log_to_files(message: str, error: BaseException) -> str | None:
     return files[0].baseFilename if files else None
 
 
+#: What Hydra writes into a run directory before the run starts: a directory holding only these has no results.
+_HYDRA_FILES = {".hydra", "train.log"}
+
+
+def _remove_fresh_run_dir(cfg: DictConfig) -> None:
+    """Removes the run directory Hydra created for a run refused at its settings (a resumed run's is kept)."""
+    if cfg.get("ckpt_path") is not None:
+        return
+    folder = _output_dir(cfg)
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= _HYDRA_FILES:
+        for handler in logging.getLogger().handlers:  # train.log is open in Hydra's file handler
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == folder:
+                handler.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         metrics, _ = train(cfg)
+    except SettingsError as error:
+        # A refused setting: the message is the whole story (no traceback to keep), and no run happened.
+        _remove_fresh_run_dir(cfg)
+        shown = error.__cause__ if error.__cause__ is not None else error
+        raise SystemExit(f"lightning-offload-train: {error_paragraph(shown)}") from None
     except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

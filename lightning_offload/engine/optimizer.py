@@ -84,42 +84,56 @@ class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs
     Each offloaded tensor's gradient goes device→host as soon as backward has produced it (last micro-batch
     only), a host worker thread runs its Adam step, and its update comes back; the device applies it right before
     the owning module's next forward (a forward pre-hook). With ``pipelined=False`` every update is applied before
-    :meth:`step` returns; both modes run the same arithmetic, so their results are identical.
+    :meth:`step` returns; both modes run the same arithmetic, so their results are identical. The offload
+    strategies build one in place of the Adam/AdamW from ``configure_optimizers``; build one yourself for a plain
+    PyTorch loop, and :meth:`close` it when done.
 
     Args:
         optimizer: the user's ``torch.optim.Adam``/``AdamW``; its ``param_groups`` are shared, never copied.
         projected: the projected weights; each weight that appears in ``optimizer`` takes the compressed path.
         device: the training device (where parameters and ``S`` buffers live).
         model: the module holding the parameters; needed for ``pipelined=True`` (its forward pre-hooks apply
-            updates just in time).
+            updates just in time). Default: ``None``.
         pipelined: defer each update to its module's next forward (``True``) or apply all in :meth:`step`.
+            Default: ``False`` (the strategies pass ``True``).
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients crossing to the host and compressed updates crossing
-            back (dense parameters always come back in their own dtype, exactly).
+            back (dense parameters always come back in their own dtype, exactly). Default: ``"fp32"``.
         on_nonfinite: ``"skip"`` skips a step whose gradients hold inf/nan (counted in telemetry); ``"raise"``
-            raises :class:`NonFiniteGradientError`. Either way the host state is untouched.
+            raises :class:`NonFiniteGradientError`. Either way the host state is untouched. Default: ``"skip"``.
         rounding_seed: seed of the per-tensor generators used for stochastic rounding of low-precision weights.
-        update_buffers: device buffers compressed updates land in (a ring shared by all layers). ``None``: 4 on an
-            accelerator, none on the CPU, where the device is the host and updates are read where the host step
-            wrote them.
+            Default: ``0``.
+        update_buffers: device buffers compressed updates land in (a ring shared by all layers). Default: ``None``
+            (4 on an accelerator, none on the CPU, where the device is the host and updates are read where the host
+            step wrote them).
         speculative: step each tensor's host Adam during backward, as soon as its gradient has landed, assuming the
             step will be neither clipped by norm nor skipped, with the previous step's value clipping (not after a
             step whose norm clipping fired: the next one would most likely be redone); once the
             global norm is known, a step whose assumption failed (clipping fired, a non-finite gradient, changed
             hyper-parameters or gradient) is rolled back from a copy of its state and redone or skipped. Results
             equal the non-speculative path bit for bit. Costs a host copy of each tensor's Adam state (and a dense
-            parameter's master) per step, and that much host memory. ``None``: on for an accelerator, off on the
-            CPU, where host and "device" share the cores (measured: it only adds contention there).
+            parameter's master) per step, and that much host memory. Default: ``None`` (on for an accelerator, off
+            on the CPU, where host and "device" share the cores; measured: it only adds contention there).
         keep_on_device: parameters stepped by a device Adam (:class:`~lightning_offload.engine.device_adam.DeviceAdam`)
-            instead of the host: clipped and checked like the rest, state on the device.
+            instead of the host: clipped and checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
-            each way and are stepped (:class:`~lightning_offload.engine.row_adam.HostRowAdam`).
+            each way and are stepped (:class:`~lightning_offload.engine.row_adam.HostRowAdam`). Default: ``()``.
         frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
+            Default: ``()``.
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
             head): their update is applied inside the step, and the outside use's gradient compressed, without a
-            warning.
-        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.data_parallel`): gradients are
-            reduced to each tensor's owner rank, which alone keeps its host state and steps it, and updates are
-            broadcast from there. ``None``: one process.
+            warning. Default: ``()``.
+        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.data_parallel`):
+            gradients are reduced to each tensor's owner rank, which alone keeps its host state and steps it, and
+            updates are broadcast from there. Default: ``None`` (one process).
+
+    Example::
+
+        model = torch.nn.Linear(256, 256)
+        optimizer = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), [], torch.device("cpu"))
+        for batch in batches:
+            model(batch).square().mean().backward()
+            optimizer.step(); optimizer.zero_grad()  # the Adam state and arithmetic live on the host
+        optimizer.close()
     """
 
     def __init__(

@@ -108,7 +108,7 @@ def _pinned_zeros(shape: Sequence[int], pin: bool, dtype: torch.dtype = torch.fl
 
 def _host_adam(tensor: Tensor, hparams: dict[str, Any]) -> torch.optim.Adam:
     # One fused Adam per tensor, so each tensor steps on its own as soon as its gradient arrives; the CPU fused
-    # kernel is ~2.6x faster than foreach here (DESIGN.md §8).
+    # kernel is ~2.6x faster than foreach here (docs/design.md, "Host Adam in the compressed space").
     return torch.optim.Adam([{"params": [tensor], **hparams}], fused=True)
 
 

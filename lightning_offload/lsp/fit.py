@@ -33,11 +33,24 @@ from lightning_offload.lsp.projector import SparseProjector, SparsityPattern
 class FitSettings:
     """How projector values are fitted.
 
-    Args:
-        max_iters: Adam iterations per layer per fit, spread evenly over the sampled gradients.
-        target_error: a layer stops fitting once its error on the current sample is at most this.
-        lr: Adam learning rate on the values (the initial values are ``±1/√r``).
-        l2: weight of the L2 penalty ``mean(values²)`` on both projectors' values.
+    :class:`~lightning_offload.lsp.refit.ProjectorRefit` builds one from its own arguments (whose ``max_iters``
+    default is 32); build one yourself to fit a layer by hand with :class:`LayerFit`.
+
+    Attributes:
+        max_iters: Adam iterations per layer per fit, spread evenly over the sampled gradients. Default: ``24``.
+        target_error: a layer stops fitting once its error on the current sample is at most this. Default: ``0.1``.
+        lr: Adam learning rate on the values (the initial values are ``±1/√r``). Default: ``0.05``.
+        l2: weight of the L2 penalty ``mean(values²)`` on both projectors' values. Default: ``1e-4``.
+
+    Example::
+
+        from lightning_offload import FitSettings, random_projector
+        from lightning_offload.lsp.fit import LayerFit, fit_initial_values
+
+        gen, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
+        proj_out, proj_in = (fit_initial_values(random_projector(512, 128, 4, gen, cpu)) for _ in range(2))
+        fit = LayerFit(proj_out, proj_in, FitSettings(max_iters=48, target_error=0.05))
+        before, after = fit.fit(torch.randn(512, 512), iterations=48)  # err on this gradient; fit.projectors()
     """
 
     max_iters: int = 24

@@ -102,6 +102,13 @@ class SparseProjector:
 
     Raises:
         ValueError: if shapes disagree, an index is out of range, or a column repeats an index.
+
+    Example::
+
+        P = SparseProjector.random(4096, 1024, nnz_per_column=8, generator=torch.Generator().manual_seed(0))
+        S = P.compress_rows(torch.randn(4096, 64))  # P · M: (1024, 64)
+        back = P.expand_rows(S)  # Pᵀ · S: (4096, 64)
+        same = SparseProjector(P.indices, P.values, dim_out=1024)  # from indices and values
     """
 
     def __init__(self, indices: Tensor, values: Tensor, dim_out: int) -> None:
@@ -149,8 +156,8 @@ class SparseProjector:
             dim_in: ``n``, the size of the dimension being compressed.
             dim_out: ``d``, the compressed size.
             nnz_per_column: ``r``, nonzeros per column.
-            generator: CPU generator that makes the draw reproducible.
-            device: where the projector lives.
+            generator: CPU generator that makes the draw reproducible. Default: ``None`` (torch's global one).
+            device: where the projector lives. Default: ``None`` (the CPU).
         """
         if not 1 <= nnz_per_column <= dim_out:
             raise ValueError(
@@ -310,14 +317,44 @@ class ProjectorFactory(Protocol):
 def random_projector(
     dim_in: int, dim_out: int, nnz_per_column: int, generator: torch.Generator, device: torch.device
 ) -> SparseProjector:
-    """The default :class:`ProjectorFactory`: :meth:`SparseProjector.random`."""
+    """The default :class:`ProjectorFactory`: :meth:`SparseProjector.random`.
+
+    Args:
+        dim_in: ``n``, the size of the dimension being compressed.
+        dim_out: ``d``, the compressed size.
+        nnz_per_column: ``r``, nonzeros per column (the strategies' ``density``).
+        generator: CPU generator that makes the draw reproducible (the strategies seed it with ``seed``).
+        device: where the projector lives.
+
+    Example::
+
+        P = random_projector(4096, 1024, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+        strategy = LSPOffloadStrategy(projector_factory=random_projector)  # the default factory
+    """
     return SparseProjector.random(dim_in, dim_out, nnz_per_column, generator=generator, device=device)
 
 
 def signed_permutation_projector(
     dim_in: int, dim_out: int, nnz_per_column: int, generator: torch.Generator, device: torch.device
 ) -> SparseProjector:
-    """A :class:`ProjectorFactory` for lossless projection; needs ``dim_out == dim_in`` and ``r == 1``."""
+    """A :class:`ProjectorFactory` for lossless projection; needs ``dim_out == dim_in`` and ``r == 1``.
+
+    With it the compressed path is exactly Adam on the full weights (see :meth:`SparseProjector.signed_permutation`):
+    a reference to test against, not a saving.
+
+    Args:
+        dim_in: ``n``, the size of the dimension.
+        dim_out: must equal ``dim_in`` (``rank=1.0``).
+        nnz_per_column: must be 1 (``density=1``).
+        generator: CPU generator that makes the permutation and signs reproducible.
+        device: where the projector lives.
+
+    Example::
+
+        strategy = LSPOffloadStrategy(rank=1.0, density=1, projectors="random",
+                                      projector_factory=signed_permutation_projector)
+        trainer = pl.Trainer(strategy=strategy, max_steps=10)  # equals plain AdamW on the projected weights
+    """
     if dim_out != dim_in or nnz_per_column != 1:
         raise ValueError(
             f"signed-permutation projectors need rank equal to the layer dim and density 1; got dim {dim_in}, "

@@ -65,20 +65,35 @@ class ProjectedTraining(Protocol):
 class RefitRecord:
     """What one fit did.
 
+    :class:`ProjectorRefit` makes one at the initial fit and at each scheduled check, and keeps them in its
+    ``history``; ``step`` and ``initial`` are required, the rest start empty and are filled in as the fit goes.
+
     Attributes:
-        step: the optimizer step before which it ran (0 for the initial fit).
-        initial: whether this was the initial fit.
+        step: the optimizer step before which it ran (0 for the initial fit). Required.
+        initial: whether this was the initial fit. Required.
         errors: per layer, ``err`` on the first fresh gradient of the projectors in use (at a refit, compared with
             the threshold) or, at the initial fit, of the norm-scaled random draw the fit starts from (≈ 1.0; the
-            ``±1/√r`` draw itself sits near 5 because ``AᵀA`` is far from a projection).
-        refit: names of the layers that were (re)fitted.
+            ``±1/√r`` draw itself sits near 5 because ``AᵀA`` is far from a projection). Default: ``{}``.
+        refit: names of the layers that were (re)fitted. Default: ``[]``.
         fitted_errors: per refit layer, ``err`` of the new projectors on the last sampled gradient before fitting
-            on it (a held-out error when ``num_samples ≥ 2``, else the error after fitting).
+            on it (a held-out error when ``num_samples ≥ 2``, else the error after fitting). Default: ``{}``.
         norm_ratios: per refit layer, ``‖S‖/‖G‖`` of the new projectors on the last sampled gradient: the share of
             a full gradient's norm that the compressed gradient keeps (gradient clipping divides by it).
-        seconds: wall time of the sampling passes and fits.
+            Default: ``{}``.
+        seconds: wall time of the sampling passes and fits. Default: ``0.0``.
         device_fit_state_bytes: the most fit state (values, their Adam moments, indices) held on the training device
             at once: one layer's on an accelerator, where the others wait on the host; every layer's on the CPU.
+            Default: ``0``.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import ProjectorRefit
+
+        refit = ProjectorRefit(every_n_steps=200)
+        pl.Trainer(strategy="lsp_offload", callbacks=[refit]).fit(module)
+        for record in refit.history:  # the initial fit first, then one per check
+            print(record.step, record.refit, record.metrics()["projector_refit/error_mean"])
     """
 
     step: int
@@ -117,23 +132,35 @@ class ProjectorRefit(Callback):
 
     Args:
         every_n_steps: measure (and refit when needed) before every ``every_n_steps``-th optimizer step; 0 turns
-            refits off and keeps only the initial fit.
+            refits off and keeps only the initial fit. Default: ``500``.
         threshold: refit a layer when ``err = ‖AᵀA G BᵀB − G‖/‖G‖`` on a fresh gradient exceeds it. For reference,
             unfitted (norm-scaled) random projectors sit near 1.0 and a fresh fit near 0.6–0.9 on held-out gradients
-            of SmolLM2 at ``rank=0.25``.
-        num_samples: gradients (batches) sampled per fit; each is computed, used and freed in turn.
-        max_iters: Adam iterations per layer per fit, spread evenly over the samples.
-        target_error: a layer stops fitting once its error on the current sample is at most this.
-        lr: Adam learning rate on the projector values.
-        l2: L2 penalty on the projector values.
-        initial_fit: fit every projected layer before the first update.
+            of SmolLM2 at ``rank=0.25``. Default: ``0.9``.
+        num_samples: gradients (batches) sampled per fit; each is computed, used and freed in turn. Default: ``4``.
+        max_iters: Adam iterations per layer per fit, spread evenly over the samples. Default: ``32``.
+        target_error: a layer stops fitting once its error on the current sample is at most this. Default: ``0.1``.
+        lr: Adam learning rate on the projector values. Default: ``0.05``.
+        l2: L2 penalty on the projector values. Default: ``1e-4``.
+        initial_fit: fit every projected layer before the first update. Default: ``True``.
         fit_threads: torch threads for the fit's own products on the CPU (the sampling passes keep the run's
-            setting). ``None`` picks one thread per 256K gradient elements, at most the run's count: these
-            products are small, and on a busy or many-core host extra threads mostly wait on each other.
-        seed: seeds batch sampling and the indices redrawn at refits.
-        loss_fn: ``loss_fn(module, batch) -> loss`` for the sampling passes; default: the module's
-            ``training_step`` with logging muted (needs automatic optimization).
-        log: send :meth:`RefitRecord.metrics` to the trainer's loggers after each fit.
+            setting). Default: ``None`` (one thread per 256K gradient elements, at most the run's count: these
+            products are small, and on a busy or many-core host extra threads mostly wait on each other).
+        seed: seeds batch sampling and the indices redrawn at refits. Default: ``0``.
+        loss_fn: ``loss_fn(module, batch) -> loss`` for the sampling passes. Default: ``None`` (the module's
+            ``training_step`` with logging muted; needs automatic optimization).
+        log: send :meth:`RefitRecord.metrics` to the trainer's loggers after each fit. Default: ``True``.
+
+    ``strategy="lsp_offload"`` with ``projectors="learned"`` (its default) adds ``ProjectorRefit(seed=...)`` with
+    the strategy's seed when the Trainer has none; pass your own to change the schedule.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import ProjectorRefit
+
+        refit = ProjectorRefit(every_n_steps=200, threshold=0.8, num_samples=2)
+        trainer = pl.Trainer(strategy="lsp_offload", precision="bf16-mixed", callbacks=[refit])
+        trainer.fit(module)  # refit.history then holds a RefitRecord per fit or check
     """
 
     def __repr__(self) -> str:

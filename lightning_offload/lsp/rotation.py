@@ -8,7 +8,8 @@ coordinates ``Z'`` that best express the same weight-space matrix (least squares
 so ``A'ᵀ Z' B'`` is the orthogonal projection of ``Aᵀ Z B`` onto the new subspace, and an unchanged projector maps
 to the identity. The first moment is mapped this way; the second moment, a per-coordinate variance, by the
 element-squared maps ``v' = (M_A∘M_A) v (M_B∘M_B)ᵀ``, which keeps it non-negative. When projectors have
-orthonormal rows (``A Aᵀ = I``) these are DESIGN.md's ``M_A = A' Aᵀ`` formulas.
+orthonormal rows (``A Aᵀ = I``) these are the ``M_A = A' Aᵀ`` formulas of docs/design.md, "Refits and the Adam
+state rotation".
 """
 
 from __future__ import annotations

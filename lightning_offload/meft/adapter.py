@@ -209,7 +209,23 @@ class _HostRows:
 
 
 class MEFTAdapter(nn.Module):
-    """The sparse adapter of one FFN. Trainable on the device: the router only; keys/values live on the host."""
+    """The sparse adapter of one FFN. Trainable on the device: the router only; keys/values live on the host.
+
+    :func:`inject_meft` builds one per FFN and puts it beside it; ``forward(hidden)`` returns the adapter's
+    contribution, added to the FFN's output. The keys start random and the values at zero, so a new adapter adds
+    exactly zero.
+
+    Args:
+        hidden_size: ``h``, the size of the hidden states the FFN reads and writes.
+        config: the adapter's shape and routing (:class:`~lightning_offload.meft.config.MEFTConfig`).
+        generator: CPU generator of the key initialisation (``inject_meft`` seeds it with ``config.seed``).
+
+    Example::
+
+        adapter = MEFTAdapter(576, MEFTConfig(num_neurons=1024, num_experts=32), torch.Generator().manual_seed(0))
+        out = adapter(torch.randn(2, 10, 576))  # (2, 10, 576); zero until the values have trained
+        adapter.host.keys.shape  # (1024, 576), fp32 on the host; adapter.router is the device parameter
+    """
 
     def __init__(self, hidden_size: int, config: MEFTConfig, generator: torch.Generator) -> None:
         super().__init__()
@@ -495,8 +511,21 @@ def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
     parameters. A forward pre-hook on ``model`` hands its ``attention_mask`` to the adapters, so padding never
     routes. Returns the adapters in module order.
 
+    Args:
+        model: the base model (a Hugging Face LLaMA or GPT-2 model, or anything whose FFNs match); changed in place.
+        config: the adapters' settings; ``MEFTConfig()`` for its defaults.
+
     Raises:
         ValueError: If no module matches, or the model already has adapters.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import MEFTConfig, inject_meft
+
+        adapters = inject_meft(model, MEFTConfig(num_neurons=4096))  # one per FFN; the base is frozen
+        trainer = pl.Trainer(strategy="meft_offload", precision="bf16-mixed")
+        trainer.fit(module)  # a LightningModule around model; configure_optimizers: AdamW, as usual
     """
     if any(isinstance(m, MEFTFFN) for m in model.modules()):
         raise ValueError("This model already has MEFT adapters; inject_meft once per model.")

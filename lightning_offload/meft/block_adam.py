@@ -49,13 +49,22 @@ RENORMALIZE_BELOW = 1e-3
 class RowAdamSettings:
     """The hyper-parameters of one row step (taken from the user's optimizer at each step).
 
+    ``meft_offload`` builds one at every step from the first param group of the user's optimizer (and its own
+    ``lr``/``weight_decay`` when given); build one yourself to drive :class:`BlockRowAdam` by hand.
+
     Attributes:
-        lr: learning rate of a matrix whose ``lr_scale`` is 1.
-        betas: ``(β₁, β₂)``.
-        eps: added to the denominator.
+        lr: learning rate of a matrix whose ``lr_scale`` is 1. Default: ``1e-3``.
+        betas: ``(β₁, β₂)``. Default: ``(0.9, 0.999)``.
+        eps: added to the denominator. Default: ``1e-8``.
         weight_decay: ``λ``; decoupled (AdamW) or added to the gradient (Adam's L2), per ``decoupled``.
-        decoupled: AdamW's decoupled decay rather than Adam's L2.
-        maximize: ascend instead of descend.
+            Default: ``0.0``.
+        decoupled: AdamW's decoupled decay rather than Adam's L2. Default: ``True``.
+        maximize: ascend instead of descend. Default: ``False``.
+
+    Example::
+
+        settings = RowAdamSettings(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)  # AdamW: decoupled=True
+        adam.step(blocks, grads, settings)  # adam: a BlockRowAdam (see its example)
     """
 
     lr: float = 1e-3
@@ -73,7 +82,15 @@ class BlockRowAdam:
     Args:
         params: fp32 host matrices ``[N, h]``, updated in place; all with the same ``N``.
         block_rows: rows per block (divides ``N``): the unit of stepping.
-        lr_scales: per matrix, a factor on the learning rate (default 1 for each).
+        lr_scales: per matrix, a factor on the learning rate. Default: ``None`` (1 for each).
+
+    Example::
+
+        keys, values = torch.randn(1024, 64), torch.zeros(1024, 64)
+        adam = BlockRowAdam([keys, values], block_rows=32, lr_scales=[0.5, 1.0])
+        grads = [torch.zeros_like(keys), torch.zeros_like(values)]
+        grads[1][:40] = torch.randn(40, 64)  # rows 0–39 touched: blocks 0 and 1 are stepped
+        adam.step(adam.blocks_of(grads[1].ne(0).any(dim=1)), grads, RowAdamSettings(lr=1e-3))
     """
 
     def __init__(self, params: list[Tensor], block_rows: int, lr_scales: list[float] | None = None) -> None:

@@ -35,19 +35,56 @@ _STATE_KEY = "meft_host_rows"
 class MEFTOffloadStrategy(LSPOffloadStrategy):
     """Single-device training of MEFT adapters with their rows and Adam state on the host.
 
+    Registered as ``strategy="meft_offload"``. Call :func:`~lightning_offload.meft.adapter.inject_meft` on the
+    model first; ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW`` over the trainable parameters
+    (the routers), whose first param group also sets the rows' hyper-parameters unless ``lr``/``weight_decay`` do.
+    Every other keyword goes to :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` with
+    ``projection=False``, the ``zero_offload`` machinery that steps the dense parameters.
+
     Args:
-        device: the training device (``None``: CUDA when present, else CPU).
-        lr: learning rate of the adapter rows (``None``: the first param group's, following its scheduler).
-        weight_decay: decoupled weight decay of the adapter rows (``None``: the first param group's).
+        device: the training device. Default: ``None`` (CUDA when present, else CPU).
+        lr: learning rate of the adapter rows. Default: ``None`` (the first param group's, following its scheduler).
+        weight_decay: decoupled weight decay of the adapter rows. Default: ``None`` (the first param group's, coupled
+            or decoupled as the optimizer's class decides).
         key_lr_scale: the keys' learning rate relative to the values' (keys decide the routing: a smaller step keeps
-            each token's neuron set stable while the values learn).
-        row_block: rows per block of the host Adam, the unit it steps (``None``: the neurons of one expert, which the
-            routing touches together). A touched block is stepped whole, its untouched rows with a zero gradient as
-            dense AdamW would; smaller blocks step fewer idle rows in more, smaller kernel calls.
-        seed, on_nonfinite, log_telemetry, link_dtype: as for ``zero_offload`` (they apply to the dense parameters:
-            routers and anything else left trainable).
+            each token's neuron set stable while the values learn). Default: ``1.0``.
+        row_block: rows per block of the host Adam, the unit it steps. A touched block is stepped whole, its
+            untouched rows with a zero gradient as dense AdamW would; smaller blocks step fewer idle rows in more,
+            smaller kernel calls. Must divide ``num_neurons``. Default: ``None`` (the neurons of one expert, which
+            the routing touches together).
+        seed: as for ``zero_offload``: seed of stochastic rounding of the dense parameters. Default: ``0``.
+        on_nonfinite: as for ``zero_offload``, for the dense parameters and the rows alike: ``"skip"`` (count and
+            skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
+        log_telemetry: as for ``zero_offload``, plus the ``meft/*`` figures of the rows, every step.
+            Default: ``True``.
         pipelined: as for ``zero_offload``, and for the rows: ``True`` lets the row updates run on the host while
-            the next forward starts; ``False`` finishes them inside the optimizer step.
+            the next forward starts; ``False`` finishes them inside the optimizer step. Default: ``True``.
+        link_dtype: as for ``zero_offload`` (the dense parameters' gradients; fetched rows cross in the forward's
+            compute dtype). Default: ``"fp32"``.
+        speculative: as for ``zero_offload`` (the dense parameters). Default: ``None`` (on for a GPU, off on the
+            CPU).
+        embeddings: as for ``zero_offload``, when the embeddings are left trainable. Default: ``None`` (``"host"``).
+        head: as for ``zero_offload``, when the output head is left trainable. Default: ``None`` (``"host"``).
+        rank: unused (nothing is projected). Default: ``0.25``.
+        density: unused (nothing is projected). Default: ``8``.
+        min_dim: unused (nothing is projected). Default: ``128``.
+        target_modules: unused (nothing is projected; the adapters' targets are ``MEFTConfig.target_modules``).
+            Default: ``None``.
+        exclude_modules: unused (nothing is projected). Default: ``()``.
+        projectors: unused (nothing is projected). Default: ``"learned"``.
+        projector_factory: unused (nothing is projected). Default: ``random_projector``.
+        update_buffers: unused (there are no compressed updates). Default: ``None``.
+        accelerator, checkpoint_io, precision_plugin: as for ``LSPOffloadStrategy`` (filled in by the Trainer).
+            Default: ``None``.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import MEFTConfig, MEFTOffloadStrategy, inject_meft
+
+        inject_meft(model, MEFTConfig(num_neurons=4096))  # freezes the base model
+        strategy = MEFTOffloadStrategy(key_lr_scale=0.5, on_nonfinite="raise")
+        trainer = pl.Trainer(strategy=strategy, precision="bf16-mixed")  # or strategy="meft_offload"
     """
 
     strategy_name = "meft_offload"

@@ -191,6 +191,22 @@ def _converted_checkpoint(cache_dir: str | os.PathLike[str] | None) -> Path:
     return cache
 
 
+#: Files of which a saved tokenizer has at least one (fast, SentencePiece, BPE and WordPiece tokenizers).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
+
+
+def _check_local_tokenizer(name_or_path: str | os.PathLike[str]) -> None:
+    """A local model directory must hold its tokenizer. Without one, transformers falls through its tokenizer
+    classes and reports a missing ``sentencepiece`` package, which installing does not fix."""
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model.name_or_path={str(name_or_path)!r} is a directory without a tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}). Save the tokenizer beside the weights with "
+            f"tokenizer.save_pretrained({str(name_or_path)!r}), or copy its files from the model it was trained from.")
+
+
 def load_hf_model(
     name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -206,6 +222,7 @@ def load_hf_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_local_tokenizer(name_or_path)  # before the weights load: the error costs nothing
     model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     for p in model.parameters():

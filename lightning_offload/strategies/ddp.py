@@ -33,19 +33,54 @@ from lightning_offload.strategies.offload import OffloadMixin
 class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
-    Takes every offload argument of :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` (``rank``, ``density``,
-    ``projectors``, ``link_dtype``, ``embeddings``, ``head``, …; gradients cross between ranks in ``link_dtype``) and
-    these of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    Takes every offload argument of :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` (``rank``,
+    ``density``, ``projectors``, ``link_dtype``, ``embeddings``, ``head``, …; gradients cross between ranks in
+    ``link_dtype``) and these of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`. Registered as
+    ``strategy="lsp_offload_ddp"``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
-        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective (DDP's default: 25).
-        **offload: the offload settings. ``embeddings`` defaults to ``"host"`` here: the row-sparse embedding
-            (``"sparse"``) is single-device only, since each rank's batch touches different rows.
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
+            (DDP's own default).
+        projection: compress the gradients of selected weights; ``False`` is :class:`ZeroOffloadDDPStrategy`.
+            Default: ``True``.
+        rank: compressed size of each side of a projected weight (a float fraction in ``(0, 1]`` or an int).
+            Default: ``0.25``.
+        density: nonzeros per projector column. Default: ``8``.
+        min_dim: Linear/Conv1D modules with both dims ≥ ``min_dim`` are projected (heads excepted).
+            Default: ``128``.
+        target_modules: regular expressions of exactly the modules to project. Default: ``None`` (the ``min_dim``
+            rule).
+        exclude_modules: regular expressions of modules never projected. Default: ``()``.
+        projectors: ``"learned"`` (fitted, then refitted on a schedule by a
+            :class:`~lightning_offload.lsp.refit.ProjectorRefit`) or ``"random"``. Default: ``"learned"``.
+        projector_factory: draws each projector at set-up. Default: ``random_projector``.
+        seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
+        on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
+        log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
+        pipelined: apply each update right before its module's next forward. Default: ``True``.
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients and compressed updates, over the link and between ranks.
+            Default: ``"fp32"``.
+        update_buffers: device buffers that compressed updates land in. Default: ``None`` (4 on an accelerator;
+            none on the CPU).
+        speculative: start each tensor's host Adam during backward, rolled back when needed (same results).
+            Default: ``None`` (on for a GPU, off on the CPU).
+        embeddings: ``"host"``, ``"device"`` or ``"frozen"``: the row-sparse embedding (``"sparse"``) is
+            single-device only, since each rank's batch touches different rows. Default: ``None`` (``"host"``).
+        head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``. Default: ``None`` (``"host"``).
 
     Every rank must draw the same projectors: they are seeded by ``seed``, and learned fits are made on the mean of
     the ranks' sampled gradients and installed from rank 0.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import LSPOffloadDDPStrategy
+
+        strategy = LSPOffloadDDPStrategy(rank=0.25, projectors="random", bucket_mb=50)
+        trainer = pl.Trainer(strategy=strategy, accelerator="gpu", devices=4, precision="bf16-mixed")
+        trainer.fit(module)  # or pl.Trainer(strategy="lsp_offload_ddp", devices=4)
     """
 
     strategy_name = "lsp_offload_ddp"
@@ -128,7 +163,40 @@ class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
     """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
     rank that owns each tensor's share of the sharded host Adam.
 
-    Same arguments as :class:`LSPOffloadDDPStrategy` except the projection ones.
+    Same arguments as :class:`LSPOffloadDDPStrategy` except ``projection`` (``False`` here); the projection
+    settings are validated but change nothing. Registered as ``strategy="zero_offload_ddp"``.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+            timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
+            (DDP's own default).
+        rank: unused (nothing is projected). Default: ``0.25``.
+        density: unused (nothing is projected). Default: ``8``.
+        min_dim: unused (nothing is projected). Default: ``128``.
+        target_modules: unused (nothing is projected). Default: ``None``.
+        exclude_modules: unused (nothing is projected). Default: ``()``.
+        projectors: unused (no projector is fitted). Default: ``"learned"``.
+        projector_factory: unused (nothing is projected). Default: ``random_projector``.
+        seed: seed of stochastic rounding. Default: ``0``.
+        on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
+        log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
+        pipelined: apply each update right before its module's next forward. Default: ``True``.
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients over the link and between ranks. Default: ``"fp32"``.
+        update_buffers: device buffers for compressed updates; there are none here. Default: ``None``.
+        speculative: start each tensor's host Adam during backward, rolled back when needed (same results).
+            Default: ``None`` (on for a GPU, off on the CPU).
+        embeddings: ``"host"``, ``"device"`` or ``"frozen"`` (``"sparse"`` is single-device only).
+            Default: ``None`` (``"host"``).
+        head: ``"host"``, ``"device"`` or ``"frozen"``. Default: ``None`` (``"host"``).
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import ZeroOffloadDDPStrategy
+
+        trainer = pl.Trainer(strategy=ZeroOffloadDDPStrategy(bucket_mb=50), devices=2, precision="bf16-mixed")
+        trainer.fit(module)  # or pl.Trainer(strategy="zero_offload_ddp", devices=2)
     """
 
     strategy_name = "zero_offload_ddp"

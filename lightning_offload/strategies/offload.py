@@ -96,6 +96,7 @@ class OffloadMixin:
         if projectors not in PROJECTOR_KINDS:
             raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {projectors!r}.")
         self.projection = projection
+        self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
         self.rank = rank
         self.density = density
         self.min_dim = min_dim
@@ -119,7 +120,7 @@ class OffloadMixin:
             raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
                             f"{speculative!r}.")
         self.speculative = speculative
-        # Defaults chosen by measurement (BENCHMARKS.md, "Embeddings and head off the dense host path"): the
+        # Defaults chosen by measurement (docs/benchmarks.md, "Embeddings and head off the dense host path"): the
         # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
         # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
         default_embeddings = "sparse" if projection and self.sparse_embeddings_by_default else "host"
@@ -174,7 +175,7 @@ class OffloadMixin:
                 refit = ProjectorRefit(seed=self.seed)
                 trainer.callbacks.append(refit)
                 rank_zero_info(
-                    f"lsp_offload: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits the "
+                    f"{self.strategy_name}: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits the "
                     f"projectors on {refit.num_samples} extra forward/backward passes before the first step and checks "
                     f"them every {refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
                     f"projectors='random' for none."
@@ -207,6 +208,7 @@ class OffloadMixin:
                 f"for different hyper-parameters."
             )
         user_optimizer = validate_user_optimizer(self.optimizers[0])
+        self._compiled_forward = self._runs_compiled_code()  # configure_model (where users compile) has run
         trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
         self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head)
         for weight in self.placement.frozen:
@@ -330,6 +332,23 @@ class OffloadMixin:
         if self.offload_optimizer is not None:
             self.offload_optimizer.synchronize()
 
+    def _runs_compiled_code(self) -> bool:
+        """Whether the module's forward runs under torch.compile (the module compiled whole, which Lightning
+        records in ``_compiler_ctx``, or a compiled submodule)."""
+        module = self.lightning_module
+        if module is None:
+            return False
+        return getattr(module, "_compiler_ctx", None) is not None or any(
+            isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules())
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.offload_optimizer is not None and self._compiled_forward:
+            # torch.compile traces the per-layer pre-forward hooks as no-ops (a wait for the host worker cannot be
+            # part of a graph): the compiled forward gets the previous step's updates applied before it starts.
+            self.offload_optimizer.synchronize()
+        return super().training_step(*args, **kwargs)
+
     @override
     def on_validation_start(self) -> None:
         self.synchronize()
@@ -403,47 +422,68 @@ class OffloadMixin:
 class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
     """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
 
+    Registered as ``strategy="lsp_offload"`` (after ``import lightning_offload``); build it yourself to change the
+    settings below. ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW``, which the strategy steps on
+    the host; precision is ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+
     Args:
-        device: the training device; ``None`` picks CUDA when present, else CPU (following the Trainer's
+        device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
             ``accelerator`` when that names one).
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (filled in by the
+            Trainer). Default: ``None``.
         projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
-            full to a dense host Adam (ZeRO-Offload style).
+            full to a dense host Adam (ZeRO-Offload style, as :class:`ZeroOffloadStrategy`). Default: ``True``.
         rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
-            dimension (``d = ceil(rank · dim)``), an int is an absolute size.
+            dimension (``d = ceil(rank · dim)``), an int is an absolute size. Default: ``0.25`` (1/16 of a layer's
+            gradient crosses the link).
         density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
+            Default: ``8``.
         min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
-            heads (:func:`~lightning_offload.lsp.targets.output_heads`).
+            heads (:func:`~lightning_offload.lsp.targets.output_heads`). Default: ``128``.
         target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
-            (heads included, when they match).
-        exclude_modules: regular expressions of modules never projected.
+            (heads included, when they match). Default: ``None`` (the ``min_dim`` rule).
+        exclude_modules: regular expressions of modules never projected. Default: ``()``.
         projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
             stale ones on a schedule (a :class:`~lightning_offload.lsp.refit.ProjectorRefit` with its defaults is
             added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
-        projector_factory: draws each projector at set-up (default: seeded random); a learned fit starts from it.
-        seed: seed of the projector draw and of stochastic rounding.
-        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``.
+            Default: ``"learned"``.
+        projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
+            ``random_projector`` (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
+        seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
+        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
         log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
             the figures of the latest *completed* step, i.e. one step behind; the CLI's ``history.jsonl`` files
-            each step's figures under its own number).
+            each step's figures under its own number). Default: ``True``.
         pipelined: overlap the host work with device compute: each update is applied right before its module's
             next forward. ``False`` applies every update before the optimizer step returns (same results).
+            Default: ``True``.
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.
+            Default: ``"fp32"``.
         update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
-            layers' updates are prefetched into free ones). ``None``: 4 on an accelerator; none on the CPU, where
-            updates are read where the host step wrote them.
+            layers' updates are prefetched into free ones). Default: ``None`` (4 on an accelerator; none on the CPU,
+            where updates are read where the host step wrote them).
         speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
             back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
             non-speculative path bit for bit (see :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`).
-            ``None``: on for a GPU, off on the CPU (where host and device share the cores).
+            Default: ``None`` (on for a GPU, off on the CPU, where host and device share the cores).
         embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
             the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
             decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
-            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. ``None``:
-            ``"sparse"`` for ``lsp_offload``, ``"host"`` for ``zero_offload``. See
-            :mod:`lightning_offload.strategies.embeddings_head`.
+            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. See
+            :mod:`lightning_offload.strategies.embeddings_head`. Default: ``None`` (``"sparse"`` for
+            ``lsp_offload``, ``"host"`` for ``zero_offload``).
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
-            embedding takes this setting. ``None``: ``"host"``.
+            embedding takes this setting. Default: ``None`` (``"host"``).
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import LSPOffloadStrategy
+
+        strategy = LSPOffloadStrategy(rank=0.125, density=4, projectors="random", embeddings="host")
+        trainer = pl.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=1000)
+        trainer.fit(module)  # configure_optimizers returns one torch.optim.AdamW
     """
 
     strategy_name = "lsp_offload"
@@ -513,8 +553,46 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
 class ZeroOffloadStrategy(LSPOffloadStrategy):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
-    Same machinery as :class:`LSPOffloadStrategy` with ``projection=False``; takes the same arguments except the
-    projection ones.
+    Same machinery as :class:`LSPOffloadStrategy` with ``projection=False`` (set here); takes the same arguments
+    except ``projection``. Registered as ``strategy="zero_offload"``. The projection settings are validated as for
+    ``lsp_offload`` but change nothing, since no weight is projected.
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
+            ``accelerator`` when that names one).
+        rank: unused (nothing is projected). Default: ``0.25``.
+        density: unused (nothing is projected). Default: ``8``.
+        min_dim: unused (nothing is projected). Default: ``128``.
+        target_modules: unused (nothing is projected). Default: ``None``.
+        exclude_modules: unused (nothing is projected). Default: ``()``.
+        projectors: unused (no projector is fitted, no refit callback added). Default: ``"learned"``.
+        projector_factory: unused (nothing is projected). Default: ``random_projector``.
+        seed: seed of stochastic rounding. Default: ``0``.
+        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (one step behind when
+            pipelined). Default: ``True``.
+        pipelined: overlap the host work with device compute: each update is applied right before its module's
+            next forward. ``False`` applies every update before the optimizer step returns (same results).
+            Default: ``True``.
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host (updates come back in each
+            parameter's own dtype). Default: ``"fp32"``.
+        update_buffers: device buffers for compressed updates; there are none here. Default: ``None``.
+        speculative: start each tensor's host Adam during backward and roll it back when the step turns out clipped
+            by norm or non-finite (same results). Default: ``None`` (on for a GPU, off on the CPU).
+        embeddings: where the ``nn.Embedding`` weights train: ``"host"``, ``"sparse"``, ``"device"`` or
+            ``"frozen"`` (see :class:`LSPOffloadStrategy`). Default: ``None`` (``"host"``).
+        head: where the output head trains: ``"host"``, ``"device"`` or ``"frozen"`` (``"projected"`` is refused).
+            Default: ``None`` (``"host"``).
+        accelerator, checkpoint_io, precision_plugin: as for :class:`LSPOffloadStrategy` (filled in by the
+            Trainer). Default: ``None``.
+
+    Example::
+
+        import lightning.pytorch as pl
+        from lightning_offload import ZeroOffloadStrategy
+
+        trainer = pl.Trainer(strategy=ZeroOffloadStrategy(link_dtype="bf16"), precision="bf16-mixed")
+        trainer.fit(module)  # or simply pl.Trainer(strategy="zero_offload")
     """
 
     strategy_name = "zero_offload"

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_offload.tasks.schedule import LinearWarmup, OptimSettings  # noqa: F401  (LinearWarmup: public here too)
+
 IGNORE_INDEX = -100  # HF causal LMs skip labels equal to this in the loss.
 
 
@@ -45,17 +47,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class LinearWarmup:
-    """LR multiplier rising linearly from ``1/warmup_steps`` to 1 over ``warmup_steps`` steps, then 1.
+def run_length(module: L.LightningModule) -> int | None:
+    """The optimizer steps of the run ``module`` is attached to (``None`` outside a Trainer or when unbounded)."""
+    if module._trainer is None:
+        return None
+    steps = module.trainer.estimated_stepping_batches
+    return int(steps) if math.isfinite(steps) else None
 
-    A class rather than a lambda so ``LambdaLR.state_dict()`` (and thus checkpoints) can capture it.
-    """
 
-    def __init__(self, warmup_steps: int) -> None:
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.warmup_steps)
+def with_schedule(module: L.LightningModule, optimizer: torch.optim.Optimizer) -> Any:
+    """``configure_optimizers``' return value: the optimizer, with its per-step scheduler when the module's
+    ``optim_settings`` ask for one."""
+    scheduler = module.optim_settings.scheduler(optimizer, run_length(module))
+    if scheduler is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
 
 class CausalLMModule(L.LightningModule):
@@ -73,6 +79,10 @@ class CausalLMModule(L.LightningModule):
         betas: Adam betas.
         eps: Adam epsilon.
         warmup_steps: Linear warmup length in optimizer steps; 0 disables the scheduler.
+        warmup_ratio: Linear warmup as a share of the run's optimizer steps (instead of ``warmup_steps``).
+        decay: After warmup, ``"constant"``, ``"linear"`` or ``"cosine"`` down to ``min_lr_ratio · lr`` at the
+            run's last step (the run's length is the Trainer's ``estimated_stepping_batches``).
+        min_lr_ratio: The decay's floor as a share of ``lr``.
         optimizer: ``"adamw"`` (decoupled decay) or ``"adam"`` (L2 penalty), both from ``torch.optim``.
         fused: Passed to the torch optimizer (``None`` lets torch choose; fused is fastest on CPU).
         optimizer_factory: builds the optimizer from the model instead (e.g. GaLore from
@@ -89,6 +99,9 @@ class CausalLMModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         warmup_steps: int = 0,
+        warmup_ratio: float = 0.0,
+        decay: str = "constant",
+        min_lr_ratio: float = 0.0,
         optimizer: str = "adamw",
         fused: bool | None = None,
         optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
@@ -97,6 +110,9 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         if optimizer not in ("adamw", "adam"):
             raise ValueError(f"optimizer must be 'adamw' or 'adam', got {optimizer!r}")
+        self.optim_settings = OptimSettings(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                            warmup_steps=warmup_steps, warmup_ratio=warmup_ratio, decay=decay,
+                                            min_lr_ratio=min_lr_ratio)
         # The model is a constructor argument, not a hyperparameter: pickling it into hparams would
         # duplicate every weight in checkpoints and loggers.
         self.save_hyperparameters(ignore=["model", "optimizer_factory"])
@@ -151,7 +167,7 @@ class CausalLMModule(L.LightningModule):
         self.val_exact_match.reset()
 
     def configure_optimizers(self) -> Any:
-        """Builds the torch Adam/AdamW over two parameter groups, plus a per-step warmup if requested."""
+        """Builds the torch Adam/AdamW over two parameter groups, plus a per-step schedule if one is set."""
         hp = self.hparams
         if self.optimizer_factory is not None:
             opt = self.optimizer_factory(self.model)
@@ -161,10 +177,7 @@ class CausalLMModule(L.LightningModule):
             if hp.fused is not None:
                 kwargs["fused"] = hp.fused
             opt = cls(param_groups(self.model, hp.weight_decay), **kwargs)
-        if hp.warmup_steps <= 0:
-            return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, LinearWarmup(hp.warmup_steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+        return with_schedule(self, opt)
 
 
 @torch.no_grad()

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
-from lightning_offload.tasks.causal_lm import LinearWarmup, param_groups
+from lightning_offload.tasks.causal_lm import param_groups, with_schedule
+from lightning_offload.tasks.schedule import OptimSettings
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -40,15 +41,24 @@ class SequenceClassifierModule(L.LightningModule):
         lr: Learning rate of the torch AdamW built when no ``optimizer_factory`` is given.
         weight_decay: Decoupled weight decay of matrices.
         warmup_steps: Linear warmup length in optimizer steps; 0 disables the scheduler.
+        betas: Adam betas.
+        eps: Adam epsilon.
+        warmup_ratio: Linear warmup as a share of the run's optimizer steps (instead of ``warmup_steps``).
+        decay: After warmup, ``"constant"``, ``"linear"`` or ``"cosine"`` down to ``min_lr_ratio · lr``.
+        min_lr_ratio: The decay's floor as a share of ``lr``.
         optimizer_factory: Builds the optimizer from this module's trainable network instead (LoRA, GaLore).
     """
 
     def __init__(self, decoder: nn.Module, hidden_size: int, num_classes: int, lr: float = 1e-4,
-                 weight_decay: float = 0.0, warmup_steps: int = 0,
+                 weight_decay: float = 0.0, warmup_steps: int = 0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, warmup_ratio: float = 0.0, decay: str = "constant", min_lr_ratio: float = 0.0,
                  optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes={num_classes} must be at least 2.")
+        self.optim_settings = OptimSettings(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                            warmup_steps=warmup_steps, warmup_ratio=warmup_ratio, decay=decay,
+                                            min_lr_ratio=min_lr_ratio)
         # The decoder is a constructor argument, not a hyperparameter: pickling it would copy every weight.
         self.save_hyperparameters(ignore=["decoder", "optimizer_factory"])
         self.decoder = decoder
@@ -95,8 +105,6 @@ class SequenceClassifierModule(L.LightningModule):
         if self.optimizer_factory is not None:
             optimizer = self.optimizer_factory(network)
         else:
-            optimizer = torch.optim.AdamW(param_groups(network, self.hparams.weight_decay), lr=self.hparams.lr)
-        if self.hparams.warmup_steps <= 0:
-            return optimizer
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(self.hparams.warmup_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+            optimizer = torch.optim.AdamW(param_groups(network, self.hparams.weight_decay), lr=self.hparams.lr,
+                                          betas=self.optim_settings.betas, eps=self.optim_settings.eps)
+        return with_schedule(self, optimizer)
