@@ -42,8 +42,11 @@ def test_two_devices_run_the_ddp_form_of_the_offload_strategy(tmp_path: Path, en
     assert summary["strategy"] == "LSPOffloadDDPStrategy" and summary["world_size"] == 2 and summary["steps"] == 4
     assert summary["bytes_between_ranks_per_step"] > 0
     assert "between ranks" in done.stdout
-    # Said, not silent: the switch and the embedding placement it implies.
+    # Said, not silent: the switch and the embedding placement it implies; once, by rank 0, under the DDP form's name.
     assert "runs as LSPOffloadDDPStrategy (embeddings=host" in (run_dir / "train.log").read_text()
+    assert done.stdout.count("runs as LSPOffloadDDPStrategy") == 1 and done.stdout.count("Run directory:") == 1
+    assert "lsp_offload_ddp: model.lm_head.weight is tied to the input embedding" in done.stderr
+    assert "lsp_offload: " not in done.stderr + done.stdout
     # One history and one CSV log, written by rank 0.
     steps = [r["step"] for r in read_history(run_dir) if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and len(steps) == 4

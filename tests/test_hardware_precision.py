@@ -13,7 +13,8 @@ import torch
 
 from hydra import compose, initialize_config_dir
 
-from lightning_offload.cli.train import CONFIG_DIR, PRECISION_ENV, compose_config, resolve_precision
+from lightning_offload.cli.precision import PRECISION_ENV, resolve_precision
+from lightning_offload.cli.train import CONFIG_DIR, compose_config
 from lightning_offload.strategies import hardware_precision as hp
 
 
@@ -52,7 +53,7 @@ def test_auto_is_resolved_once_said_in_one_line_and_inherited_by_launched_ranks(
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["trainer=cpu"])
     assert cfg.trainer.precision == "auto"  # the default config leaves it to the hardware
-    with caplog.at_level(logging.INFO, logger="lightning_offload.cli.train"):
+    with caplog.at_level(logging.INFO, logger="lightning_offload.cli.precision"):
         assert resolve_precision(cfg) == "32-true"
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Precision:")]
     assert said == ["Precision: 32-true (trainer.precision=auto: a bf16 matmul on this CPU took 30.0× the time of "

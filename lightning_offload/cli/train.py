@@ -15,7 +15,6 @@ import shutil
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +28,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.cli.interrupt import StopOnInterrupt
 from lightning_offload.cli.policies import OffloadPolicy
+from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.lsp.refit import ProjectorRefit
 from lightning_offload.models.builders import LanguageModel
-from lightning_offload.strategies.hardware_precision import hardware_precision, uses_cuda
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.tasks.schedule import OptimSettings, SettingsError
@@ -47,6 +46,12 @@ log = logging.getLogger(__name__)
 
 #: The repository's ``conf/`` directory (the package is installed editable from a checkout; see the README).
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+@rank_zero_only
+def _say(message: str, *args: Any) -> None:
+    """Logs on rank 0 only: each rank of a multi-device run runs this command, and one line is enough."""
+    log.info(message, *args)
 
 
 def run_dir_of_checkpoint(ckpt_path: str | None) -> str | None:
@@ -82,40 +87,6 @@ def check_optim(optim: DictConfig) -> OptimSettings:
         SettingsError: naming the setting, its value and a valid example.
     """
     return OptimSettings.from_mapping(OmegaConf.to_container(optim, resolve=True))
-
-
-#: Set by the process that resolves ``trainer.precision=auto``: the ranks Lightning launches as subprocesses inherit
-#: it and train in the same precision (each probing on its own could disagree and hang in the first collective).
-PRECISION_ENV = "LIGHTNING_OFFLOAD_PRECISION"
-
-
-def resolve_precision(cfg: DictConfig) -> str:
-    """Writes the precision this run trains in into ``cfg.trainer.precision`` and returns it.
-
-    ``auto`` (the default) becomes what the hardware computes fastest (:func:`hardware_precision`), said in one log
-    line. ``16-mixed`` on a CPU becomes ``bf16-mixed``, as Lightning itself would run it, with a warning, so the
-    run's records name the precision that ran.
-    """
-    precision = cfg.trainer.get("precision")
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if precision in (None, "auto"):
-        inherited = os.environ.get(PRECISION_ENV)
-        if inherited:
-            precision = inherited
-        else:
-            choice = hardware_precision(accelerator)
-            precision = choice.precision
-            os.environ[PRECISION_ENV] = precision
-            log.info("Precision: %s (trainer.precision=auto: %s; set trainer.precision to choose another).",
-                     precision, choice.reason)
-    elif str(precision) in ("16", "16-mixed") and not uses_cuda(accelerator):
-        warnings.warn("trainer.precision=16-mixed on a CPU: fp16 autocast does not run there, so Lightning trains in "
-                      "bf16-mixed instead; this run is recorded as bf16-mixed. Set trainer.precision=bf16-mixed (or "
-                      "32-true) to choose it yourself.", UserWarning, stacklevel=2)
-        precision = "bf16-mixed"
-    with open_dict(cfg):
-        cfg.trainer.precision = precision
-    return str(precision)
 
 
 def build_module(lm: LanguageModel, datamodule: pl.LightningDataModule, policy: OffloadPolicy,
@@ -250,6 +221,9 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
     def med(key: str) -> float:
         return _median([r[key] for r in steady if key in r]) or 0.0
 
+    # MEFT's adapter rows live on the host as plain tensors, not module parameters: Lightning's model summary does
+    # not count them.
+    host_rows = getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)()
     summary: dict[str, Any] = {
         "model": lm.name,
         "task": getattr(datamodule, "task", None) or type(datamodule).__name__,
@@ -260,11 +234,8 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         # A resumed run: the steps taken in this session (train_seconds and the step times are this session's).
         "steps_this_run": trainer.global_step - recorder.start_step,
         "skipped_steps": _skipped_steps(trainer),
-        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad)
-        + getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
-        # MEFT's adapter rows live on the host as plain tensors, not module parameters: Lightning's model summary
-        # does not count them.
-        "host_trainable_parameters": getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)(),
+        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad) + host_rows,
+        "host_trainable_parameters": host_rows,
         "device": str(trainer.strategy.root_device),
         "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
@@ -273,7 +244,7 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         # The share of all adapter rows a step moves: the link bytes against moving the whole adapter, in any dtype.
         "rows_share_per_step": (med("meft/rows_moved") / total_rows) if (total_rows := _adapter_rows(trainer)) else None,
         # What moving every adapter row each way would cost: MEFT's link bytes are compared with it.
-        "whole_adapter_bytes": float(getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)() * 4) or None,
+        "whole_adapter_bytes": float(host_rows * 4) or None,
         # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
         "link_bytes_to_host_per_step": med("offload/bytes_device_to_host") + med("meft/bytes_device_to_host"),
         # Data parallelism: what rank 0 handed to collectives per step (0 on one device; None where no offload
@@ -397,7 +368,7 @@ def _data_parallel_offload(cfg: DictConfig) -> None:
         strategy._target_ = target
         if strategy.get("embeddings") == "sparse":
             strategy.embeddings = "host"
-    log.info("%d device(s) × %d node(s): offload=%s runs as %s (embeddings=%s: row-sparse embeddings are "
+    _say("%d device(s) × %d node(s): offload=%s runs as %s (embeddings=%s: row-sparse embeddings are "
              "single-device only).", devices, nodes, cfg.offload.get("name"), target.rsplit(".", 1)[1],
              strategy.get("embeddings"))
 
@@ -431,7 +402,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     except Exception as error:  # the policy's and strategy's constructors validate their settings
         raise SettingsError(str(error)) from error
     run_dir = _output_dir(cfg)
-    log.info("Run directory: %s", run_dir)
+    _say("Run directory: %s", run_dir)
 
     lm: LanguageModel = hydra.utils.instantiate(cfg.model)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data, tokenizer=lm.tokenizer)
