@@ -35,6 +35,9 @@ class StopOnInterrupt(pl.Callback):
         checkpoint: the checkpoint written then.
     """
 
+    #: Reads no weights after a step, or applies pending updates itself first (see strategies/weight_readers.py).
+    leaves_weights_alone = True
+
     def __init__(self, checkpoint_path: str | Path) -> None:
         self.checkpoint_path = Path(checkpoint_path)
         self.requested = False

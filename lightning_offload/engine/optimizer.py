@@ -78,6 +78,13 @@ def validate_user_optimizer(optimizer: Any) -> Optimizer:
     return inner
 
 
+def _named(groups: list[dict[str, Any]], model: torch.nn.Module | None) -> list[tuple[str, Tensor]]:
+    """Each parameter of the optimizer's groups with its name in ``model`` (``param<i>`` where unknown)."""
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+    params = [p for group in groups for p in group["params"]]
+    return [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+
+
 class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs, UpdateApplication, Optimizer):
     """Adam/AdamW whose state and arithmetic live on the host, stepped tensor by tensor through a pipeline.
 
@@ -209,7 +216,11 @@ class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[_Slot]] = {}
         on_device = {id(p) for p in keep_on_device}
-        self._left_out = on_device | {id(p) for p in frozen}
+        # Parameters that do not require gradients (the user's frozen layers left in the optimizer, and those the
+        # strategy froze) get no host state and are never stepped, as torch.optim skips a parameter whose grad is
+        # None. One unfrozen later would get gradients no slot takes: refused at the step (_check_still_frozen).
+        self._frozen_at_setup = [(p, name) for name, p in _named(self.param_groups, model) if not p.requires_grad]
+        self._left_out = on_device | {id(p) for p in frozen} | {id(p) for p, _ in self._frozen_at_setup}
         self._row_sparse = {id(p) for p in row_sparse}
         self.slots = self._build_slots(list(projected), rounding_seed, model)
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
@@ -235,6 +246,16 @@ class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs
             self.update_ring = UpdateRing(update_buffers, largest, self.link_dtype, self.device)
         self.telemetry.host_state_bytes = self.host_state_bytes()
         self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
+
+    def _check_still_frozen(self) -> None:
+        """Refuses a step in which a parameter frozen at set-up has a gradient: it has no host state to step."""
+        for param, name in self._frozen_at_setup:
+            if param.grad is not None or param.requires_grad:
+                raise ValueError(
+                    f"{name} was frozen (requires_grad=False) when the strategy set up and now has a gradient: the "
+                    f"offload strategies build each trained tensor's host state at set-up, so it would never be "
+                    f"stepped. Unfreeze it before trainer.fit (e.g. in configure_model), or stop and start a new "
+                    f"fit from a checkpoint after unfreezing it.")
 
     def close(self) -> None:
         """Apply what is pending, then remove hooks and stop the worker (idempotent)."""
@@ -276,6 +297,7 @@ class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs
                 raise
             finally:
                 self._collecting = False
+        self._check_still_frozen()
         # Updates of modules this forward did not run, and last step's telemetry, are settled before the next launch.
         self.synchronize()
         backward_end = time.perf_counter()

@@ -71,13 +71,35 @@ class ProjectedWeight:
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
         # autograd produces W.grad, one layer at a time; nothing accumulates into S.
         self.sampling = False
-        # A forward the user set on the instance is kept to be put back; otherwise the class's forward is used, and
-        # detach removes the instance attribute instead of storing a bound method on the module (a reference cycle
-        # that would keep the module and its weights alive until the cyclic garbage collector runs).
-        self._instance_forward = module.__dict__.get("forward")
-        self._original_forward = module.forward
+        # Every module whose forward uses this weight: one, unless modules share it (``net[2].weight =
+        # net[0].weight``); each use's backward adds into the one S, so the step sees the sum of their gradients.
+        self.modules: list[nn.Module] = []
+        # Per module (by id): the forward the user set on the instance, to be put back (None: the class's forward
+        # is used, and detach removes the instance attribute instead of storing a bound method on the module, a
+        # reference cycle that would keep the module and its weights alive until the cyclic garbage collector runs),
+        # and the plain forward the projected one falls back to.
+        self._instance_forwards: dict[int, Callable[..., Tensor] | None] = {}
+        self._original_forwards: dict[int, Callable[..., Tensor]] = {}
+        self._bind(module)
+
+    def _bind(self, module: nn.Module) -> None:
+        self.modules.append(module)
+        self._instance_forwards[id(module)] = module.__dict__.get("forward")
+        self._original_forwards[id(module)] = module.forward
         module.forward = types.MethodType(_projected_forward, module)
         module._lsp_state = self
+
+    def add_use(self, name: str, module: nn.Module) -> None:
+        """Serve another module that holds this same weight; its uses' compressed gradients join this one's ``S``.
+
+        Raises:
+            ValueError: when ``module`` does not hold this weight, or holds it in another layout (a ``Conv1D``
+                and a ``Linear`` sharing one tensor compute different products).
+        """
+        if module.weight is not self.weight or is_hf_conv1d(module) != self.transposed:
+            raise ValueError(f"{name} cannot share the projection of {self.name}: it must hold the same weight "
+                             f"tensor in the same layout (both nn.Linear or both Conv1D).")
+        self._bind(module)
 
     @staticmethod
     def weight_shape(module: nn.Module) -> tuple[int, int]:
@@ -192,15 +214,17 @@ class ProjectedWeight:
                 copy_stochastic_rounded_(target, new_value, stochastic_generator)
 
     def detach(self) -> None:
-        """Give the module back as it was: its own forward, and no attribute this class added (idempotent)."""
-        attributes = self.module.__dict__
-        if attributes.get("_lsp_state") is not self:
-            return
-        if self._instance_forward is None:
-            attributes.pop("forward", None)
-        else:
-            attributes["forward"] = self._instance_forward
-        del attributes["_lsp_state"]
+        """Give each module back as it was: its own forward, and no attribute this class added (idempotent)."""
+        for module in self.modules:
+            attributes = module.__dict__
+            if attributes.get("_lsp_state") is not self:
+                continue
+            instance_forward = self._instance_forwards[id(module)]
+            if instance_forward is None:
+                attributes.pop("forward", None)
+            else:
+                attributes["forward"] = instance_forward
+            del attributes["_lsp_state"]
 
 
 # Elements of one block of the fused update's fp32 temporary: 1 MiB on the CPU (it stays in cache); 16 MiB on CUDA,
@@ -241,7 +265,7 @@ def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     if state.sampling or not (torch.is_grad_enabled() and self.weight.requires_grad):
         # No weight gradient can be asked of this call (evaluation, generation, a frozen weight; or a fit sampling
         # full gradients): the plain forward, with nothing kept for backward and no B Xᵀ computed.
-        return state._original_forward(x)
+        return state._original_forwards[id(self)](x)
     # A layer called twice in one forward is complete only after both backwards. A forward that runs inside backward
     # is a checkpoint's recomputation of one already counted, so it is not counted again.
     if torch.is_grad_enabled() and self.weight.requires_grad and torch._C._current_graph_task_id() == -1:

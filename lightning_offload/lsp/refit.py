@@ -163,6 +163,9 @@ class ProjectorRefit(Callback):
         trainer.fit(module)  # refit.history then holds a RefitRecord per fit or check
     """
 
+    #: Reads no weights after a step, or applies pending updates itself first (see strategies/weight_readers.py).
+    leaves_weights_alone = True
+
     def __repr__(self) -> str:
         return (f"ProjectorRefit(every_n_steps={self.every_n_steps}, threshold={self.threshold}, "
                 f"num_samples={self.num_samples}, max_iters={self.settings.max_iters})")

@@ -77,6 +77,9 @@ class RunRecorder(pl.Callback):
         start_step: the optimizer step training started from (0, or the checkpoint's).
     """
 
+    #: Reads no weights after a step, or applies pending updates itself first (see strategies/weight_readers.py).
+    leaves_weights_alone = True
+
     def __init__(self, run_dir: str | Path | None, resume: bool = False) -> None:
         # With several ranks, rank 0 writes the run's files (Lightning's launcher puts the others' rank in their
         # environment, which rank_zero_only reads at import).

@@ -34,6 +34,7 @@ from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, r
 from lightning_offload.lsp.refit import ProjectorRefit
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.strategies.embeddings_head import Placement, plan_placement, validate_placements
+from lightning_offload.strategies.weight_readers import weight_readers
 
 _PRECISION_ADVICE = {
     "16-mixed": (
@@ -97,6 +98,7 @@ class OffloadMixin:
             raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {projectors!r}.")
         self.projection = projection
         self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
+        self._settle_each_step = False  # set at set-up: whether a callback needs each step's weights right after it
         self.rank = rank
         self.density = density
         self.min_dim = min_dim
@@ -209,6 +211,12 @@ class OffloadMixin:
             )
         user_optimizer = validate_user_optimizer(self.optimizers[0])
         self._compiled_forward = self._runs_compiled_code()  # configure_model (where users compile) has run
+        readers = weight_readers(trainer.callbacks) if self.pipelined else []
+        self._settle_each_step = bool(readers)
+        if readers:
+            rank_zero_info(f"{self.strategy_name}: {', '.join(readers)} may read or write the weights after each step, "
+                           f"so each step's updates are applied before the step returns (as with pipelined=False) and "
+                           f"the callbacks see that step's weights.")
         trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
         self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head)
         for weight in self.placement.frozen:
@@ -276,13 +284,21 @@ class OffloadMixin:
             )
         generator = torch.Generator().manual_seed(self.seed)
         layers = []
+        by_weight: dict[int, ProjectedWeight] = {}
         for name, module in modules.items():
+            shared = by_weight.get(id(module.weight))
+            if shared is not None:
+                # A weight held by several modules (net[2].weight = net[0].weight) is one projected tensor: every
+                # use's backward adds into its S, as every use's gradient adds into a dense weight's .grad.
+                shared.add_use(name, module)
+                continue
             out_features, in_features = ProjectedWeight.weight_shape(module)
             d_out = self._compressed_dim(name, "output", out_features)
             d_in = self._compressed_dim(name, "input", in_features)
             proj_out = self.projector_factory(out_features, d_out, self.density, generator, self.root_device)
             proj_in = self.projector_factory(in_features, d_in, self.density, generator, self.root_device)
             layers.append(ProjectedWeight(name, module, proj_out, proj_in))
+            by_weight[id(module.weight)] = layers[-1]
         return layers
 
     def _compressed_dim(self, name: str, side: str, size: int) -> int:
@@ -319,6 +335,8 @@ class OffloadMixin:
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._settle_each_step:
+            self.synchronize()  # a callback reads or writes the weights after the step: they must be this step's
         if self.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
             telemetry = self.offload_optimizer.telemetry
             telemetry.device_state_bytes = self.offload_optimizer.device_state_bytes()
