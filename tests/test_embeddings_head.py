@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, signed_permutation_projector
 from lightning_offload.engine.row_adam import HostRowAdam
 from lightning_offload.models.tiny import tiny_llama
 from tiny_modules import TinyCausalLM, lossless_lsp, params_of, tiny_hf_model, token_data, trainer
@@ -240,3 +240,25 @@ def test_amsgrad_is_refused_for_a_row_sparse_embedding():
     module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), amsgrad=True)  # type: ignore
     with pytest.raises(ValueError, match="embeddings='sparse' does not support amsgrad=True"):
         trainer(_strategy("sparse", "host"), max_steps=1).fit(module, token_data())
+
+
+def test_amsgrad_with_the_default_placement_steps_the_embedding_densely_and_says_so(caplog):
+    """A run that sets nothing but AdamW(amsgrad=True) trains: the default row-sparse step gives way to the dense host
+    Adam for that embedding, which then equals plain Lightning's AMSGrad."""
+
+    def amsgrad(module):
+        module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=3e-3, amsgrad=True)
+        return module
+
+    reference = amsgrad(_module())
+    trainer("auto", max_steps=3).fit(reference, token_data())
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        defaults = LSPOffloadStrategy(rank=1.0, density=1, min_dim=16, projectors="random",
+                                      projector_factory=signed_permutation_projector)
+        offloaded = amsgrad(_module())
+        trainer(defaults, max_steps=3).fit(offloaded, token_data())
+    assert defaults.embeddings == "sparse" and not defaults.placement.row_sparse
+    assert any("embed_tokens.weight is stepped densely on the host (embeddings='host'): its param group uses "
+               "amsgrad=True" in r.getMessage() for r in caplog.records)
+    for name, value in params_of(offloaded).items():
+        torch.testing.assert_close(value, params_of(reference)[name], msg=name)

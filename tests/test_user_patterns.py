@@ -157,3 +157,59 @@ def test_lightnings_weight_averaging_sees_each_steps_weights(strategy: str, capl
     if strategy.endswith("pipelined"):  # said, not silent: the pipelining it gives up after each step
         assert any("EMAAfterEachStep" in r.getMessage() and "may read or write the weights" in r.getMessage()
                    for r in caplog.records)
+
+
+class SkipsEvenBatches(TinyClassifier):
+    """``training_step`` returns None for every even batch index: Lightning's way to skip a batch."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 == 0 else super().training_step(batch, batch_idx)
+
+
+def test_a_batch_the_projector_fit_draws_and_training_step_skips_is_replaced_by_another() -> None:
+    from lightning_offload import LSPOffloadStrategy, ProjectorRefit
+
+    refit = ProjectorRefit(num_samples=3, every_n_steps=0)
+    strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
+    module = SkipsEvenBatches()
+    trainer(strategy, max_steps=2, callbacks=[refit]).fit(module, classification_data())
+    (record,) = refit.history
+    assert record.initial and set(record.refit) == {"body.0", "body.3"}
+
+
+def test_sigterm_during_the_projector_fit_stops_it_at_the_next_layer() -> None:
+    """A preempted job stops promptly: Lightning notes SIGTERM, and the fit checks for it between layers."""
+    import os
+    import signal
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_offload import LSPOffloadStrategy, ProjectorRefit
+
+    passes = []
+
+    def loss_then_sigterm(module, batch):
+        passes.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job during the first sampled pass
+        x, y = batch
+        return nn.functional.cross_entropy(module(x), y)
+
+    refit = ProjectorRefit(num_samples=4, loss_fn=loss_then_sigterm)
+    module = TinyClassifier()
+    with pytest.raises(SIGTERMException):
+        trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16), max_steps=2, callbacks=[refit]).fit(
+            module, classification_data())
+    assert len(passes) == 1 and not refit.history and module.losses == []  # no second pass, no fit, no step
+
+
+def test_weight_averaging_under_meft_says_the_host_rows_are_not_averaged(tmp_path) -> None:
+    from test_meft import batches, loader, meft_model
+    from test_meft import trainer as meft_trainer
+
+    from lightning_offload import MEFTOffloadStrategy
+    from lightning_offload.tasks.causal_lm import CausalLMModule
+
+    with pytest.warns(UserWarning, match=r"meft_offload: EMAAfterEachStep averages the module's parameters \(the "
+                                         r"routers\), not the adapter rows"):
+        meft_trainer(tmp_path, 2, MEFTOffloadStrategy(device="cpu"), callbacks=[EMAAfterEachStep()]).fit(
+            CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(batches(2, seed=3)))

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -264,6 +265,7 @@ class ProjectorRefit(Callback):
         order = {layer.name: i for i, layer in enumerate(layers)}
 
         def consume(layer: ProjectedWeight, grad: Tensor) -> None:
+            _stop_if_terminated(trainer)  # a fit takes minutes on a CPU: a preempted job stops between layers
             progress.update(1)
             # With data parallelism every rank fits to the mean of the ranks' samples, as to one larger batch.
             grad = strategy.reduce_sampled_gradient(grad)
@@ -311,16 +313,25 @@ class ProjectorRefit(Callback):
                         disable=trainer.progress_bar_callback is None or not trainer.is_global_zero)
         try:
             with self._sampling_rng(trainer, step):
-                batches = self._draw_batches(trainer)
+                used = drawn = 0
                 with _muted_logging(pl_module), torch.enable_grad():
-                    for index, batch in enumerate(batches):
+                    for drawn, batch in enumerate(self._draw_batches(trainer), start=1):
+                        _stop_if_terminated(trainer)
                         active = [layer for layer in layers if layer.name not in skipped]
-                        if not active:
+                        if not active or used == self.num_samples:
                             break
-                        progress.total = progress.n + (len(batches) - index) * len(active)  # skipped take none
+                        progress.total = progress.n + (self.num_samples - used) * len(active)  # skipped take none
                         progress.refresh()
                         with sample_gradients(pl_module, active, consume):
-                            self._loss(trainer, pl_module, batch, index).backward()
+                            loss = self._loss(trainer, pl_module, batch, drawn - 1)
+                            if loss is None:
+                                continue  # training_step skipped this batch (Lightning's way): draw another
+                            loss.backward()
+                        used += 1
+                if used == 0:
+                    raise ValueError(f"ProjectorRefit drew {drawn} training batch(es) and training_step returned None "
+                                     f"(skip) for every one: there are no gradients to fit to. Return a loss for "
+                                     f"some batches, pass loss_fn, or use LSPOffloadStrategy(projectors='random').")
         finally:
             progress.close()
         for layer in layers:
@@ -406,28 +417,35 @@ class ProjectorRefit(Callback):
             torch.manual_seed(self.seed * 1_000_003 + step)
             yield
 
-    def _draw_batches(self, trainer: pl.Trainer) -> list[Any]:
+    #: Batches drawn per sample wanted, at most, when training_step skips some (returns None).
+    MAX_DRAWS_PER_SAMPLE = 8
+
+    def _draw_batches(self, trainer: pl.Trainer) -> Iterator[Any]:
+        """The training batches the fit samples, drawn one at a time (more than ``num_samples`` when training_step
+        skips some), each prepared as the training loop prepares a batch."""
         loader = trainer.train_dataloader
         if loader is None or isinstance(loader, (Mapping, list, tuple)):
             raise ValueError(
                 f"ProjectorRefit samples batches from a single training DataLoader, got {type(loader).__name__}. "
                 f"Use one train dataloader, or LSPOffloadStrategy(projectors='random')."
             )
-        batches = list(itertools.islice(iter(loader), self.num_samples))
-        if not batches:
-            raise ValueError("ProjectorRefit found an empty training dataloader: there are no gradients to fit to.")
-        # The same preparation the training loop gives a batch: precision conversion, the module's hook, transfer.
         module = trainer.lightning_module
-        prepared = []
-        for batch in batches:
+        empty = True
+        for batch in itertools.islice(iter(loader), self.num_samples * self.MAX_DRAWS_PER_SAMPLE):
+            empty = False
+            # The same preparation the training loop gives a batch: precision conversion, the module's hook, transfer.
             batch = trainer.precision_plugin.convert_input(batch)
             batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
-            prepared.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
-        return prepared
+            yield trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+        if empty:
+            raise ValueError("ProjectorRefit found an empty training dataloader: there are no gradients to fit to.")
 
-    def _loss(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, index: int) -> Tensor:
+    def _loss(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, index: int) -> Tensor | None:
+        """The batch's loss, or ``None`` where ``training_step`` returned ``None`` (Lightning's way to skip it)."""
         with trainer.strategy.precision_plugin.train_step_context():
             output = self.loss_fn(module, batch) if self.loss_fn is not None else module.training_step(batch, index)
+        if output is None:
+            return None
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             raise ValueError(
@@ -452,6 +470,12 @@ class ProjectorRefit(Callback):
         self._last_checked_step = int(state_dict["last_checked_step"])
         self.refits_per_layer = dict(state_dict["refits_per_layer"])
         self.fits_done = int(state_dict["fits_done"])
+
+
+def _stop_if_terminated(trainer: pl.Trainer) -> None:
+    """Raises Lightning's SIGTERM exception once the trainer has received SIGTERM, as its loops do between batches."""
+    if getattr(trainer, "received_sigterm", False):
+        raise SIGTERMException()
 
 
 @contextmanager

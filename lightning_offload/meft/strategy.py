@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_offload.engine.clipping import NonFiniteGradientError
@@ -129,6 +130,12 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         if not self.adapters:
             raise ValueError("strategy 'meft_offload' found no MEFT adapter in the module. Call "
                              "lightning_offload.inject_meft(model, MEFTConfig(...)) on the model first.")
+        averaging = [type(c).__name__ for c in trainer.callbacks
+                     if isinstance(c, (pl.callbacks.WeightAveraging, pl.callbacks.StochasticWeightAveraging))]
+        if averaging:
+            rank_zero_warn(f"meft_offload: {', '.join(averaging)} averages the module's parameters (the routers), not "
+                           f"the adapter rows, which live on the host as plain tensors: the adapters keep their last "
+                           f"step's rows.")
         if self.root_device.type == "cuda":
             for adapter in self.adapters:
                 adapter.pin_host_memory()

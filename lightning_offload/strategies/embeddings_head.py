@@ -57,7 +57,8 @@ class Placement:
     messages: list[str] = field(default_factory=list)
 
 
-def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: str) -> Placement:
+def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: str,
+                   dense_by_default: set[int] = frozenset()) -> Placement:
     """Decide where ``model``'s embeddings and output head train.
 
     Args:
@@ -65,6 +66,8 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         trained: identities of the parameters the user's optimizer trains (others are left alone).
         embeddings: see the module docstring.
         head: see the module docstring.
+        dense_by_default: identities of embeddings that ``embeddings="sparse"``, when it is only the default, steps
+            densely on the host instead (their param group uses ``amsgrad``, which the row step does not have).
     """
     validate_placements(embeddings, head)
     plan = Placement()
@@ -97,7 +100,10 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         if weight_id in heads:
             continue
         weight = by_id[weight_id]
-        if embeddings == "sparse":
+        if embeddings == "sparse" and weight_id in dense_by_default:
+            plan.messages.append(f"{name}.weight is stepped densely on the host (embeddings='host'): its param group "
+                                 f"uses amsgrad=True, which the default row-sparse step does not have.")
+        elif embeddings == "sparse":
             plan.row_sparse.append(weight)
             plan.messages.append(f"{name}.weight is stepped row-sparsely (embeddings='sparse'): only the rows of each "
                                  f"batch's tokens cross and are updated; embeddings='host' steps every row.")

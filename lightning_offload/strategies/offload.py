@@ -126,6 +126,7 @@ class OffloadMixin:
         # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
         # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
         default_embeddings = "sparse" if projection and self.sparse_embeddings_by_default else "host"
+        self._embeddings_by_default = embeddings is None  # a default gives way where it cannot apply (amsgrad)
         embeddings = embeddings if embeddings is not None else default_embeddings
         head = head if head is not None else "host"
         validate_placements(embeddings, head)
@@ -218,7 +219,9 @@ class OffloadMixin:
                            f"so each step's updates are applied before the step returns (as with pipelined=False) and "
                            f"the callbacks see that step's weights.")
         trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
-        self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head)
+        amsgrad = {id(p) for group in user_optimizer.param_groups if group.get("amsgrad") for p in group["params"]}
+        self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head,
+                                        dense_by_default=amsgrad if self._embeddings_by_default else set())
         for weight in self.placement.frozen:
             weight.requires_grad_(False)  # no gradient is computed for it at all; restored at teardown
         for message in self.placement.messages:
