@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_offload.data.resumable import TrainOrder
 from lightning_offload.models.smollm2 import cache_root
 
 #: Books held out for validation: small, and from five of the eight genres (History, Wisdom, Prophets,
@@ -279,6 +280,7 @@ class BibleLMDataModule(L.LightningDataModule):
         self.max_train_blocks = max_train_blocks
         self.max_val_blocks = max_val_blocks
         self.seed = seed
+        self.train_order = TrainOrder(seed)
         self.held_out_books = tuple(held_out_books)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / "bible_lm"
         self.num_workers = num_workers
@@ -327,15 +329,20 @@ class BibleLMDataModule(L.LightningDataModule):
             self.setup()
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled train batches; the order depends only on ``seed`` and the epoch."""
+        """Shuffled train batches; the order depends only on ``seed`` and the epoch, and a resumed run continues it
+        (see :mod:`lightning_offload.data.resumable`)."""
         self._require_setup()
-        return DataLoader(
-            _BlockDataset(self.train_blocks),
-            batch_size=self.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
-            num_workers=self.num_workers,
-        )
+        dataset = _BlockDataset(self.train_blocks)
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=self.train_order.sampler(len(dataset)),
+                          num_workers=self.num_workers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training order stands (saved in checkpoints by Lightning)."""
+        return self.train_order.state_dict(self.trainer, self.batch_size)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continues the training order where a checkpoint left it."""
+        self.train_order.load_state_dict(state_dict)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in canonical order."""

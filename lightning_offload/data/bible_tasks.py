@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_offload.data.bible import Verse, _resolve_books, _save_atomic, _tokenizer_fingerprint, load_genres, \
     load_verses
+from lightning_offload.data.resumable import TrainOrder
 from lightning_offload.models.smollm2 import cache_root
 
 IGNORE_INDEX = -100
@@ -100,6 +101,7 @@ class _CachedBibleTask(L.LightningDataModule):
         self.max_train_examples = max_train_examples
         self.max_val_examples = max_val_examples
         self.seed = seed
+        self.train_order = TrainOrder(seed)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else cache_root() / self.task
         self.num_workers = num_workers
         self.train_set: list[dict[str, torch.Tensor]] | None = None
@@ -147,12 +149,21 @@ class _CachedBibleTask(L.LightningDataModule):
         return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, padded train batches; the order depends only on ``seed`` and the epoch."""
+        """Shuffled, padded train batches; the order depends only on ``seed`` and the epoch, and a resumed run
+        continues it (see :mod:`lightning_offload.data.resumable`)."""
         if self.train_set is None:
             self.setup()
-        return DataLoader(_ExamplesDataset(self.train_set), batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.seed), collate_fn=PadCollator(self._pad_id()),
-                          num_workers=self.num_workers)
+        dataset = _ExamplesDataset(self.train_set)
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=self.train_order.sampler(len(dataset)),
+                          collate_fn=PadCollator(self._pad_id()), num_workers=self.num_workers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training order stands (saved in checkpoints by Lightning)."""
+        return self.train_order.state_dict(self.trainer, self.batch_size)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continues the training order where a checkpoint left it."""
+        self.train_order.load_state_dict(state_dict)
 
     def val_dataloader(self) -> DataLoader:
         """Padded validation batches in canonical order."""
