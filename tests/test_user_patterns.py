@@ -213,3 +213,51 @@ def test_weight_averaging_under_meft_says_the_host_rows_are_not_averaged(tmp_pat
                                          r"routers\), not the adapter rows"):
         meft_trainer(tmp_path, 2, MEFTOffloadStrategy(device="cpu"), callbacks=[EMAAfterEachStep()]).fit(
             CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(batches(2, seed=3)))
+
+
+def _through_zero(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A schedule that passes through lr 0 mid-run (steps 2 and 3), as a cosine to 0 or a linear decay does."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0 if step in (2, 3) else 1.0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_schedule_through_lr_zero_runs_and_equals_plain_lightning(strategy: str) -> None:
+    reference = _fit(TinyClassifier(scheduler=_through_zero), "auto", steps=6)
+    offloaded = _fit(TinyClassifier(scheduler=_through_zero), STRATEGIES[strategy](), steps=6)
+    for name, value in params_of(offloaded).items():
+        torch.testing.assert_close(value, params_of(reference)[name], msg=name)
+
+
+def test_meft_runs_through_lr_zero_and_moves_no_row_while_it_is_zero(tmp_path) -> None:
+    """Blocks stepped after a gap at lr 0 made the block Adam divide by zero (the run stopped with HostWorkerError).
+    At lr 0 AdamW moves nothing (no step, no decoupled decay): nor may the host rows."""
+    from test_meft import batches, loader, meft_adapters, meft_model
+    from test_meft import trainer as meft_trainer
+
+    from lightning_offload import MEFTOffloadStrategy
+    from lightning_offload.tasks.causal_lm import CausalLMModule
+
+    class ThroughZero(CausalLMModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2,
+                                          weight_decay=0.1)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": _through_zero(optimizer), "interval": "step"}}
+
+    class RowsAfterEachStep(pl.Callback):
+        def __init__(self) -> None:
+            self.values: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            trainer.strategy.synchronize()
+            self.values.append(torch.cat([a.host.values.clone() for a in meft_adapters(pl_module.model)]))
+
+    model = meft_model()
+    with torch.no_grad():  # values away from zero, so decay and the keys' gradients would show
+        for adapter in meft_adapters(model):
+            adapter.host.values.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    rows = RowsAfterEachStep()
+    meft_trainer(tmp_path, 6, MEFTOffloadStrategy(device="cpu"), callbacks=[rows]).fit(
+        ThroughZero(model), train_dataloaders=loader(batches(6, seed=9)))
+    assert len(rows.values) == 6
+    assert torch.equal(rows.values[2], rows.values[1]) and torch.equal(rows.values[3], rows.values[1])  # lr 0
+    assert not torch.equal(rows.values[4], rows.values[3])  # and training goes on after it

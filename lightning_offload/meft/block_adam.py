@@ -278,7 +278,9 @@ class BlockRowAdam:
                 kernel_eps = settings.eps / c
             decay = settings.weight_decay
             if decay and settings.decoupled and (gap or kernel_lr != lr):
-                decay = (1.0 - (1.0 - lr * decay)**(gap + 1)) / kernel_lr  # g + 1 steps of decay at once
+                # g + 1 steps of decay at once; at lr 0 (a schedule passing through it) the kernel steps nothing and
+                # nothing decays, so there is nothing to fold in (and no lr to divide by).
+                decay = (1.0 - (1.0 - lr * decay)**(gap + 1)) / kernel_lr if kernel_lr else 0.0
             elif decay and not settings.decoupled:
                 decay = decay / c  # Adam's L2 joins the gradient after the kernel divided it by c
             hyper = (("lr", kernel_lr), ("beta1", kernel_beta1), ("beta2", beta2), ("weight_decay", decay),
