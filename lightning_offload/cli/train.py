@@ -21,15 +21,22 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.cli.interrupt import StopOnInterrupt
+from lightning_offload.engine.checkpoint_kinds import (
+    checkpoint_kind,
+    offload_state_without_offload,
+    torch_state_under_offload,
+)
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.lsp.refit import ProjectorRefit
+from lightning_offload.strategies.offload import OffloadMixin
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
@@ -401,6 +408,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
     except Exception as error:  # the policy's and strategy's constructors validate their settings
         raise SettingsError(str(error)) from error
+    _check_checkpoint_fits_strategy(cfg, policy)
     run_dir = _output_dir(cfg)
     _say("Run directory: %s", run_dir)
 
@@ -410,6 +418,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule.prepare_data()
     heldout = _heldout_data(cfg, lm)
     module = build_module(lm, datamodule, policy, optim)
+    if cfg.get("weights_from") is not None:
+        # Weights only: the model continues from the checkpoint, the optimizer (and its host state) starts afresh.
+        module.load_state_dict(_read_checkpoint(cfg.weights_from)["state_dict"])
+        _say("Weights loaded from %s; the optimizer starts afresh at step 0.", cfg.weights_from)
 
     resuming = cfg.get("ckpt_path") is not None
     recorder = RunRecorder(run_dir, resume=resuming)
@@ -477,6 +489,31 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
                "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder,
                "summary": summary}
     return metrics, objects
+
+
+def _read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    # Memory-mapped: only the parts read are loaded (the optimizer state may be several times the weights).
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _check_checkpoint_fits_strategy(cfg: DictConfig, policy: OffloadPolicy) -> None:
+    """Refuses, before anything loads, a ``ckpt_path`` whose optimizer state the run's strategy cannot continue (and
+    ``ckpt_path`` together with ``weights_from``), saying what to do instead."""
+    ckpt_path, weights_from = cfg.get("ckpt_path"), cfg.get("weights_from")
+    if ckpt_path is not None and weights_from is not None:
+        raise SettingsError(f"ckpt_path={ckpt_path} resumes a run, weights_from={weights_from} starts a new one from "
+                            f"a checkpoint's weights: set one of them.")
+    for name, path in (("ckpt_path", ckpt_path), ("weights_from", weights_from)):
+        if path is not None and not Path(path).is_file():
+            raise SettingsError(f"{name}={path} is not a file.")
+    if ckpt_path is None:
+        return
+    kind = checkpoint_kind(_read_checkpoint(ckpt_path))
+    offloads = isinstance(policy.strategy, OffloadMixin)
+    if kind == "offload" and not offloads:
+        raise SettingsError(offload_state_without_offload(f"offload={cfg.offload.get('name')}"))
+    if kind == "torch" and offloads:
+        raise SettingsError(torch_state_under_offload())
 
 
 def resume_command(checkpoint: str | Path) -> str:

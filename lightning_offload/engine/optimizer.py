@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
 from lightning_offload.engine.clipping import GradientClipping, NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.device_adam import DeviceAdam
@@ -536,10 +537,12 @@ class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs
         Raises:
             ValueError: when the checkpoint was written for different layers or param groups.
         """
+        if optimizer_state_kind(state_dict) == "torch":
+            raise ValueError(torch_state_under_offload())
         if state_dict.get("format") != _STATE_FORMAT:
             raise ValueError(
                 "This optimizer state was not written by this version of lightning_offload's OffloadOptimizer; "
-                "resume with the version and strategy that wrote the checkpoint."
+                "resume with the version and strategy that wrote the checkpoint. " + WEIGHTS_ONLY
             )
         names = [slot.name for slot in self.slots]
         if state_dict["slots"] != names:

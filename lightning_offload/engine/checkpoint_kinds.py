@@ -1,0 +1,51 @@
+"""What wrote a checkpoint's optimizer state, and what to do when a run resumes it under another strategy.
+
+The model's weights are the same under every strategy (the ``state_dict`` keys are unchanged), but the optimizer
+state is not: plain Lightning saves a ``torch.optim`` state (full-size Adam moments), the offload strategies their
+host state (compressed moments for projected weights, host Adam per tensor). Neither continues the other's; both can
+start afresh from the other's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: The key of the offload optimizer's state format in its saved state.
+OFFLOAD_FORMAT_KEY = "format"
+
+WEIGHTS_ONLY = (
+    "To continue under this strategy from that checkpoint's weights, with a fresh optimizer (step 0), load only its "
+    "weights: `module.load_state_dict(torch.load(path, weights_only=False)['state_dict'])` and call trainer.fit "
+    "without ckpt_path (the command line: weights_from=<path> instead of ckpt_path=<path>)."
+)
+
+
+def optimizer_state_kind(state: Mapping[str, Any]) -> str:
+    """``"offload"`` for an offload strategy's saved optimizer state, ``"torch"`` for a ``torch.optim`` one,
+    ``"unknown"`` otherwise."""
+    if OFFLOAD_FORMAT_KEY in state and "slots" in state:
+        return "offload"
+    if "state" in state and "param_groups" in state:
+        return "torch"
+    return "unknown"
+
+
+def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
+    """The kind of a Lightning checkpoint's first optimizer state (``"none"`` when it holds no optimizer state)."""
+    states = checkpoint.get("optimizer_states") or []
+    return optimizer_state_kind(states[0]) if states else "none"
+
+
+def torch_state_under_offload() -> str:
+    """The message for a plain Lightning checkpoint resumed by an offload strategy."""
+    return ("This checkpoint was written without an offload strategy: its optimizer state is a plain torch.optim "
+            "state (full-size Adam moments), which the offload strategies' host state cannot continue. "
+            + WEIGHTS_ONLY)
+
+
+def offload_state_without_offload(strategy: str) -> str:
+    """The message for an offload checkpoint resumed without an offload strategy (``strategy`` names the run's)."""
+    return (f"This checkpoint was written by a lightning_offload strategy: its optimizer state is the offload "
+            f"strategies' host state, which {strategy} cannot load into a torch.optim optimizer. Resume it with the "
+            f"offload strategy and settings that wrote it, or start from its weights only. " + WEIGHTS_ONLY)
