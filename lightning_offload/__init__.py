@@ -20,6 +20,7 @@ from lightning_offload.lsp.refit import ProjectorRefit, RefitRecord
 from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
 from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.export import load_meft_adapters, meft_state_dict, save_meft_adapters, unload_meft
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.strategies.hardware_precision import PrecisionChoice, hardware_precision
 from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
@@ -53,11 +54,15 @@ __all__ = [
     "ZeroOffloadStrategy",
     "hardware_precision",
     "inject_meft",
+    "load_meft_adapters",
     "meft_adapters",
+    "meft_state_dict",
     "random_projector",
     "reconstruction_error",
     "RowAdamSettings",
     "register_strategies",
+    "save_meft_adapters",
     "signed_permutation_projector",
     "stochastic_round_to_bf16",
+    "unload_meft",
 ]

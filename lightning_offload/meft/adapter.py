@@ -530,6 +530,7 @@ def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
     if any(isinstance(m, MEFTFFN) for m in model.modules()):
         raise ValueError("This model already has MEFT adapters; inject_meft once per model.")
     targets = find_ffns(model, config.target_modules)
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     if config.freeze_base:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -545,8 +546,41 @@ def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
         for adapter in adapters:
             adapter.attention_mask = mask if torch.is_tensor(mask) and mask.ndim == 2 else None
 
-    model.register_forward_pre_hook(hand_over_mask, with_kwargs=True)
+    hook = model.register_forward_pre_hook(hand_over_mask, with_kwargs=True)
+    # What unload_meft (lightning_offload.meft.export) needs to give the base back exactly as it was.
+    model.__dict__["_meft_injection"] = MEFTInjection(config, [name for name, _ in targets], hook, requires_grad,
+                                                      model.__dict__.get("save_pretrained"))
+    if callable(getattr(model, "save_pretrained", None)):
+        model.__dict__["save_pretrained"] = _refuse_save_pretrained
     return adapters
+
+
+@dataclass
+class MEFTInjection:
+    """What :func:`inject_meft` changed on a model, kept on it so the base can be given back exactly.
+
+    Attributes:
+        config: the adapters' settings.
+        ffn_names: the qualified names of the FFNs that got an adapter.
+        mask_hook: the forward pre-hook that hands the attention mask to the adapters.
+        requires_grad: each base parameter's ``requires_grad`` before injection froze it.
+        instance_save_pretrained: a ``save_pretrained`` the user had set on the instance (``None``: the class's).
+    """
+
+    config: MEFTConfig
+    ffn_names: list[str]
+    mask_hook: Any
+    requires_grad: dict[str, bool]
+    instance_save_pretrained: Any = None
+
+
+def _refuse_save_pretrained(*args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        "This model has MEFT adapters beside its FFNs (their weights are saved under mlp.ffn.*), so the base class's "
+        "from_pretrained would load random FFNs from it. Save the adapters on their own with "
+        "lightning_offload.save_meft_adapters(model, 'adapters.pt') and the base with "
+        "lightning_offload.unload_meft(model).save_pretrained(path); later, from_pretrained(path) and "
+        "lightning_offload.load_meft_adapters(model, 'adapters.pt') give the trained model back.")
 
 
 def meft_adapters(model: nn.Module) -> list[MEFTAdapter]:
