@@ -23,6 +23,7 @@ from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.export import load_meft_adapters, meft_state_dict, save_meft_adapters, unload_meft
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.strategies.hardware_precision import PrecisionChoice, hardware_precision
+from lightning_offload.strategies.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
 from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
 from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
 
@@ -43,6 +44,7 @@ __all__ = [
     "NonFiniteStepWarning",
     "OffloadOptimizer",
     "OffloadTelemetry",
+    "PlainConversion",
     "PrecisionChoice",
     "FitSettings",
     "ProjectedWeight",
@@ -64,5 +66,6 @@ __all__ = [
     "save_meft_adapters",
     "signed_permutation_projector",
     "stochastic_round_to_bf16",
+    "to_plain_adamw_checkpoint",
     "unload_meft",
 ]

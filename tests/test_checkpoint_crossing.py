@@ -63,3 +63,60 @@ def test_a_plain_lightning_checkpoint_under_an_offload_strategy_from_your_own_co
     fresh.load_state_dict(torch.load(tmp_path / "plain.ckpt", weights_only=False)["state_dict"])
     assert all(torch.equal(a, b) for a, b in zip(params_of(fresh).values(), params_of(module).values()))
     trainer(ZeroOffloadStrategy(), max_steps=1).fit(fresh, classification_data())
+
+
+def _resume_plain(module: TinyClassifier, checkpoint: Path, steps: int) -> TinyClassifier:
+    trainer("auto", max_steps=steps).fit(module, classification_data(), ckpt_path=checkpoint)
+    return module
+
+
+def test_a_zero_offload_checkpoint_converted_to_plain_adamw_continues_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    from lightning_offload import to_plain_adamw_checkpoint
+
+    run = trainer(ZeroOffloadStrategy(), max_steps=3)
+    run.fit(TinyClassifier(), classification_data())
+    run.save_checkpoint(tmp_path / "offload.ckpt")
+    report = to_plain_adamw_checkpoint(tmp_path / "offload.ckpt", TinyClassifier(), tmp_path / "plain.ckpt")
+    assert sorted(report.exact) == sorted(n for n, _ in TinyClassifier().named_parameters()) and not report.restarted
+    continued = _resume_plain(TinyClassifier(), tmp_path / "plain.ckpt", steps=6)
+    # The reference: plain AdamW for 3 steps, checkpointed and resumed the same way (the tiny loader restarts its
+    # epoch on resume either way), so the only difference left is who held the optimizer state for the first 3.
+    reference = trainer("auto", max_steps=3)
+    reference.fit(TinyClassifier(), classification_data())
+    reference.save_checkpoint(tmp_path / "reference.ckpt")
+    uninterrupted = _resume_plain(TinyClassifier(), tmp_path / "reference.ckpt", steps=6)
+    for name, value in params_of(continued).items():  # zero_offload's fused host Adam against torch's for-loop one
+        torch.testing.assert_close(value, params_of(uninterrupted)[name], msg=name)
+
+
+def test_projected_weights_restart_and_are_named(tmp_path: Path) -> None:
+    from lightning_offload import LSPOffloadStrategy, to_plain_adamw_checkpoint
+
+    run = trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="random"), max_steps=2)
+    run.fit(TinyClassifier(), classification_data())
+    run.save_checkpoint(tmp_path / "lsp.ckpt")
+    report = to_plain_adamw_checkpoint(tmp_path / "lsp.ckpt", TinyClassifier(), tmp_path / "plain.ckpt")
+    assert sorted(report.restarted) == ["body.0.weight", "body.3.weight"]
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=False)["optimizer_states"][0]
+    assert len(plain["state"]) == len(list(TinyClassifier().parameters())) - 2
+    assert _resume_plain(TinyClassifier(), tmp_path / "plain.ckpt", steps=4).losses  # plain Lightning trains on
+
+
+def test_row_sparse_moments_caught_up_equal_dense_adamw_with_zero_gradients() -> None:
+    from lightning_offload.engine.row_adam import HostRowAdam
+    from lightning_offload.strategies.plain_checkpoint import dense_moments_of_rows
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 4, generator=generator)
+    rows_adam, dense = HostRowAdam(weight.clone()), torch.nn.Parameter(weight.clone())
+    adamw = torch.optim.AdamW([dense], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
+    for rows in ([0, 1], [1, 2], [0], [3, 4, 5], [1]):
+        index = torch.tensor(rows)
+        grad = torch.randn(len(rows), 4, generator=generator)
+        rows_adam.step(index, grad.contiguous(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+        dense.grad = torch.zeros_like(dense).index_copy_(0, index, grad)
+        adamw.step()
+    caught_up = dense_moments_of_rows(rows_adam.state_dict(), (0.9, 0.99))
+    torch.testing.assert_close(caught_up["exp_avg"], adamw.state[dense]["exp_avg"])
+    torch.testing.assert_close(caught_up["exp_avg_sq"], adamw.state[dense]["exp_avg_sq"])
+    assert float(caught_up["step"]) == float(adamw.state[dense]["step"]) == 5
