@@ -248,6 +248,20 @@ class OffloadOptimizer(SlotBuilding, GradientSending, GradientClipping, HostJobs
         self.telemetry.host_state_bytes = self.host_state_bytes()
         self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
 
+    @torch.no_grad()
+    def settle_row_decay(self) -> None:
+        """Applies the decoupled weight decay that row-sparse embeddings' untouched rows owe (their next step would
+        apply it), on the host master and the device weight: call before the weights are read (evaluation,
+        checkpoints, the end of fit, a callback), after :meth:`synchronize`."""
+        for slot in self.slots:
+            if slot.row_adam is None or not slot.owned or not is_decoupled(self.wrapped, slot.group):
+                continue
+            rows = slot.row_adam.settle_decay(slot.group["lr"], slot.group.get("weight_decay", 0.0))
+            if rows.numel():
+                on_device = rows.to(slot.param.device)
+                slot.param.data.index_copy_(0, on_device, slot.host_param[rows].to(slot.param.device,
+                                                                                   slot.param.dtype))
+
     def _check_still_frozen(self) -> None:
         """Refuses a step in which a parameter frozen at set-up has a gradient: it has no host state to step."""
         for param, name in self._frozen_at_setup:

@@ -45,6 +45,9 @@ class HostRowAdam:
         self.step_count = 0
         # The step at which each row was last stepped (0: never), for the catch-up over its gap.
         self.last_step = torch.zeros(param.shape[0], dtype=torch.int64)
+        # The step through which each row's decoupled decay has been applied: its last step, or later where
+        # settle_decay applied what it owed before the weights were read (then its next step must not apply it again).
+        self.decayed_step = torch.zeros(param.shape[0], dtype=torch.int64)
         self._capacity = 0
         self._rows_touched = 0
         self._step = torch.zeros((), dtype=torch.float32)  # the step count the fused kernel reads
@@ -88,6 +91,8 @@ class HostRowAdam:
         exp_avg.mul_(torch.pow(beta1, gaps, out=factor1))
         exp_avg_sq.mul_(torch.pow(beta2, gaps, out=factor2))
         if weight_decay and decoupled:
+            torch.index_select(self.decayed_step, 0, rows, out=last)
+            gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)  # the decay it still owes
             weight.mul_(torch.pow(1.0 - lr * weight_decay, gaps, out=decay))
         # Then torch's own fused Adam/AdamW kernel on the gathered rows, at the matrix's step count (one pass;
         # coupled L2 and maximize as torch.optim.Adam applies them).
@@ -99,7 +104,22 @@ class HostRowAdam:
         self.exp_avg.index_copy_(0, rows, exp_avg)
         self.exp_avg_sq.index_copy_(0, rows, exp_avg_sq)
         self.last_step.index_fill_(0, rows, self.step_count)
+        self.decayed_step.index_fill_(0, rows, self.step_count)
         return weight
+
+    @torch.no_grad()
+    def settle_decay(self, lr: float, weight_decay: float) -> Tensor:
+        """Applies to the master the decoupled decay every row owes for the steps it missed (at ``lr``, as the
+        catch-up of its next step would), so the weights read now are AdamW's but for momentum drift. Returns the
+        rows it changed (their next step then owes nothing for these steps)."""
+        owing = torch.nonzero(self.decayed_step < self.step_count).squeeze(1)
+        if owing.numel() == 0 or not weight_decay or not lr:
+            self.decayed_step.fill_(self.step_count)
+            return owing[:0]
+        missed = (self.step_count - self.decayed_step[owing]).to(torch.float32).unsqueeze(1)
+        self.param.index_copy_(0, owing, self.param[owing] * torch.pow(1.0 - lr * weight_decay, missed))
+        self.decayed_step.fill_(self.step_count)
+        return owing
 
     @property
     def rows_touched(self) -> int:
@@ -108,13 +128,13 @@ class HostRowAdam:
 
     def state_tensors(self) -> list[Tensor]:
         """Every host tensor this optimizer holds (for memory accounting)."""
-        return [self.exp_avg, self.exp_avg_sq, self.last_step, *getattr(self, "_buffers", ()),
+        return [self.exp_avg, self.exp_avg_sq, self.last_step, self.decayed_step, *getattr(self, "_buffers", ()),
                 *getattr(self, "_row_factors", ()), *([self._gaps, self._last] if self._capacity else [])]
 
     def state_dict(self) -> dict[str, Any]:
         """Moments, the step count and each row's last step (host tensors, shared, not copied)."""
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count,
-                "last_step": self.last_step}
+                "last_step": self.last_step, "decayed_step": self.decayed_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` in place (shapes must match)."""
@@ -125,4 +145,6 @@ class HostRowAdam:
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.last_step.copy_(state["last_step"])
+        # Checkpoints from before settle_decay existed: every row's decay was applied through its last step.
+        self.decayed_step.copy_(state.get("decayed_step", state["last_step"]))
         self.step_count = int(state["step"])

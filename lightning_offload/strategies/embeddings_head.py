@@ -17,6 +17,8 @@ head's share), so it takes the ``head`` setting.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -58,7 +60,7 @@ class Placement:
 
 
 def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: str,
-                   dense_by_default: set[int] = frozenset()) -> Placement:
+                   dense_reasons: Mapping[int, str] | None = None) -> Placement:
     """Decide where ``model``'s embeddings and output head train.
 
     Args:
@@ -66,9 +68,10 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         trained: identities of the parameters the user's optimizer trains (others are left alone).
         embeddings: see the module docstring.
         head: see the module docstring.
-        dense_by_default: identities of embeddings that ``embeddings="sparse"``, when it is only the default, steps
-            densely on the host instead (their param group uses ``amsgrad``, which the row step does not have).
+        dense_reasons: embeddings that ``embeddings="sparse"`` steps densely on the host instead, by identity, each
+            with the reason said in the log (the row step cannot follow their param group's settings).
     """
+    dense_reasons = dense_reasons or {}
     validate_placements(embeddings, head)
     plan = Placement()
     names = {id(module): name for name, module in model.named_modules()}
@@ -100,9 +103,9 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         if weight_id in heads:
             continue
         weight = by_id[weight_id]
-        if embeddings == "sparse" and weight_id in dense_by_default:
+        if embeddings == "sparse" and weight_id in dense_reasons:
             plan.messages.append(f"{name}.weight is stepped densely on the host (embeddings='host'): its param group "
-                                 f"uses amsgrad=True, which the default row-sparse step does not have.")
+                                 f"{dense_reasons[weight_id]}.")
         elif embeddings == "sparse":
             plan.row_sparse.append(weight)
             plan.messages.append(f"{name}.weight is stepped row-sparsely (embeddings='sparse'): only the rows of each "

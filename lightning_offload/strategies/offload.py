@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import LINK_DTYPES, OffloadOptimizer, validate_user_optimizer
+from lightning_offload.engine.slots import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.lsp.refit import ProjectorRefit
@@ -219,9 +220,8 @@ class OffloadMixin:
                            f"so each step's updates are applied before the step returns (as with pipelined=False) and "
                            f"the callbacks see that step's weights.")
         trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
-        amsgrad = {id(p) for group in user_optimizer.param_groups if group.get("amsgrad") for p in group["params"]}
         self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head,
-                                        dense_by_default=amsgrad if self._embeddings_by_default else set())
+                                        dense_reasons=self._rows_stepped_densely(user_optimizer))
         for weight in self.placement.frozen:
             weight.requires_grad_(False)  # no gradient is computed for it at all; restored at teardown
         for message in self.placement.messages:
@@ -348,10 +348,29 @@ class OffloadMixin:
         return output
 
     def synchronize(self) -> None:
-        """Apply every pending update now. The strategy does this itself before evaluation, checkpoints and at the
-        end of fit; call it before reading weights from a callback in the middle of a pipelined step."""
+        """Apply every pending update now, and the weight decay row-sparse embeddings' untouched rows owe, so the
+        weights are AdamW's (but for the momentum drift of rows a batch left out). The strategy does this itself
+        before evaluation, checkpoints and at the end of fit; call it before reading weights from a callback in the
+        middle of a pipelined step."""
         if self.offload_optimizer is not None:
             self.offload_optimizer.synchronize()
+            self.offload_optimizer.settle_row_decay()
+
+    def _rows_stepped_densely(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+        """The parameters whose group the row-sparse embedding step cannot follow, with the reason: Adam's coupled L2
+        (it moves every row at every step), and ``amsgrad`` where ``embeddings="sparse"`` is only the default (asked
+        for explicitly, amsgrad is refused instead)."""
+        reasons = {}
+        for group in optimizer.param_groups:
+            reason = None
+            if group.get("weight_decay") and not is_decoupled(optimizer, group):
+                reason = ("uses Adam's coupled L2 (weight_decay of torch.optim.Adam), which moves every row at every "
+                          "step, so a row-sparse step could not be exact")
+            elif group.get("amsgrad") and self._embeddings_by_default:
+                reason = "uses amsgrad=True, which the default row-sparse step does not have"
+            if reason is not None:
+                reasons.update({id(p): reason for p in group["params"]})
+        return reasons
 
     def _runs_compiled_code(self) -> bool:
         """Whether the module's forward runs under torch.compile (the module compiled whole, which Lightning
