@@ -77,6 +77,26 @@ def test_a_refit_that_cannot_reach_its_threshold_is_warned():
     assert torch.isfinite(torch.tensor(list(refit.history[-1].fitted_errors.values()))).all()
 
 
+def test_an_initial_fit_that_ends_above_its_threshold_is_warned():
+    refit = ProjectorRefit(every_n_steps=0, threshold=0.0, num_samples=2, max_iters=2)
+    with pytest.warns(UserWarning, match=r"ProjectorRefit: the initial fit left \d+ of \d+ layers above "
+                                         r"threshold=0.0 .* projectors='random'"):
+        trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1, callbacks=[refit]).fit(
+            TinyCausalLM(tiny_hf_model("llama")), token_data())
+
+
+def test_random_draws_leave_the_update_scale_exactly_one():
+    """The README promises random projectors' arithmetic untouched: c = 1 exactly at every density."""
+    from lightning_offload import random_projector
+    from lightning_offload.lsp.linear import update_scale
+
+    generator = torch.Generator().manual_seed(0)
+    for density in range(1, 13):
+        out, inp = (random_projector(size, max(density, size // 4), density, generator, torch.device("cpu"))
+                    for size in (96, 160))
+        assert update_scale(out, inp) == 1.0, density
+
+
 def test_the_first_steps_device_time_does_not_include_the_projector_fit():
     strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
     refit = ProjectorRefit(every_n_steps=0, num_samples=2, max_iters=16, target_error=0.0)

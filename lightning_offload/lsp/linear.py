@@ -255,8 +255,12 @@ def update_scale(proj_out: SparseProjector, proj_in: SparseProjector) -> float:
     norms = float(proj_out.values.double().norm()) * float(proj_in.values.double().norm())
     if norms == 0.0 or not math.isfinite(norms):
         return 1.0
-    # Rounded to fp32, the precision it is applied in: a random draw's 1 ± 1e-8 becomes exactly 1.
-    return float(torch.tensor(math.sqrt(out_features * in_features) / norms, dtype=torch.float32))
+    scale = math.sqrt(out_features * in_features) / norms
+    # A random draw's ±1/√r values are exact only up to fp32 rounding, which leaves c at 1 ± 1.2e-7 for some densities
+    # (6, 7, 9): such a c is 1, so random projectors' arithmetic stays untouched, bit for bit.
+    if abs(scale - 1.0) <= 1e-6:
+        return 1.0
+    return float(torch.tensor(scale, dtype=torch.float32))  # the precision it is applied in
 
 
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:

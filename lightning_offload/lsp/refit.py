@@ -352,6 +352,15 @@ class ProjectorRefit(Callback):
         self.history.append(record)
         self._announce(record, len(layers))
         stuck = [name for name in record.refit if record.fitted_errors.get(name, 0.0) > self.threshold]
+        if initial and stuck:
+            # Fitted, yet no better than the threshold the schedule holds them to: the first check will refit them.
+            rank_zero_warn(
+                f"ProjectorRefit: the initial fit left {len(stuck)} of {len(record.refit)} layers above "
+                f"threshold={self.threshold} (e.g. {stuck[0]}: {record.fitted_errors[stuck[0]]:.3f} on a held-out "
+                f"gradient, from {record.errors.get(stuck[0], math.nan):.3f} drawn), so each check will refit them. "
+                f"On such data learned projectors gain little over projectors='random'; or raise threshold, "
+                f"num_samples or max_iters."
+            )
         if not initial and stuck:
             # Such layers are refitted at every check: the cost of a full fit each time, for nothing.
             rank_zero_warn(
