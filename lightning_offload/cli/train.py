@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -21,22 +20,16 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.cli.interrupt import StopOnInterrupt
-from lightning_offload.engine.checkpoint_kinds import (
-    checkpoint_kind,
-    offload_state_without_offload,
-    torch_state_under_offload,
-)
+from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.lsp.refit import ProjectorRefit
-from lightning_offload.strategies.offload import OffloadMixin
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
@@ -61,30 +54,6 @@ def _say(message: str, *args: Any) -> None:
     log.info(message, *args)
 
 
-def run_dir_of_checkpoint(ckpt_path: str | None) -> str | None:
-    """The run directory a checkpoint was written in (``<run dir>/checkpoints/<name>.ckpt`` with the run's
-    ``history.jsonl`` beside), or ``None`` for no checkpoint or one from elsewhere."""
-    if not ckpt_path:
-        return None
-    folder = Path(ckpt_path).expanduser().resolve().parent
-    if folder.name == "checkpoints" and (folder.parent / "history.jsonl").is_file():
-        return str(folder.parent)
-    return None
-
-
-def _resume_run_dir(ckpt_path: str | None, fresh: str) -> str:
-    # A resumed run continues in its own directory, so its history, summary and plots stay in one place.
-    return run_dir_of_checkpoint(ckpt_path) or fresh
-
-
-def _resume_config_subdir(ckpt_path: str | None, stamp: str) -> str:
-    # Keep the first run's .hydra/ config (what it was started with); the resumed one's goes beside it.
-    return f".hydra/resumed-{stamp}" if run_dir_of_checkpoint(ckpt_path) else ".hydra"
-
-
-# Registered at import, before @hydra.main composes conf/hydra/default.yaml, which uses them.
-OmegaConf.register_new_resolver("lo_run_dir", _resume_run_dir, replace=True)
-OmegaConf.register_new_resolver("lo_config_subdir", _resume_config_subdir, replace=True)
 
 
 def check_optim(optim: DictConfig) -> OptimSettings:
@@ -408,7 +377,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
     except Exception as error:  # the policy's and strategy's constructors validate their settings
         raise SettingsError(str(error)) from error
-    _check_checkpoint_fits_strategy(cfg, policy)
+    check_checkpoint_fits_strategy(cfg, policy)
     run_dir = _output_dir(cfg)
     _say("Run directory: %s", run_dir)
 
@@ -420,7 +389,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     module = build_module(lm, datamodule, policy, optim)
     if cfg.get("weights_from") is not None:
         # Weights only: the model continues from the checkpoint, the optimizer (and its host state) starts afresh.
-        module.load_state_dict(_read_checkpoint(cfg.weights_from)["state_dict"])
+        module.load_state_dict(read_checkpoint(cfg.weights_from)["state_dict"])
         _say("Weights loaded from %s; the optimizer starts afresh at step 0.", cfg.weights_from)
 
     resuming = cfg.get("ckpt_path") is not None
@@ -489,39 +458,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
                "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder,
                "summary": summary}
     return metrics, objects
-
-
-def _read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    # Memory-mapped: only the parts read are loaded (the optimizer state may be several times the weights).
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-
-
-def _check_checkpoint_fits_strategy(cfg: DictConfig, policy: OffloadPolicy) -> None:
-    """Refuses, before anything loads, a ``ckpt_path`` whose optimizer state the run's strategy cannot continue (and
-    ``ckpt_path`` together with ``weights_from``), saying what to do instead."""
-    ckpt_path, weights_from = cfg.get("ckpt_path"), cfg.get("weights_from")
-    if ckpt_path is not None and weights_from is not None:
-        raise SettingsError(f"ckpt_path={ckpt_path} resumes a run, weights_from={weights_from} starts a new one from "
-                            f"a checkpoint's weights: set one of them.")
-    for name, path in (("ckpt_path", ckpt_path), ("weights_from", weights_from)):
-        if path is not None and not Path(path).is_file():
-            raise SettingsError(f"{name}={path} is not a file.")
-    if ckpt_path is None:
-        return
-    kind = checkpoint_kind(_read_checkpoint(ckpt_path))
-    offloads = isinstance(policy.strategy, OffloadMixin)
-    if kind == "offload" and not offloads:
-        raise SettingsError(offload_state_without_offload(f"offload={cfg.offload.get('name')}"))
-    if kind == "torch" and offloads:
-        raise SettingsError(torch_state_under_offload())
-
-
-def resume_command(checkpoint: str | Path) -> str:
-    """The command line that continues this run from ``checkpoint``: the same overrides plus ``ckpt_path``."""
-    overrides: list[str] = []
-    if HydraConfig.initialized():
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("ckpt_path=")]
-    return " ".join(["lightning-offload-train", *map(shlex.quote, overrides), shlex.quote(f"ckpt_path={checkpoint}")])
 
 
 def _finish_wandb() -> None:
