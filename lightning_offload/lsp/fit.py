@@ -206,7 +206,9 @@ class LayerFit:
         self.iterations = 0
         self.samples_seen = 0
         self.converged = False
-        # ‖A G Bᵀ‖/‖G‖ of the current values on the latest sample: how much of a full gradient's norm S keeps.
+        # ‖A G Bᵀ‖/‖G‖: how much of a full gradient's norm S keeps, for the clipping norm's estimate ‖S‖/ρ. Measured
+        # on a gradient the fit had not used (the latest sample, before fitting to it) once there are two samples:
+        # on a gradient it was fitted to, the fit keeps more than on any other, and the estimate reads low.
         self.norm_ratio = 1.0
 
     def fit(self, grad: Tensor, iterations: int) -> tuple[float, float]:
@@ -233,7 +235,8 @@ class LayerFit:
                 err_sq, s_sq = _error_squared(self.a, self.pattern_a, self.idx_a, self.b, self.pattern_b,
                                               self.idx_b, grad, grad_sq)
                 errors.append(float(err_sq.detach().clamp_min(0.0).sqrt()))
-                self.norm_ratio = float((s_sq.detach() / grad_sq).sqrt())
+                if step == 0 and self.samples_seen > 1 or self.samples_seen == 1:
+                    self.norm_ratio = float((s_sq.detach() / grad_sq).sqrt())  # held out, or all there is
                 if errors[-1] <= self.settings.target_error:
                     self.converged = True
                     break
