@@ -51,7 +51,7 @@ BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offlo
 #: Tests whose CUDA versions run before the benchmark on a GPU machine.
 GPU_TESTS = ("tests/test_pipeline.py", "tests/test_strategy_equivalence.py", "tests/test_checkpoint.py",
              "tests/test_host_jobs.py", "tests/test_speculation.py", "tests/test_projected_linear.py",
-             "tests/test_projector.py", "tests/test_embeddings_head.py")
+             "tests/test_projector.py", "tests/test_embeddings_head.py", "tests/test_user_patterns.py")
 # MEFT adapter sizes per shape: (neurons, top_k, experts, experts per token).
 # Experts per token equal experts per sequence (MEFTConfig's default routing keeps 4 per sequence): at the 1.3B shape
 # a 4×512 batch then touches at most 4 × 4 × 128 = 2048 of each adapter's 8192 rows.
