@@ -1,8 +1,8 @@
 """The clipping norm of projected layers, ‖S‖/ρ, against the true norm on fresh batches the fit never saw.
 
 ρ was measured on the gradient the fit had just been trained on, where the fitted projectors keep more of the norm
-than on any other: the estimate read 0.59–0.63× the true global norm here (0.87–0.89× on SmolLM2). Measured on a
-gradient the fit had not used, it reads 0.94–1.04× on this small LLaMA and 1.018× on SmolLM2 (random draws: 0.99–1.04×,
+than on any other: the estimate read 0.59–0.63× the true global norm here (0.56× on SmolLM2). Measured on a gradient
+the fit had not used, it reads 0.94–1.04× on this small LLaMA and 1.018× on SmolLM2 (random draws: 0.99–1.04×,
 1.011×): the bound below is the spread left from measuring ρ on a single held-out sample
 (``scripts/benchmark_clip_norm.py``, docs/benchmarks.md).
 """
