@@ -15,13 +15,12 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_modules import TinyCausalLM, tiny_hf_model, token_data  # noqa: E402
+from tiny_modules import ProjectedUpdateRMS, TinyCausalLM, tiny_hf_model, token_data  # noqa: E402
 
 from lightning_offload import LSPOffloadStrategy, ProjectorRefit  # noqa: E402
 
@@ -31,21 +30,11 @@ def first_step_ratio(seed: int, refit_step: int, num_samples: int) -> float:
     module = TinyCausalLM(tiny_hf_model("llama", seed=seed), lr=1e-3)
     strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="learned", pipelined=False)
     refit = ProjectorRefit(every_n_steps=refit_step, threshold=0.0, num_samples=num_samples, seed=seed)
-    rms: list[float] = []
-
-    class UpdateSize(pl.Callback):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.before = [layer.weight.detach().clone() for layer in strategy.projected_layers.values()]
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            deltas = [layer.weight.detach() - old for layer, old in zip(strategy.projected_layers.values(),
-                                                                      self.before)]
-            rms.append(float(torch.cat([d.reshape(-1) for d in deltas]).square().mean().sqrt()))
-
+    sizes = ProjectedUpdateRMS(strategy)
     pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=refit_step + 1, logger=False,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-               callbacks=[refit, UpdateSize()]).fit(module, token_data(n=64))
-    return rms[refit_step] / statistics.median(rms[refit_step - 20:refit_step])
+               callbacks=[refit, sizes]).fit(module, token_data(n=64))
+    return sizes.rms[refit_step] / statistics.median(sizes.rms[refit_step - 20:refit_step])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, lossless_lsp, params_of, tiny_hf_model, \
-    token_data, trainer
+from tiny_modules import ProjectedUpdateRMS, TinyCausalLM, TinyClassifier, classification_data, lossless_lsp, \
+    params_of, tiny_hf_model, token_data, trainer
 
 OPTIMIZERS = {
     "adam_l2": lambda maximize: lambda groups: torch.optim.Adam(groups, lr=1e-2, betas=(0.8, 0.95), eps=1e-6,
@@ -234,19 +234,10 @@ def test_the_update_after_a_refit_keeps_the_scale_of_the_updates_before():
     module = TinyCausalLM(tiny_hf_model("llama"), lr=1e-3)
     strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="learned", pipelined=False)
     refit = ProjectorRefit(every_n_steps=refit_step, threshold=0.0, num_samples=1, max_iters=8)
-    rms: list[float] = []
-
-    class UpdateSize(Callback):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.before = [layer.weight.detach().clone() for layer in strategy.projected_layers.values()]
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            deltas = [layer.weight.detach() - old for layer, old in zip(strategy.projected_layers.values(),
-                                                                      self.before)]
-            rms.append(float(torch.cat([d.reshape(-1) for d in deltas]).square().mean().sqrt()))
-
+    sizes = ProjectedUpdateRMS(strategy)
     # The refit runs in on_train_batch_start too, before this callback's: "before" is taken after it.
-    trainer(strategy, max_steps=refit_step + 10, callbacks=[refit, UpdateSize()]).fit(module, token_data())
+    trainer(strategy, max_steps=refit_step + 10, callbacks=[refit, sizes]).fit(module, token_data())
+    rms = sizes.rms
     assert refit.history[-1].step == refit_step and len(refit.history[-1].refit) == len(strategy.projected_layers)
     before = torch.tensor(rms[refit_step - 20:refit_step]).median()
     after = torch.tensor(rms[refit_step:refit_step + 10]).median()

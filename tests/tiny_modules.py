@@ -141,3 +141,22 @@ def token_data(n: int = 32, length: int = 16, batch_size: int = 4, seed: int = 0
     stride = torch.randint(1, 4, (n, 1), generator=generator)
     ids = (start + stride * torch.arange(length)) % 64
     return DataLoader(TensorDataset(ids), batch_size=batch_size, shuffle=False)
+
+
+class ProjectedUpdateRMS(pl.Callback):
+    """Records the RMS of each optimizer step's change to the strategy's projected weights (``rms``, one per step).
+
+    Its ``on_train_batch_start`` snapshots the weights: a ProjectorRefit listed before it refits first."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.rms: list[float] = []
+        self.before: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.before = [layer.weight.detach().clone() for layer in self.strategy.projected_layers.values()]
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        deltas = [layer.weight.detach() - old for layer, old in zip(self.strategy.projected_layers.values(),
+                                                                  self.before)]
+        self.rms.append(float(torch.cat([d.reshape(-1) for d in deltas]).square().mean().sqrt()))
