@@ -58,10 +58,14 @@ def test_auto_is_resolved_once_said_in_one_line_and_inherited_by_launched_ranks(
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Precision:")]
     assert said == ["Precision: 32-true (trainer.precision=auto: a bf16 matmul on this CPU took 30.0× the time of "
                     "fp32 (no native bf16: emulated or a reference kernel); set trainer.precision to choose another)."]
-    assert cfg.trainer.precision == "32-true" and os.environ[PRECISION_ENV] == "32-true"
+    assert cfg.trainer.precision == "32-true" and os.environ[PRECISION_ENV] == "cpu=32-true"
     # A rank Lightning launches runs the same command in a child process: it takes the parent's choice unprobed.
     monkeypatch.setattr(hp, "bf16_matmul_slowdown", lambda: pytest.fail("a launched rank must not probe again"))
     assert compose_config(["trainer=cpu"], tmp_path).trainer.precision == "32-true"
+    # Another accelerator in the same process is not a launched rank of this run: it decides for itself.
+    monkeypatch.setattr(hp, "bf16_matmul_slowdown", lambda: 0.5)
+    if not torch.cuda.is_available():  # "auto" is the CPU here, probed again (now native)
+        assert compose_config(["trainer=cpu", "trainer.accelerator=auto"], tmp_path).trainer.precision == "bf16-mixed"
 
 
 def test_an_explicit_precision_is_kept(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,13 +27,14 @@ def resolve_precision(cfg: DictConfig) -> str:
     precision = cfg.trainer.get("precision")
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if precision in (None, "auto"):
-        inherited = os.environ.get(PRECISION_ENV)
-        if inherited:
+        # Kept as "<accelerator>=<precision>": a later run in the same process on another accelerator probes anew.
+        inherited_accelerator, _, inherited = os.environ.get(PRECISION_ENV, "").partition("=")
+        if inherited and inherited_accelerator == accelerator:
             precision = inherited
         else:
             choice = hardware_precision(accelerator)
             precision = choice.precision
-            os.environ[PRECISION_ENV] = precision
+            os.environ[PRECISION_ENV] = f"{accelerator}={precision}"
             log.info("Precision: %s (trainer.precision=auto: %s; set trainer.precision to choose another).",
                      precision, choice.reason)
     elif str(precision) in ("16", "16-mixed") and not uses_cuda(accelerator):

@@ -80,8 +80,11 @@ class TrainOrder:
 
     @staticmethod
     def state_dict(trainer: pl.Trainer | None, batch_size: int) -> dict[str, Any]:
-        """How far the current epoch got: its number, and the samples of the batches trained in it so far."""
-        if trainer is None or trainer.state.fn != "fit":
+        """How far the current epoch got: its number, and the samples of the batches trained in it so far.
+
+        Nothing with several ranks: Lightning's distributed sampler then shards the order, each rank's position is
+        in its own shard, and a resumed run starts the epoch again (as before this existed)."""
+        if trainer is None or trainer.state.fn != "fit" or trainer.world_size > 1:
             return {}
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return {"epoch": trainer.current_epoch, "samples": done * batch_size}
