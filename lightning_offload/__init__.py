@@ -26,6 +26,7 @@ from lightning_offload.strategies.hardware_precision import PrecisionChoice, har
 from lightning_offload.strategies.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
 from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
 from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
+from lightning_offload.strategies.settings import OffloadSettings
 
 register_strategies()
 # Here: these modules import strategy, not the reverse.
@@ -34,6 +35,7 @@ for _strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStra
 
 __version__ = "0.1.0"
 __all__ = [
+    "OffloadSettings",
     "BlockRowAdam",
     "LSPOffloadDDPStrategy",
     "LSPOffloadStrategy",

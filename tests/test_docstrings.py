@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import lightning_offload as lo
-from lightning_offload.strategies.offload import OffloadMixin
+from lightning_offload.strategies.settings import PROJECTION_SETTINGS, OffloadSettings
 
 # Lightning's own plumbing, filled in by the Trainer: documented as a group, not one by one.
 PLUMBING = {
@@ -28,9 +28,9 @@ PLUMBING = {
 }
 STRATEGIES = [lo.LSPOffloadStrategy, lo.ZeroOffloadStrategy, lo.LSPOffloadDDPStrategy, lo.ZeroOffloadDDPStrategy,
               lo.MEFTOffloadStrategy]
-# These set projection=False themselves and do not take it.
+# These set projection=False themselves and take none of the projection settings.
 NO_PROJECTION = {lo.ZeroOffloadStrategy, lo.ZeroOffloadDDPStrategy, lo.MEFTOffloadStrategy}
-DATACLASSES = [lo.MEFTConfig, lo.FitSettings, lo.RowAdamSettings, lo.RefitRecord]
+DATACLASSES = [OffloadSettings, lo.MEFTConfig, lo.FitSettings, lo.RowAdamSettings, lo.RefitRecord]
 CLASSES = [lo.ProjectorRefit, lo.SparseProjector, lo.BlockRowAdam, lo.OffloadOptimizer, lo.MEFTAdapter]
 FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector]
 PUBLIC = STRATEGIES + DATACLASSES + CLASSES + FUNCTIONS
@@ -94,10 +94,14 @@ def _own_parameters(obj: Any) -> dict[str, Any]:
                      if "__init__" in vars(c) and c.__module__.startswith("lightning_offload")]
     params: dict[str, Any] = {}
     for function in functions:
+        forwards = False
         for name, param in inspect.signature(function).parameters.items():
+            forwards = forwards or param.kind == param.VAR_KEYWORD
             if name == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL) or name in PLUMBING:
                 continue
             params.setdefault(name, param.default)
+        if not forwards:
+            break  # a constructor that names all it takes: its bases' arguments are not the caller's
     return params
 
 
@@ -114,11 +118,9 @@ def documented_parameters(obj: Any) -> dict[str, Any]:
                 params[field.name] = inspect.Parameter.empty
         return params
     params = _own_parameters(obj)
-    if obj in STRATEGIES:
-        offload = _own_parameters(OffloadMixin._configure_offload)
-        if obj in NO_PROJECTION:
-            del offload["projection"]
-        params = {**offload, **params}
+    if obj in NO_PROJECTION:
+        for name in ("projection", *PROJECTION_SETTINGS):  # refused there, so not documented as arguments
+            params.pop(name, None)
     return params
 
 

@@ -86,3 +86,43 @@ def test_projected_weight_outside_the_optimizer_is_refused():
     projected = ProjectedWeight("layer", layer, SparseProjector.random(8, 4, 2), SparseProjector.random(8, 4, 2))
     with pytest.raises(ValueError, match="Projected layers layer have weights that the optimizer does not train"):
         OffloadOptimizer(torch.optim.AdamW([layer.bias]), [projected], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("strategy", ["ZeroOffloadStrategy", "ZeroOffloadDDPStrategy"])
+@pytest.mark.parametrize("setting", [dict(rank=0.1), dict(density=4), dict(projectors="random"),
+                                     dict(update_buffers=2), dict(target_modules=["q_proj"])])
+def test_a_projection_setting_is_refused_where_nothing_is_projected(strategy, setting):
+    # zero_offload used to accept rank=0.1 and do nothing with it: the constructor does not take it now.
+    import lightning_offload
+
+    name = next(iter(setting))
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{name}'"):
+        getattr(lightning_offload, strategy)(**setting)
+
+
+def test_meft_refuses_projection_settings_by_name():
+    from lightning_offload import MEFTOffloadStrategy
+
+    with pytest.raises(ValueError, match=r"rank=0\.1, density=4: nothing is projected .* use strategy='lsp_offload'"):
+        MEFTOffloadStrategy(rank=0.1, density=4)
+    MEFTOffloadStrategy(rank=0.25)  # the default, given explicitly, changes nothing and is accepted
+
+
+def test_settings_are_one_frozen_value_that_the_strategy_keeps():
+    import dataclasses
+    import inspect
+
+    from lightning_offload import OffloadSettings, ZeroOffloadStrategy
+
+    strategy = LSPOffloadStrategy(rank=0.125, exclude_modules=["head"], seed=3)
+    assert strategy.settings == OffloadSettings(rank=0.125, exclude_modules=("head",), seed=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.settings.rank = 0.5
+    assert ZeroOffloadStrategy().settings.projection is False
+    # help() and editors see every setting with its default.
+    signature = inspect.signature(LSPOffloadStrategy)
+    assert signature.parameters["rank"].default == 0.25 and signature.parameters["head"].default is None
+    with pytest.raises(TypeError, match=r"exclude_modules must be a list of regular expressions .* got 'head'"):
+        OffloadSettings(exclude_modules="head")
+    with pytest.raises(ValueError, match=r"min_dim must be a positive int .* got 0"):
+        LSPOffloadStrategy(min_dim=0)

@@ -40,7 +40,9 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
     model first; ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW`` over the trainable parameters
     (the routers), whose first param group also sets the rows' hyper-parameters unless ``lr``/``weight_decay`` do.
     Every other keyword goes to :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` with
-    ``projection=False``, the ``zero_offload`` machinery that steps the dense parameters.
+    ``projection=False``, the ``zero_offload`` machinery that steps the dense parameters; the projection settings
+    (``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``, ``projectors``,
+    ``projector_factory``, ``update_buffers``) do not apply and are refused.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU).
@@ -66,15 +68,6 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             CPU).
         embeddings: as for ``zero_offload``, when the embeddings are left trainable. Default: ``None`` (``"host"``).
         head: as for ``zero_offload``, when the output head is left trainable. Default: ``None`` (``"host"``).
-        rank: unused (nothing is projected). Default: ``0.25``.
-        density: unused (nothing is projected). Default: ``8``.
-        min_dim: unused (nothing is projected). Default: ``128``.
-        target_modules: unused (nothing is projected; the adapters' targets are ``MEFTConfig.target_modules``).
-            Default: ``None``.
-        exclude_modules: unused (nothing is projected). Default: ``()``.
-        projectors: unused (nothing is projected). Default: ``"learned"``.
-        projector_factory: unused (nothing is projected). Default: ``random_projector``.
-        update_buffers: unused (there are no compressed updates). Default: ``None``.
         accelerator, checkpoint_io, precision_plugin: as for ``LSPOffloadStrategy`` (filled in by the Trainer).
             Default: ``None``.
 

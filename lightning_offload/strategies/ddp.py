@@ -11,6 +11,7 @@ do not duplicate it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,8 +27,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
-from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.engine.clipping import NonFinitePolicy
+from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.strategies.offload import OffloadMixin
+from lightning_offload.strategies.settings import OffloadSettings
 
 
 class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
@@ -98,8 +101,31 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-        **offload: Any,
+        projection: bool = True,
+        rank: int | float = 0.25,
+        density: int = 8,
+        min_dim: int = 128,
+        target_modules: Sequence[str] | None = None,
+        exclude_modules: Sequence[str] = (),
+        projectors: str = "learned",
+        projector_factory: ProjectorFactory = random_projector,
+        seed: int = 0,
+        on_nonfinite: NonFinitePolicy = "skip",
+        log_telemetry: bool = True,
+        pipelined: bool = True,
+        link_dtype: str = "fp32",
+        update_buffers: int | None = None,
+        speculative: bool | None = None,
+        embeddings: str | None = None,
+        head: str | None = None,
     ) -> None:
+        # Built first: a bad setting is refused before the DDP machinery is set up.
+        settings = OffloadSettings(
+            projection=projection, rank=rank, density=density, min_dim=min_dim, target_modules=target_modules,
+            exclude_modules=exclude_modules, projectors=projectors, projector_factory=projector_factory, seed=seed,
+            on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
+            update_buffers=update_buffers, speculative=speculative, embeddings=embeddings, head=head,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -113,7 +139,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a positive number of MiB per gradient bucket, got {bucket_mb!r}.")
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self._configure_offload(**offload)
+        self._configure_offload(settings)
         if self.embeddings == "sparse":
             raise ValueError(
                 f"strategy {self.strategy_name!r} does not take embeddings='sparse': each rank's batch touches "
@@ -163,27 +189,21 @@ class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
     """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
     rank that owns each tensor's share of the sharded host Adam.
 
-    Same arguments as :class:`LSPOffloadDDPStrategy` except ``projection`` (``False`` here); the projection
-    settings are validated but change nothing. Registered as ``strategy="zero_offload_ddp"``.
+    Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings (``projection`` is ``False``
+    here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``, ``projectors``,
+    ``projector_factory`` and ``update_buffers`` would change nothing and are refused). Registered as
+    ``strategy="zero_offload_ddp"``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
         bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
             (DDP's own default).
-        rank: unused (nothing is projected). Default: ``0.25``.
-        density: unused (nothing is projected). Default: ``8``.
-        min_dim: unused (nothing is projected). Default: ``128``.
-        target_modules: unused (nothing is projected). Default: ``None``.
-        exclude_modules: unused (nothing is projected). Default: ``()``.
-        projectors: unused (no projector is fitted). Default: ``"learned"``.
-        projector_factory: unused (nothing is projected). Default: ``random_projector``.
         seed: seed of stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
         log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
         pipelined: apply each update right before its module's next forward. Default: ``True``.
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients over the link and between ranks. Default: ``"fp32"``.
-        update_buffers: device buffers for compressed updates; there are none here. Default: ``None``.
         speculative: start each tensor's host Adam during backward, rolled back when needed (same results).
             Default: ``None`` (on for a GPU, off on the CPU).
         embeddings: ``"host"``, ``"device"`` or ``"frozen"`` (``"sparse"`` is single-device only).
@@ -201,6 +221,33 @@ class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
 
     strategy_name = "zero_offload_ddp"
 
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs["projection"] = False
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        seed: int = 0,
+        on_nonfinite: NonFinitePolicy = "skip",
+        log_telemetry: bool = True,
+        pipelined: bool = True,
+        link_dtype: str = "fp32",
+        speculative: bool | None = None,
+        embeddings: str | None = None,
+        head: str | None = None,
+    ) -> None:
+        # The projection settings are not parameters here: nothing is projected, and Python refuses them by name.
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            bucket_mb=bucket_mb, projection=False, seed=seed, on_nonfinite=on_nonfinite, log_telemetry=log_telemetry,
+            pipelined=pipelined, link_dtype=link_dtype, speculative=speculative,
+            embeddings=embeddings, head=head,
+        )

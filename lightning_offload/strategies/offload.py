@@ -28,13 +28,14 @@ from typing_extensions import override
 
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
-from lightning_offload.engine.optimizer import LINK_DTYPES, OffloadOptimizer, validate_user_optimizer
+from lightning_offload.engine.optimizer import OffloadOptimizer, validate_user_optimizer
 from lightning_offload.engine.slots import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.lsp.refit import ProjectorRefit
 from lightning_offload.lsp.targets import select_projected_modules
-from lightning_offload.strategies.embeddings_head import Placement, plan_placement, validate_placements
+from lightning_offload.strategies.embeddings_head import Placement, plan_placement
+from lightning_offload.strategies.settings import OffloadSettings
 from lightning_offload.strategies.weight_readers import weight_readers
 
 _PRECISION_ADVICE = {
@@ -45,7 +46,6 @@ _PRECISION_ADVICE = {
     "16-true": "fp16 weights without loss scaling underflow. Use precision='bf16-true' or 'bf16-mixed'.",
 }
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
-PROJECTOR_KINDS = ("learned", "random")
 
 
 def default_device() -> torch.device:
@@ -62,67 +62,28 @@ class OffloadMixin:
     #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
     sparse_embeddings_by_default = True
 
-    def _configure_offload(
-        self,
-        *,
-        projection: bool = True,
-        rank: int | float = 0.25,
-        density: int = 8,
-        min_dim: int = 128,
-        target_modules: Sequence[str] | None = None,
-        exclude_modules: Sequence[str] = (),
-        projectors: str = "learned",
-        projector_factory: ProjectorFactory = random_projector,
-        seed: int = 0,
-        on_nonfinite: NonFinitePolicy = "skip",
-        log_telemetry: bool = True,
-        pipelined: bool = True,
-        link_dtype: str = "fp32",
-        update_buffers: int | None = None,
-        speculative: bool | None = None,
-        embeddings: str | None = None,
-        head: str | None = None,
-    ) -> None:
-        """Validate and keep the offload settings (the Args of :class:`LSPOffloadStrategy`)."""
-        if isinstance(rank, bool) or not isinstance(rank, (int, float)):
-            raise TypeError(f"rank must be an int (absolute size) or a float fraction in (0, 1], got {rank!r}.")
-        if isinstance(rank, float) and not 0.0 < rank <= 1.0:
-            raise ValueError(f"rank={rank} as a fraction must lie in (0, 1]; pass an int for an absolute size.")
-        if isinstance(rank, int) and rank < 1:
-            raise ValueError(f"rank={rank} must be at least 1 (rows kept) or a fraction in (0, 1] of each dimension; "
-                             f"the default 0.25 sends 1/16 of a layer's gradient.")
-        if not isinstance(density, int) or isinstance(density, bool) or density < 1:
-            raise ValueError(f"density must be a positive int (nonzeros per projector column), got {density!r}.")
-        if on_nonfinite not in ("skip", "raise"):
-            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
-        if projectors not in PROJECTOR_KINDS:
-            raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {projectors!r}.")
-        self.projection = projection
+    def _configure_offload(self, settings: OffloadSettings) -> None:
+        """Keep the offload settings, validated when ``settings`` was built (the Args of
+        :class:`LSPOffloadStrategy`)."""
+        self.settings = settings
+        self.projection = settings.projection
         self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
         self._settle_each_step = False  # set at set-up: whether a callback needs each step's weights right after it
-        self.rank = rank
-        self.density = density
-        self.min_dim = min_dim
-        self.target_modules = list(target_modules) if target_modules is not None else None
-        self.exclude_modules = list(exclude_modules)
-        self.projectors = projectors
-        self.projector_factory = projector_factory
-        self.seed = seed
-        self.on_nonfinite = on_nonfinite
-        if link_dtype not in LINK_DTYPES:
-            raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {link_dtype!r}.")
-        self.log_telemetry = log_telemetry
-        self.pipelined = pipelined
-        self.link_dtype = link_dtype
-        if update_buffers is not None and (isinstance(update_buffers, bool) or not isinstance(update_buffers, int)
-                                           or update_buffers < 0):
-            raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
-                             f"{update_buffers!r}.")
-        self.update_buffers = update_buffers
-        if speculative is not None and not isinstance(speculative, bool):
-            raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
-                            f"{speculative!r}.")
-        self.speculative = speculative
+        self.rank = settings.rank
+        self.density = settings.density
+        self.min_dim = settings.min_dim
+        self.target_modules = list(settings.target_modules) if settings.target_modules is not None else None
+        self.exclude_modules = list(settings.exclude_modules)
+        self.projectors = settings.projectors
+        self.projector_factory = settings.projector_factory
+        self.seed = settings.seed
+        self.on_nonfinite = settings.on_nonfinite
+        self.log_telemetry = settings.log_telemetry
+        self.pipelined = settings.pipelined
+        self.link_dtype = settings.link_dtype
+        self.update_buffers = settings.update_buffers
+        self.speculative = settings.speculative
+        projection, embeddings, head = settings.projection, settings.embeddings, settings.head
         # Defaults chosen by measurement (docs/benchmarks.md, "Embeddings and head off the dense host path"): the
         # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
         # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
@@ -130,10 +91,6 @@ class OffloadMixin:
         self._embeddings_by_default = embeddings is None  # a default gives way where it cannot apply (amsgrad)
         embeddings = embeddings if embeddings is not None else default_embeddings
         head = head if head is not None else "host"
-        validate_placements(embeddings, head)
-        if head == "projected" and not projection:
-            raise ValueError(f"head='projected' needs projection, which {self.strategy_name!r} does not do. Use "
-                             f"head='host', 'device' or 'frozen', or strategy='lsp_offload'.")
         self.embeddings = embeddings
         self.head = head
         self.placement = Placement()
@@ -537,8 +494,31 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        **offload: Any,
+        projection: bool = True,
+        rank: int | float = 0.25,
+        density: int = 8,
+        min_dim: int = 128,
+        target_modules: Sequence[str] | None = None,
+        exclude_modules: Sequence[str] = (),
+        projectors: str = "learned",
+        projector_factory: ProjectorFactory = random_projector,
+        seed: int = 0,
+        on_nonfinite: NonFinitePolicy = "skip",
+        log_telemetry: bool = True,
+        pipelined: bool = True,
+        link_dtype: str = "fp32",
+        update_buffers: int | None = None,
+        speculative: bool | None = None,
+        embeddings: str | None = None,
+        head: str | None = None,
     ) -> None:
+        # Built first: a bad setting is refused before anything else is set up.
+        settings = OffloadSettings(
+            projection=projection, rank=rank, density=density, min_dim=min_dim, target_modules=target_modules,
+            exclude_modules=exclude_modules, projectors=projectors, projector_factory=projector_factory, seed=seed,
+            on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
+            update_buffers=update_buffers, speculative=speculative, embeddings=embeddings, head=head,
+        )
         self._auto_device = device is None
         super().__init__(
             device=default_device() if device is None else device,
@@ -546,7 +526,7 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._configure_offload(**offload)
+        self._configure_offload(settings)
 
     # ---------------------------------------------------------------------------------------------------- device
     @property
@@ -593,20 +573,14 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
 class ZeroOffloadStrategy(LSPOffloadStrategy):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
-    Same machinery as :class:`LSPOffloadStrategy` with ``projection=False`` (set here); takes the same arguments
-    except ``projection``. Registered as ``strategy="zero_offload"``. The projection settings are validated as for
-    ``lsp_offload`` but change nothing, since no weight is projected.
+    Same machinery as :class:`LSPOffloadStrategy` with ``projection=False`` (set here); takes its arguments except
+    the projection settings (``projection``, ``rank``, ``density``, ``min_dim``, ``target_modules``,
+    ``exclude_modules``, ``projectors``, ``projector_factory``, ``update_buffers``), which would change nothing and
+    are refused. Registered as ``strategy="zero_offload"``.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
             ``accelerator`` when that names one).
-        rank: unused (nothing is projected). Default: ``0.25``.
-        density: unused (nothing is projected). Default: ``8``.
-        min_dim: unused (nothing is projected). Default: ``128``.
-        target_modules: unused (nothing is projected). Default: ``None``.
-        exclude_modules: unused (nothing is projected). Default: ``()``.
-        projectors: unused (no projector is fitted, no refit callback added). Default: ``"learned"``.
-        projector_factory: unused (nothing is projected). Default: ``random_projector``.
         seed: seed of stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
         log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (one step behind when
@@ -616,7 +590,6 @@ class ZeroOffloadStrategy(LSPOffloadStrategy):
             Default: ``True``.
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host (updates come back in each
             parameter's own dtype). Default: ``"fp32"``.
-        update_buffers: device buffers for compressed updates; there are none here. Default: ``None``.
         speculative: start each tensor's host Adam during backward and roll it back when the step turns out clipped
             by norm or non-finite (same results). Default: ``None`` (on for a GPU, off on the CPU).
         embeddings: where the ``nn.Embedding`` weights train: ``"host"``, ``"sparse"``, ``"device"`` or
@@ -638,9 +611,29 @@ class ZeroOffloadStrategy(LSPOffloadStrategy):
     strategy_name = "zero_offload"
     data_parallel_form = "zero_offload_ddp"
 
-    def __init__(self, device: torch.device | str | None = None, **kwargs: Any) -> None:
-        kwargs["projection"] = False
-        super().__init__(device, **kwargs)
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        seed: int = 0,
+        on_nonfinite: NonFinitePolicy = "skip",
+        log_telemetry: bool = True,
+        pipelined: bool = True,
+        link_dtype: str = "fp32",
+        speculative: bool | None = None,
+        embeddings: str | None = None,
+        head: str | None = None,
+    ) -> None:
+        # The projection settings are not parameters here: nothing is projected, and Python refuses them by name.
+        super().__init__(
+            device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            projection=False, seed=seed, on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined,
+            link_dtype=link_dtype, speculative=speculative, embeddings=embeddings,
+            head=head,
+        )
 
 
 def _as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:

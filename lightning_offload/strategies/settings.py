@@ -1,0 +1,140 @@
+"""The offload strategies' settings as one frozen value, validated once when it is built.
+
+Every strategy constructor (``lsp_offload``, ``zero_offload``, their DDP forms, ``meft_offload``) builds an
+:class:`OffloadSettings` from its keyword arguments; everything downstream reads that value and validates nothing
+again. A setting that does not apply is refused rather than ignored: without projection (``zero_offload``,
+``meft_offload``) a projection setting given a value other than its default is an error that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from lightning_offload.engine.optimizer import LINK_DTYPES
+from lightning_offload.lsp.projector import ProjectorFactory, random_projector
+from lightning_offload.strategies.embeddings_head import validate_placements
+
+PROJECTOR_KINDS = ("learned", "random")
+NON_FINITE_POLICIES = ("skip", "raise")
+#: The settings that only mean something when weights are projected.
+PROJECTION_SETTINGS = ("rank", "density", "min_dim", "target_modules", "exclude_modules", "projectors",
+                       "projector_factory", "update_buffers")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What an offload strategy was asked to do (the Args of
+    :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy`, which documents each one).
+
+    Attributes:
+        projection: compress the selected weights' gradients (LSP); ``False`` sends every gradient in full.
+            Default: ``True``.
+        rank: compressed size of each side of a projected weight (a fraction in ``(0, 1]`` or an int ≥ 1).
+            Default: ``0.25``.
+        density: nonzeros per projector column. Default: ``8``.
+        min_dim: both dims at least this are projected, by default. Default: ``128``.
+        target_modules: regular expressions of exactly the modules to project. Default: ``None``.
+        exclude_modules: regular expressions of modules never projected. Default: ``()``.
+        projectors: ``"learned"`` or ``"random"``. Default: ``"learned"``.
+        projector_factory: draws each projector at set-up. Default: ``random_projector``.
+        seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
+        on_nonfinite: ``"skip"`` or ``"raise"``. Default: ``"skip"``.
+        log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
+        pipelined: overlap host work with device compute. Default: ``True``.
+        link_dtype: ``"fp32"`` or ``"bf16"``. Default: ``"fp32"``.
+        update_buffers: device buffers for updates in flight, or ``None`` for the device's default.
+            Default: ``None``.
+        speculative: start host Adam during backward; ``None`` for on with a GPU, off on the CPU. Default: ``None``.
+        embeddings: ``"host"``, ``"sparse"``, ``"device"``, ``"frozen"`` or ``None`` for the strategy's default.
+            Default: ``None``.
+        head: ``"host"``, ``"projected"``, ``"device"``, ``"frozen"`` or ``None`` (``"host"``). Default: ``None``.
+
+    Example::
+
+        from lightning_offload.strategies.settings import OffloadSettings
+
+        settings = OffloadSettings(rank=0.125, projectors="random")
+        OffloadSettings(projection=False, rank=0.1)  # ValueError: rank does not apply without projection
+    """
+
+    projection: bool = True
+    rank: int | float = 0.25
+    density: int = 8
+    min_dim: int = 128
+    target_modules: tuple[str, ...] | None = None
+    exclude_modules: tuple[str, ...] = ()
+    projectors: str = "learned"
+    projector_factory: ProjectorFactory = random_projector
+    seed: int = 0
+    on_nonfinite: Literal["skip", "raise"] = "skip"
+    log_telemetry: bool = True
+    pipelined: bool = True
+    link_dtype: str = "fp32"
+    update_buffers: int | None = None
+    speculative: bool | None = None
+    embeddings: str | None = None
+    head: str | None = None
+
+    def __post_init__(self) -> None:
+        # Lists (from a YAML config, say) become tuples: the value stays immutable and hashable.
+        if self.target_modules is not None:
+            object.__setattr__(self, "target_modules", tuple(_patterns("target_modules", self.target_modules)))
+        object.__setattr__(self, "exclude_modules", tuple(_patterns("exclude_modules", self.exclude_modules)))
+        if not self.projection:
+            self._refuse_projection_settings()
+        self._validate_projection()
+        if self.on_nonfinite not in NON_FINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}.")
+        if self.link_dtype not in LINK_DTYPES:
+            raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {self.link_dtype!r}.")
+        if self.update_buffers is not None and (isinstance(self.update_buffers, bool)
+                                                or not isinstance(self.update_buffers, int) or self.update_buffers < 0):
+            raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
+                             f"{self.update_buffers!r}.")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
+                            f"{self.speculative!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}.")
+        validate_placements(self.embeddings or "host", self.head or "host")
+        if self.head == "projected" and not self.projection:
+            raise ValueError("head='projected' needs projection, which this strategy does not do. Use head='host', "
+                             "'device' or 'frozen', or strategy='lsp_offload'.")
+
+    def _validate_projection(self) -> None:
+        rank, density = self.rank, self.density
+        if isinstance(rank, bool) or not isinstance(rank, (int, float)):
+            raise TypeError(f"rank must be an int (absolute size) or a float fraction in (0, 1], got {rank!r}.")
+        if isinstance(rank, float) and not 0.0 < rank <= 1.0:
+            raise ValueError(f"rank={rank} as a fraction must lie in (0, 1]; pass an int for an absolute size.")
+        if isinstance(rank, int) and rank < 1:
+            raise ValueError(f"rank={rank} must be at least 1 (rows kept) or a fraction in (0, 1] of each dimension; "
+                             f"the default 0.25 sends 1/16 of a layer's gradient.")
+        if not isinstance(density, int) or isinstance(density, bool) or density < 1:
+            raise ValueError(f"density must be a positive int (nonzeros per projector column), got {density!r}.")
+        if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 1:
+            raise ValueError(f"min_dim must be a positive int (the smallest dimension projected), got "
+                             f"{self.min_dim!r}.")
+        if self.projectors not in PROJECTOR_KINDS:
+            raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {self.projectors!r}.")
+        if not callable(self.projector_factory):
+            raise TypeError(f"projector_factory must be callable (see lsp.projector.random_projector), got "
+                            f"{self.projector_factory!r}.")
+
+    def _refuse_projection_settings(self) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        given = [name for name in PROJECTION_SETTINGS if getattr(self, name) != defaults[name]]
+        if given:
+            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
+            raise ValueError(f"{shown}: nothing is projected without projection (zero_offload, meft_offload), so "
+                             f"{'this setting does' if len(given) == 1 else 'these settings do'} not apply. Remove "
+                             f"{'it' if len(given) == 1 else 'them'}, or use strategy='lsp_offload' to project.")
+
+
+def _patterns(name: str, value: object) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{name} must be a list of regular expressions (strings), got {value!r}; wrap a single "
+                        f"pattern in a list.")
+    return list(value)
