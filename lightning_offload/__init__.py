@@ -16,7 +16,7 @@ from lightning_offload.engine.telemetry import OffloadTelemetry, StepTelemetry
 from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
-from lightning_offload.lsp.refit import ProjectorRefit, RefitRecord
+from lightning_offload.strategies.refit import ProjectorRefit, RefitRecord
 from lightning_offload.meft.adapter import MEFTAdapter, inject_meft, meft_adapters
 from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.meft.config import MEFTConfig

@@ -55,12 +55,29 @@ def test_no_module_imports_a_later_layer() -> None:
     assert not upward, f"imports of a later layer: {upward}"
 
 
-def test_the_engine_does_not_use_lightning() -> None:
-    for path in (PACKAGE / "engine").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names), path
+def _lightning_imports(path: Path) -> list[str]:
+    """The Lightning modules ``path`` imports (anywhere in it, local imports included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found += [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")]
+    return found
+
+
+def test_lsp_and_the_engine_do_not_use_lightning() -> None:
+    # lsp/ is torch math and engine/ the offload optimizer: either must run in any training loop, so Lightning (the
+    # refit callback, the strategies) lives in strategies/ and above.
+    offending = {str(path.relative_to(PACKAGE)): _lightning_imports(path)
+                 for layer in ("lsp", "engine") for path in (PACKAGE / layer).rglob("*.py")}
+    offending = {path: names for path, names in offending.items() if names}
+    assert not offending, f"Lightning imported below the strategies: {offending}"
+
+
+def test_the_lightning_check_sees_every_form_of_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import torch\nimport lightning.pytorch as pl\ndef f():\n    from lightning_fabric import Fabric\n")
+    assert _lightning_imports(module) == ["lightning.pytorch", "lightning_fabric"]
 
 
 def test_no_import_cycles() -> None:

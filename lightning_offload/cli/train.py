@@ -29,7 +29,7 @@ from lightning_offload.cli.interrupt import StopOnInterrupt
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
-from lightning_offload.lsp.refit import ProjectorRefit
+from lightning_offload.strategies.refit import ProjectorRefit
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of

@@ -57,7 +57,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
         projectors: ``"learned"`` (fitted, then refitted on a schedule by a
-            :class:`~lightning_offload.lsp.refit.ProjectorRefit`) or ``"random"``. Default: ``"learned"``.
+            :class:`~lightning_offload.strategies.refit.ProjectorRefit`) or ``"random"``. Default: ``"learned"``.
         projector_factory: draws each projector at set-up. Default: ``random_projector``.
         seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
@@ -120,12 +120,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         head: str | None = None,
     ) -> None:
         # Built first: a bad setting is refused before the DDP machinery is set up.
-        settings = OffloadSettings(
-            projection=projection, rank=rank, density=density, min_dim=min_dim, target_modules=target_modules,
-            exclude_modules=exclude_modules, projectors=projectors, projector_factory=projector_factory, seed=seed,
-            on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
-            update_buffers=update_buffers, speculative=speculative, embeddings=embeddings, head=head,
-        )
+        settings = OffloadSettings.from_arguments(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

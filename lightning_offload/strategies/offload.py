@@ -32,7 +32,7 @@ from lightning_offload.engine.optimizer import OffloadOptimizer, validate_user_o
 from lightning_offload.engine.slots import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
-from lightning_offload.lsp.refit import ProjectorRefit
+from lightning_offload.strategies.refit import ProjectorRefit
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.strategies.embeddings_head import Placement, plan_placement
 from lightning_offload.strategies.settings import OffloadSettings
@@ -441,7 +441,7 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
             (heads included, when they match). Default: ``None`` (the ``min_dim`` rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
         projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
-            stale ones on a schedule (a :class:`~lightning_offload.lsp.refit.ProjectorRefit` with its defaults is
+            stale ones on a schedule (a :class:`~lightning_offload.strategies.refit.ProjectorRefit` with its defaults is
             added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
             Default: ``"learned"``.
         projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
@@ -513,12 +513,7 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
         head: str | None = None,
     ) -> None:
         # Built first: a bad setting is refused before anything else is set up.
-        settings = OffloadSettings(
-            projection=projection, rank=rank, density=density, min_dim=min_dim, target_modules=target_modules,
-            exclude_modules=exclude_modules, projectors=projectors, projector_factory=projector_factory, seed=seed,
-            on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
-            update_buffers=update_buffers, speculative=speculative, embeddings=embeddings, head=head,
-        )
+        settings = OffloadSettings.from_arguments(locals())
         self._auto_device = device is None
         super().__init__(
             device=default_device() if device is None else device,

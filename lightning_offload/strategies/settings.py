@@ -8,7 +8,7 @@ again. A setting that does not apply is refused rather than ignored: without pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -102,6 +102,12 @@ class OffloadSettings:
         if self.head == "projected" and not self.projection:
             raise ValueError("head='projected' needs projection, which this strategy does not do. Use head='host', "
                              "'device' or 'frozen', or strategy='lsp_offload'.")
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, object]) -> OffloadSettings:
+        """The settings among a constructor's arguments (its ``locals()``): each field taken by name, the rest (the
+        device, Lightning's plugins) left out."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})  # type: ignore[arg-type]
 
     def _validate_projection(self) -> None:
         rank, density = self.rank, self.density
