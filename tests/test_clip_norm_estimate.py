@@ -1,10 +1,11 @@
 """The clipping norm of projected layers, ‖S‖/ρ, against the true norm on fresh batches the fit never saw.
 
-ρ was measured on the gradient the fit had just been trained on, where the fitted projectors keep more of the norm
-than on any other: the estimate read 0.59–0.63× the true global norm here (0.56× on SmolLM2). Measured on a gradient
-the fit had not used, it reads 0.94–1.04× on this small LLaMA and 1.018× on SmolLM2 (random draws: 0.99–1.04×,
-1.011×): the bound below is the spread left from measuring ρ on a single held-out sample
-(``scripts/benchmark_clip_norm.py``, docs/benchmarks.md).
+ρ used to be measured on a gradient the fit had just been trained on, where fitted projectors keep far more of the
+norm than on any other: the estimate read 0.59–0.63× the true global norm here (0.56× on SmolLM2). It is now pooled
+over ``norm_samples`` batches after the fit's, which the fit never used; random draws keep ``ρ = 1``. Over 64 fresh
+batches of 4×64 tokens the estimate's median read 0.999–1.023× (learned) and 0.998–1.009× (random) on this small
+LLaMA at two widths and three data orders (``scripts/benchmark_clip_norm.py``, docs/benchmarks.md). The median over
+fewer fresh batches is itself noisy (one batch's ratio ranges 0.8–1.25×), hence the 64.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark_clip_no
 
 
 @pytest.mark.parametrize("projectors", ["learned", "random"])
-def test_the_clipping_norm_estimate_is_unbiased_on_fresh_batches(projectors: str) -> None:
+def test_the_clipping_norm_estimate_is_within_three_percent_on_fresh_batches(projectors: str) -> None:
     spec = importlib.util.spec_from_file_location("benchmark_clip_norm", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    result = script.main(["--model", "small_llama", "--projectors", projectors, "--batches", "12"])
-    assert 0.94 <= result["global_median"] <= 1.06, result
+    result = script.main(["--model", "small_llama", "--projectors", projectors, "--batches", "64"])
+    assert 0.97 <= result["global_median"] <= 1.03, result

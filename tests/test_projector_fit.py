@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 import weakref
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -27,6 +29,7 @@ from lightning_offload.lsp.fit import (
     gram,
     reconstruction_error,
 )
+from lightning_offload.lsp.norm_ratio import NormRatioPool
 from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
 from lightning_offload.lsp.sampling import sample_gradients
 from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, tiny_hf_model, token_data, trainer
@@ -233,6 +236,67 @@ def test_sampling_hands_over_one_full_gradient_at_a_time_and_accumulates_nothing
     assert all(p.grad is None for p in module.parameters())  # nothing else received a gradient
     assert {name: p.requires_grad for name, p in module.named_parameters()} == flags
     assert all(not layer.has_grad for layer in layers)  # S untouched
+
+
+def test_the_norm_ratio_pool_averages_each_gradients_kept_share():
+    proj_out, proj_in = _pair(24, 16, 6, 4, 2)
+    a, b = proj_out.to_dense(), proj_in.to_dense()
+    generator = torch.Generator().manual_seed(1)
+    small = torch.randn(24, 16, generator=generator)
+    large = 100 * torch.randn(24, 1, generator=generator) @ torch.randn(1, 16, generator=generator)  # rank one
+    pool = NormRatioPool()
+    for grad in (small, large, torch.zeros(24, 16), torch.full((24, 16), float("nan"))):
+        pool.add("w", proj_out, proj_in, grad)  # the zero and the nan gradient carry nothing and are left out
+
+    def kept(grad):
+        return float((a @ grad @ b.T).square().sum() / grad.square().sum())
+
+    # Each gradient counts once whatever its size (a ratio of sums would be the large one's alone).
+    assert pool.ratio("w") == pytest.approx(((kept(small) + kept(large)) / 2) ** 0.5, rel=1e-5)
+    assert math.isnan(pool.ratio("never added"))
+    # Lossless projectors keep every norm: their ρ is exactly 1, so their clipping arithmetic stays that of Adam.
+    lossless = NormRatioPool()
+    lossless.add("w", SparseProjector.signed_permutation(24), SparseProjector.signed_permutation(16), small)
+    assert lossless.ratio("w") == 1.0
+
+
+def test_the_refit_measures_the_norm_ratio_on_batches_the_fit_did_not_use():
+    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+    refit = ProjectorRefit(num_samples=2, norm_samples=3)
+    seen: dict[str, dict[str, float]] = {}
+
+    class Measure(pl.Callback):
+        # Runs after the refit's on_train_start (listed after it), at the same weights: the loader is unshuffled,
+        # so the fit drew batches 0–1 and the measurement 2–4.
+        def on_train_start(self, trainer, pl_module):
+            layers = list(trainer.strategy.offload_optimizer.projected_layers)
+            batches = list(token_data(n=32, batch_size=4))
+            for part, indices in (("fitted on", range(0, 2)), ("held out", range(2, 5))):
+                pool = NormRatioPool()
+                with sample_gradients(pl_module, layers,
+                                      lambda layer, grad: pool.add(layer.name, layer.proj_out, layer.proj_in, grad)):
+                    for index in indices:
+                        pl_module.training_step(batches[index], index).backward()
+                seen[part] = {layer.name: pool.ratio(layer.name) for layer in layers}
+            seen["installed"] = {layer.name: layer.norm_ratio for layer in layers}
+
+    _lm_fit(strategy, callbacks=[refit, Measure()], max_steps=1)
+    (record,) = refit.history
+    assert record.norm_ratios == seen["installed"] and not record.norm_ratio_from_fit
+    for name, ratio in seen["installed"].items():
+        assert ratio == pytest.approx(seen["held out"][name], rel=1e-5)
+    # On the gradients it was fitted to a fit keeps more of the norm than on others: the bias a held-out ρ avoids.
+    assert statistics.fmean(seen["fitted on"].values()) > statistics.fmean(seen["held out"].values())
+
+
+def test_a_refit_with_no_batch_left_to_measure_on_says_so():
+    refit = ProjectorRefit(num_samples=2, norm_samples=2)
+    module = TinyCausalLM(tiny_hf_model("llama"), lr=3e-3)
+    run = trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1, callbacks=[refit])
+    with pytest.warns(UserWarning, match="no batch left after the fit's 2"):
+        run.fit(module, token_data(n=8, batch_size=4))  # two batches: both go to the fit
+    (record,) = refit.history
+    assert sorted(record.norm_ratio_from_fit) == sorted(record.refit) and record.refit
 
 
 # -------------------------------------------------------------------------------------------- the callback

@@ -40,9 +40,9 @@ class GradientClipping:
         """Global 2-norm of the full gradient, on the device: exact for dense gradients, estimated for projected ones.
 
         A projected weight's full gradient ``G`` never exists; its norm is estimated as ``‖S‖ / ρ``, where ``ρ`` is
-        the layer's ``‖S‖/‖G‖`` measured by its last fit on a sampled gradient the fit had not used yet
-        (:attr:`~lightning_offload.lsp.linear.ProjectedWeight.norm_ratio`; 1 for random draws, which keep norms in
-        expectation, and exactly right for signed permutations). So ``gradient_clip_val`` means what it means for
+        the layer's ``‖S‖/‖G‖`` measured after its last fit on batches the fit had not used
+        (:attr:`~lightning_offload.lsp.linear.ProjectedWeight.norm_ratio`, :mod:`lightning_offload.lsp.norm_ratio`;
+        1 for random draws, which keep norms in expectation, and exactly right for signed permutations). So ``gradient_clip_val`` means what it means for
         plain AdamW: learned projectors at ``rank=0.25`` keep only ~1/3 of the norm in ``S``.
         """
         if self.ranks is not None:

@@ -162,18 +162,6 @@ def reconstruction_error(proj_out: SparseProjector, proj_in: SparseProjector, gr
     return float(err_sq.clamp_min(0.0).sqrt())
 
 
-def norm_ratio(proj_out: SparseProjector, proj_in: SparseProjector, grad: Tensor) -> float:
-    """``‖A G Bᵀ‖_F / ‖G‖_F``: the share of a gradient's norm that its compressed image keeps (``nan`` for a zero
-    or non-finite gradient)."""
-    with torch.no_grad():
-        grad = grad.float()
-        grad_norm = float(grad.norm())
-        if not math.isfinite(grad_norm) or grad_norm == 0.0:
-            return math.nan
-        compressed = proj_in.compress_rows(proj_out.compress_rows(grad).t())
-    return float(compressed.norm()) / grad_norm
-
-
 def fit_initial_values(projector: SparseProjector) -> SparseProjector:
     """Rescale a random projector to ``±√(d / (n·r))`` before a fit: then ``AᵀA`` is close to an orthogonal
     projector onto a random ``d``-dimensional subspace (error ≈ 1 on any gradient instead of ≈ 5 for the
@@ -206,9 +194,9 @@ class LayerFit:
         self.iterations = 0
         self.samples_seen = 0
         self.converged = False
-        # ‖A G Bᵀ‖/‖G‖: how much of a full gradient's norm S keeps, for the clipping norm's estimate ‖S‖/ρ. Measured
-        # on a gradient the fit had not used (the latest sample, before fitting to it) once there are two samples:
-        # on a gradient it was fitted to, the fit keeps more than on any other, and the estimate reads low.
+        # ‖A G Bᵀ‖/‖G‖ on a gradient the fit had not used (the latest sample, before fitting to it) once there are two
+        # samples: on a gradient it was fitted to, the fit keeps more than on any other. One batch's figure, ±20%:
+        # the refit uses it only when no batch is left to pool over (lsp/norm_ratio.py).
         self.norm_ratio = 1.0
 
     def fit(self, grad: Tensor, iterations: int) -> tuple[float, float]:

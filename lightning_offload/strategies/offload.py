@@ -136,9 +136,10 @@ class OffloadMixin:
                 refit = ProjectorRefit(seed=self.seed)
                 trainer.callbacks.append(refit)
                 rank_zero_info(
-                    f"{self.strategy_name}: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits the "
-                    f"projectors on {refit.num_samples} extra forward/backward passes before the first step and checks "
-                    f"them every {refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
+                    f"{self.strategy_name}: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits "
+                    f"the projectors on {refit.num_samples} extra forward/backward passes before the first step, "
+                    f"measures their norm ratio on {refit.norm_samples} more, and checks them every "
+                    f"{refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
                     f"projectors='random' for none."
                 )
 
