@@ -39,9 +39,10 @@ def _ctrl_c(at_step: int, times: int = 1) -> list[str]:
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_the_resume_command(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
+    before = signal.getsignal(signal.SIGINT)  # Python's own, or SIG_IGN in a process started in the background
     _, objects = train(compose_cfg([*TINY, *_ctrl_c(at_step=1)], run_dir))
     out = capsys.readouterr().out
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    assert signal.getsignal(signal.SIGINT) is before  # the handler that was there is back
 
     summary = read_summary(run_dir)
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
@@ -66,10 +67,17 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_the_resume_command(tm
     assert [r["step"] for r in read_history(run_dir) if r["kind"] == "val"] == [0, 2, 3, 6]
 
 
-def test_a_second_ctrl_c_aborts_without_a_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("started_in_background", [False, True])
+def test_a_second_ctrl_c_aborts_without_a_checkpoint(tmp_path: Path, started_in_background: bool) -> None:
     run_dir = tmp_path / "run"
-    with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt
-        train(compose_cfg([*TINY, *_ctrl_c(at_step=1, times=2)], run_dir))
-    assert not (run_dir / "checkpoints" / "last.ckpt").exists()
-    # Lightning ignores SIGINT while it shuts down; the handler from before the run is back all the same.
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # A shell starts a background job (`cmd &`, nohup) with SIGINT ignored: the second press must abort there too.
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if started_in_background else signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt
+            train(compose_cfg([*TINY, *_ctrl_c(at_step=1, times=2)], run_dir))
+        assert not (run_dir / "checkpoints" / "last.ckpt").exists()
+        # Lightning ignores SIGINT while it shuts down; the handler from before the run is back all the same.
+        assert signal.getsignal(signal.SIGINT) is (signal.SIG_IGN if started_in_background
+                                                   else signal.default_int_handler)
+    finally:
+        signal.signal(signal.SIGINT, before)

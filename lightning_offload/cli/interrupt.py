@@ -48,8 +48,10 @@ class StopOnInterrupt(pl.Callback):
 
     def _request(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
-        # A second Ctrl-C gets whatever handled SIGINT before (Python's KeyboardInterrupt): abort at once.
-        signal.signal(signal.SIGINT, self._previous_handler)
+        # A second Ctrl-C gets whatever handled SIGINT before (Python's KeyboardInterrupt): abort at once. A process
+        # started in the background ignored SIGINT before; the second press must still abort, as announced.
+        previous = self._previous_handler
+        signal.signal(signal.SIGINT, previous if callable(previous) else signal.default_int_handler)
         print("\nCtrl-C: stopping after the optimizer step in progress and saving a checkpoint "
               "(Ctrl-C again aborts without one).", file=sys.stderr, flush=True)
 
