@@ -103,7 +103,7 @@ def refit() -> ProjectorRefit:
 
 
 def fit(out: Path, run: str, kind: str, module: pl.LightningModule, steps: int, resume: str | None = None,
-        checkpoint_every: int | None = None, **trainer_kwargs: Any) -> None:
+        checkpoint_every: int | None = None, dump_checkpoint: bool = False, **trainer_kwargs: Any) -> None:
     bytes_seen, initial = BytesBetweenRanks(), InitialProjectors()
     callbacks: list[Callback] = [bytes_seen]
     if kind == "learned":
@@ -136,6 +136,11 @@ def fit(out: Path, run: str, kind: str, module: pl.LightningModule, steps: int, 
         "steps": optimizer.telemetry.steps if optimizer is not None else 0,
     }
     torch.save(record, out / f"{run}_rank{trainer.global_rank}.pt")
+    if dump_checkpoint:
+        # What each rank would put in a checkpoint (a saved file holds rank 0's alone): every rank builds it, as
+        # Trainer.save_checkpoint has every rank do, since gathering a rank-sharded state takes all of them.
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        torch.save(checkpoint, out / f"{run}_rank{trainer.global_rank}.ckpt")
 
 
 def main() -> None:
@@ -157,6 +162,9 @@ def main() -> None:
         fit(out, "speculative", "lossless_speculative=True", TinyClassifier(), 4, **clipping)
         fit(out, "bf16", "lossless_link_dtype=bf16", TinyClassifier(), 4, precision="bf16-true", **clipping)
         fit(out, "fp32_link", "lossless", TinyClassifier(), 4, precision="bf16-true", **clipping)
+    elif scenario == "golden":
+        # tests/golden_runs.py: learned projectors refitted every second step, accumulation and norm clipping.
+        fit(out, "golden", "learned", TinyClassifier(), 4, dump_checkpoint=True, **clipping)
     elif scenario == "bytes":
         # The second step's figures: the reductions of its gradients and the broadcasts of the first step's updates.
         fit(out, "zero", "zero", Projectable(), 3)
