@@ -98,3 +98,40 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+#: What the strategies keep to themselves: the product reads them through strategies/report.py.
+STRATEGY_INTERNALS = {"offload_optimizer", "adapters", "row_optimizers", "last_metrics", "host_rows_bytes",
+                      "host_trainable_parameters", "projected_layers", "telemetry"}
+
+
+def _reads_of_strategy_internals(path: Path) -> list[str]:
+    """``getattr`` calls on anything named like a strategy or an optimizer, and reads of their internals."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+            target = ast.unparse(node.args[0])
+            if "strategy" in target or "optimizer" in target:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and node.attr in STRATEGY_INTERNALS and (
+                "strategy" in ast.unparse(node.value) or "optimizer" in ast.unparse(node.value)):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_cli_and_reporting_read_no_strategy_internals() -> None:
+    # The run summary and the per-step records are built from the strategy's report (facts and filed figures), so
+    # the engine can be reorganised without the product noticing.
+    offending = {str(path.relative_to(PACKAGE)): _reads_of_strategy_internals(path)
+                 for layer in ("cli", "reporting") for path in (PACKAGE / layer).rglob("*.py")}
+    offending = {path: reads for path, reads in offending.items() if reads}
+    assert not offending, f"strategy internals read outside the strategies: {offending}"
+
+
+def test_the_internals_check_sees_getattr_and_attribute_reads(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f(trainer, datamodule):\n    a = getattr(trainer.strategy, 'x', None)\n"
+                      "    b = trainer.strategy.offload_optimizer.slots\n    c = recorder.telemetry\n"
+                      "    return getattr(datamodule, 'task', '')\n")
+    assert _reads_of_strategy_internals(module) == ["line 2: getattr(trainer.strategy, 'x', None)",
+                                                    "line 3: trainer.strategy.offload_optimizer"]

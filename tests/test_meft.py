@@ -18,6 +18,7 @@ from lightning_offload.engine.pipeline import HostWorkerError
 from lightning_offload.meft.adapter import expert_key_scores, route, select_experts, select_neurons
 from lightning_offload.meft.block_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.models import tiny_gpt2, tiny_llama
+from lightning_offload.strategies.report import facts_of, figures_at_step_end
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
 # Standardisation measured on the first batch alone: tests that compare runs fix it with one forward beforehand
@@ -506,6 +507,14 @@ def test_meft_offload_trains_adapters_and_leaves_the_base_alone(tmp_path: Path) 
     assert metrics["meft/adapter_device_bytes"] > 0
     # All Adam state on the host: the dense optimizer's and the rows'.
     assert strategy.offload_optimizer.device_state_bytes() == 0
+    # What the run summary reads: the adapters' host rows and the rows' figures of the last step.
+    facts = facts_of(strategy)
+    assert facts.host_trainable_parameters == sum(a.host.keys.numel() + a.host.values.numel()
+                                                  for a in meft_adapters(model)) > 0
+    assert facts.adapter_rows == sum(a.config.num_neurons for a in meft_adapters(model))
+    assert facts.host_rows_bytes == 4 * facts.host_trainable_parameters * 4  # 8 N×h fp32 arrays per adapter
+    assert facts.gradients_offloaded and facts.adapter_device_bytes > 0
+    assert figures_at_step_end(strategy) == metrics
 
 
 @pytest.mark.parametrize("expert_choice", ["sequence", "token"])

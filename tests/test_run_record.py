@@ -8,6 +8,7 @@ import pytest
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.reporting.run_record import RunRecorder, read_history
+from lightning_offload.strategies.report import OffloadFacts, facts_of, figures_at_step_end, figures_of
 from tiny_modules import TinyClassifier, classification_data, trainer
 
 
@@ -61,3 +62,25 @@ def test_a_one_step_run_reports_its_link_bytes_and_host_state(tmp_path: Path, ma
     (line,) = [r for r in read_history(tmp_path) if r["kind"] == "train"]
     assert line["offload/bytes_device_to_host"] > 0 and line["offload/bytes_host_to_device"] > 0
     assert line["offload/host_state_bytes"] > 0
+
+
+def test_the_strategies_report_facts_and_figures_through_one_typed_face() -> None:
+    module = TinyClassifier()
+    lsp = LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16)
+    trainer(lsp, max_steps=3).fit(module, classification_data())
+    facts = facts_of(lsp)
+    assert facts == OffloadFacts(gradients_offloaded=True, projected_layers=len(lsp.projected_layers))
+    assert facts.projected_layers > 0
+    assert [number for number, _ in figures_of(lsp)] == [1, 2, 3]
+    assert all(figures["offload/bytes_device_to_host"] > 0 for _, figures in figures_of(lsp))
+    assert figures_at_step_end(lsp) == {}
+
+    zero = ZeroOffloadStrategy()
+    trainer(zero, max_steps=2).fit(TinyClassifier(), classification_data())
+    assert facts_of(zero) == OffloadFacts(gradients_offloaded=True)
+
+    # Lightning's own strategy offloads nothing and reports nothing.
+    plain = trainer("auto", max_steps=1)
+    plain.fit(TinyClassifier(), classification_data())
+    assert facts_of(plain.strategy) == OffloadFacts() and figures_of(plain.strategy) == ()
+    assert figures_at_step_end(plain.strategy) == {}

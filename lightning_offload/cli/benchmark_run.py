@@ -169,7 +169,7 @@ def run_benchmark(overrides: Sequence[str], output_dir: str | Path | None = None
         host_state_bytes=float(summary["host_state_bytes"]),
         device_state_bytes=float(summary["device_state_bytes"]),
         trainable_parameters=int(summary["trainable_parameters"]),
-        projected_layers=len(getattr(objects["trainer"].strategy, "projected_layers", {}) or {}),
+        projected_layers=int(summary["projected_layers"]),
         timeline_seconds_per_step={key.removeprefix("offload/timeline/"):
                                    statistics.median(t[key] for t in steady if key in t) for key in lanes},
         host_share_before_backward_end=statistics.median(

@@ -31,6 +31,7 @@ from lightning_offload.cli.baselines import (
 from lightning_offload.meft.adapter import inject_meft
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
+from lightning_offload.strategies.offload import LSPOffloadStrategy
 
 METHODS = ("full", "frozen", "lora", "galore", "meft", "adapter")
 
@@ -75,7 +76,7 @@ class OffloadPolicy:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"offload.method={self.method!r} is not one of {METHODS}.")
-        if self.method in ("lora", "galore") and getattr(self.strategy, "projection", False):
+        if self.method in ("lora", "galore") and self._projects:
             raise ValueError(f"offload.method={self.method!r} trains the projectable layers itself; combine it with "
                              f"offload.strategy=auto or zero_offload, not a projecting lsp_offload strategy.")
         if self.method == "meft" and not isinstance(self.strategy, MEFTOffloadStrategy):
@@ -90,7 +91,12 @@ class OffloadPolicy:
     @property
     def learns_projectors(self) -> bool:
         """Whether the strategy projects gradients with learned projectors (so ``refit`` applies)."""
-        return bool(getattr(self.strategy, "projection", False)) and getattr(self.strategy, "projectors", "") == "learned"
+        return self._projects and self.strategy.settings.projectors == "learned"
+
+    @property
+    def _projects(self) -> bool:
+        """Whether the strategy compresses gradients with LSP projectors."""
+        return isinstance(self.strategy, LSPOffloadStrategy) and self.strategy.settings.projection
 
     def callbacks(self) -> list[pl.Callback]:
         """The callbacks this policy adds to a run."""

@@ -29,11 +29,12 @@ from lightning_offload.cli.interrupt import StopOnInterrupt
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
-from lightning_offload.strategies.refit import ProjectorRefit
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.tasks.schedule import OptimSettings, SettingsError
+from lightning_offload.strategies.refit import ProjectorRefit
+from lightning_offload.strategies.report import OffloadFacts, facts_of
 from lightning_offload.reporting.run_record import (
     RunRecorder,
     device_peak_bytes,
@@ -157,7 +158,8 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, row_bytes_per_step: float) -> float:
+def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, facts: OffloadFacts,
+                            row_bytes_per_step: float) -> float:
     """Bytes of training state on the device: trainable parameters, their gradients and device optimizer state.
 
     Offload strategies stream gradients to the host tensor by tensor, so none persist on the device; under
@@ -167,22 +169,9 @@ def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, row
     device = trainer.strategy.root_device.type
     params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
                  and p.device.type == device)
-    offloads = getattr(trainer.strategy, "offload_optimizer", None) is not None
-    grads = 0 if offloads else params
-    state = 0.0 if offloads else optimizer_state_bytes(trainer.optimizers)
-    adapters = getattr(trainer.strategy, "adapters", [])
-    routing = sum(b.numel() * b.element_size() for a in adapters for b in a.buffers())
-    return float(params + grads + state + routing + 2 * row_bytes_per_step)
-
-
-def _adapter_rows(trainer: pl.Trainer) -> int:
-    return sum(a.config.num_neurons for a in getattr(trainer.strategy, "adapters", []))
-
-
-def _skipped_steps(trainer: pl.Trainer) -> int:
-    """Optimizer steps an offload strategy skipped for non-finite gradients (0 for other strategies)."""
-    optimizer = getattr(trainer.strategy, "offload_optimizer", None)
-    return optimizer.telemetry.skipped_steps if optimizer is not None else 0
+    grads = 0 if facts.gradients_offloaded else params
+    state = 0.0 if facts.gradients_offloaded else optimizer_state_bytes(trainer.optimizers)
+    return float(params + grads + state + facts.adapter_device_bytes + 2 * row_bytes_per_step)
 
 
 def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataModule, module: pl.LightningModule,
@@ -197,9 +186,10 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
     def med(key: str) -> float:
         return _median([r[key] for r in steady if key in r]) or 0.0
 
+    facts = facts_of(trainer.strategy)
     # MEFT's adapter rows live on the host as plain tensors, not module parameters: Lightning's model summary does
     # not count them.
-    host_rows = getattr(trainer.strategy, "host_trainable_parameters", lambda: 0)()
+    host_rows = facts.host_trainable_parameters
     summary: dict[str, Any] = {
         "model": lm.name,
         "task": getattr(datamodule, "task", None) or type(datamodule).__name__,
@@ -209,16 +199,18 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "steps": trainer.global_step,
         # A resumed run: the steps taken in this session (train_seconds and the step times are this session's).
         "steps_this_run": trainer.global_step - recorder.start_step,
-        "skipped_steps": _skipped_steps(trainer),
+        # Offload strategies file every step's figures, the skipped count among them (0 for other strategies).
+        "skipped_steps": int(telemetry[-1].get("offload/skipped_steps", 0)) if telemetry else 0,
+        "projected_layers": facts.projected_layers,
         "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad) + host_rows,
         "host_trainable_parameters": host_rows,
         "device": str(trainer.strategy.root_device),
         "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
-        "device_trainable_bytes": _device_trainable_bytes(module, trainer, med("meft/bytes_host_to_device")),
+        "device_trainable_bytes": _device_trainable_bytes(module, trainer, facts, med("meft/bytes_host_to_device")),
         "rows_moved_per_step": med("meft/rows_moved") or None,
         # The share of all adapter rows a step moves: the link bytes against moving the whole adapter, in any dtype.
-        "rows_share_per_step": (med("meft/rows_moved") / total_rows) if (total_rows := _adapter_rows(trainer)) else None,
+        "rows_share_per_step": (med("meft/rows_moved") / facts.adapter_rows) if facts.adapter_rows else None,
         # What moving every adapter row each way would cost: MEFT's link bytes are compared with it.
         "whole_adapter_bytes": float(host_rows * 4) or None,
         # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
@@ -231,7 +223,7 @@ def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataMo
         "link_bytes_to_device_per_step": med("offload/bytes_host_to_device") + med("meft/bytes_host_to_device"),
         "host_optimizer_seconds_per_step": med("offload/host_optimizer_seconds") + med("meft/host_optimizer_seconds"),
         "host_state_bytes": (telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0)
-        + getattr(trainer.strategy, "host_rows_bytes", lambda: 0)(),
+        + facts.host_rows_bytes,
         "device_state_bytes": (telemetry[-1]["offload/device_state_bytes"] if telemetry
                                else optimizer_state_bytes(trainer.optimizers)),
         "median_step_seconds": _median(recorder.step_seconds[2:] or recorder.step_seconds),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -29,6 +30,7 @@ from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic, meft_adapter
 from lightning_offload.meft.block_adam import BlockRowAdam, Clip, RowAdamSettings
 from lightning_offload.meft.row_pipeline import RowPipeline
 from lightning_offload.strategies.offload import LSPOffloadStrategy, _as_offload_optimizer
+from lightning_offload.strategies.report import OffloadFacts
 
 _STATE_KEY = "meft_host_rows"
 
@@ -371,6 +373,20 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
             return {}
         return {"meft/expert_usage_entropy": sum(entropies) / len(entropies),
                 "meft/experts_unused_share": sum(unused) / len(unused)}
+
+    def offload_facts(self) -> OffloadFacts:
+        """The dense offload's facts and the adapters' host rows (see strategies/report.py)."""
+        return replace(
+            super().offload_facts(),
+            host_trainable_parameters=self.host_trainable_parameters(),
+            host_rows_bytes=self.host_rows_bytes(),
+            adapter_rows=sum(adapter.config.num_neurons for adapter in self.adapters),
+            adapter_device_bytes=sum(b.numel() * b.element_size() for a in self.adapters for b in a.buffers()),
+        )
+
+    def figures_at_step_end(self) -> dict[str, float]:
+        """The rows' figures of the step just taken (:attr:`last_metrics`)."""
+        return self.last_metrics
 
     @property
     def last_metrics(self) -> dict[str, float]:

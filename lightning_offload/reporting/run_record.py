@@ -11,12 +11,15 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_offload.strategies.report import StepFigures, facts_of, figures_at_step_end, figures_of
 
 HISTORY_FILE = "history.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -98,6 +101,7 @@ class RunRecorder(pl.Callback):
         self._waiting: list[tuple[dict[str, Any], bool]] = []
         self._last_global_step = -1
         self._collected = 0  # the latest optimizer step whose offload figures were taken
+        self._awaits_figures = False
 
     def _write(self, record: dict[str, Any], awaits_figures: bool = False) -> None:
         self.records.append(record)
@@ -131,7 +135,9 @@ class RunRecorder(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Notes the step training starts from; a resumed run takes up the history it continues."""
-        self.start_step = self._last_global_step = trainer.global_step
+        self.start_step = self._last_global_step = self._collected = trainer.global_step
+        # Whether each optimizer step's line waits for the offload figures its host work files when it completes.
+        self._awaits_figures = facts_of(trainer.strategy).gradients_offloaded
         if self.resume and self.run_dir is not None:
             self._continue_history(self.start_step)
 
@@ -162,35 +168,28 @@ class RunRecorder(pl.Callback):
             if key.startswith("train/") and (v := _scalar(value)) is not None:
                 record[key] = v
         # meft_offload's row traffic and expert usage for the step just taken.
-        rows = getattr(trainer.strategy, "last_metrics", None)
-        if isinstance(rows, dict):
-            record.update(rows)
-        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
+        record.update(figures_at_step_end(trainer.strategy))
         # The line that ends an optimizer step (global_step moved) is the one its offload figures belong to;
         # accumulation's earlier micro-batches carry none.
         ends_step = trainer.global_step != self._last_global_step
         self._last_global_step = trainer.global_step
-        self._write(record, awaits_figures=optimizer is not None and ends_step)
-        if optimizer is not None:
-            self._collect(optimizer)
+        self._write(record, awaits_figures=self._awaits_figures and ends_step)
+        self._collect(figures_of(trainer.strategy))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Collects the last step's offload figures and writes every waiting line."""
-        optimizer = getattr(trainer.strategy, "offload_optimizer", None)
-        if optimizer is not None:
-            if optimizer.step_in_flight:
-                # The strategy settles pending host work right after this hook; doing it first lets the figures in.
-                trainer.strategy.synchronize()
-            self._collect(optimizer)  # also figures settled since the last step (an evaluation synchronizes)
+        # The strategy settles pending host work right after this hook; settling first lets the last figures in (and
+        # those settled since the last step: an evaluation synchronizes).
+        self._collect(figures_of(trainer.strategy, settle=True))
         self._flush()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """A failed run keeps every line it has, figures or not."""
         self._flush()
 
-    def _collect(self, optimizer: Any) -> None:
+    def _collect(self, figures: Sequence[StepFigures]) -> None:
         """Attaches newly completed offload figures to their step's line and writes the lines that are settled."""
-        for number, metrics in optimizer.telemetry.completed:
+        for number, metrics in figures:
             if number <= self._collected:
                 continue
             self._collected = number
@@ -201,8 +200,7 @@ class RunRecorder(pl.Callback):
                     record.update(metrics)
                     self._waiting[index] = (record, False)
                     break
-        completed = optimizer.telemetry.steps + optimizer.telemetry.skipped_steps
-        self._settle(completed)
+        self._settle(self._collected)  # every step up to the latest filed one has completed
 
     def _flush(self) -> None:
         self._waiting = [(record, False) for record, _ in self._waiting]

@@ -32,9 +32,10 @@ from lightning_offload.engine.optimizer import OffloadOptimizer, validate_user_o
 from lightning_offload.engine.slots import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
-from lightning_offload.strategies.refit import ProjectorRefit
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.strategies.embeddings_head import Placement, plan_placement
+from lightning_offload.strategies.refit import ProjectorRefit
+from lightning_offload.strategies.report import OffloadFacts, StepFigures
 from lightning_offload.strategies.settings import OffloadSettings
 from lightning_offload.strategies.weight_readers import weight_readers
 
@@ -363,6 +364,26 @@ class OffloadMixin:
         if self.offload_optimizer is not None:
             self.offload_optimizer.worker.close(timeout=1.0)
         super().on_exception(exception)
+
+    # ---------------------------------------------------------------------------------------------- reporting
+    def offload_facts(self) -> OffloadFacts:
+        """What a run's summary needs of this strategy beyond its logged figures (see strategies/report.py)."""
+        return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
+                            projected_layers=len(self.projected_layers))
+
+    def figures_at_step_end(self) -> dict[str, float]:
+        """Figures complete when a step returns: none here (the engine files its own when the step completes)."""
+        return {}
+
+    def completed_step_figures(self, settle: bool = False) -> Sequence[StepFigures]:
+        """The engine's figures of recently completed steps, oldest first; ``settle=True`` finishes the step in
+        flight first, so that its figures are among them."""
+        optimizer = self.offload_optimizer
+        if optimizer is None:
+            return ()
+        if settle and optimizer.step_in_flight:
+            self.synchronize()
+        return tuple(optimizer.telemetry.completed)
 
     # -------------------------------------------------------------------------------------------- checkpoints
     @override
