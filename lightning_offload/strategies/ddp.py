@@ -163,8 +163,8 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
 
     @override
     def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad.div_(self.world_size)
+        # Lightning's own mean reduce (in place): every rank fits to the mean of the ranks' samples.
+        return self.reduce(grad, reduce_op="mean")
 
     @override
     def agree(self, value: Any) -> Any:
