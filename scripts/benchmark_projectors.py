@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from lightning_offload.cli.benchmark_run import method_overrides, recipe_overrides, run_benchmark
+from lightning_offload.lsp.targets import compressed_size
 
 # SmolLM2-135M's projected layers per block: (out, in) of q, k, v, o, gate, up, down; 30 blocks.
 SMOLLM2_LAYERS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
@@ -53,11 +54,6 @@ SWEEP = {
 }
 
 
-def compressed_dim(size: int, rank: float) -> int:
-    """The strategy's rule for a float rank."""
-    return max(1, math.ceil(rank * size))
-
-
 def galore_rank_for(rank: float) -> int:
     """GaLore rank whose state ``r·max(o, i)`` matches LSP's ``d_o·d_i`` on SmolLM2's square and MLP layers."""
     return max(1, round(rank * rank * 576))
@@ -70,7 +66,7 @@ def projected_state_floats(method: str, rank: float, lora_rank: int, galore_rank
         if method == "adamw":
             total += 2 * o * i
         elif method.startswith("lsp"):
-            total += 2 * compressed_dim(o, rank) * compressed_dim(i, rank)
+            total += 2 * compressed_size(o, rank) * compressed_size(i, rank)
         elif method == "galore":
             total += 2 * galore_rank * max(o, i)
         elif method == "lora":
@@ -138,7 +134,7 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
         share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain and not math.isnan(gain) else math.nan
         state = projected_state_floats(method, rank, args.lora_rank, galore_rank_for(rank)) * 4 / mib
         if method.startswith("lsp"):
-            projected_bytes = 4 * sum(compressed_dim(o, rank) * compressed_dim(i, rank) for o, i in SMOLLM2_LAYERS)
+            projected_bytes = 4 * sum(compressed_size(o, rank) * compressed_size(i, rank) for o, i in SMOLLM2_LAYERS)
             link = (f"{run['bytes_device_to_host_per_step'] / mib:.0f} "
                     f"({projected_bytes / mib:.1f}; {zero_bytes / projected_bytes:.0f}× fewer)")
         else:

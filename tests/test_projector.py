@@ -118,3 +118,13 @@ def test_expanding_a_slice_of_rows_equals_those_rows_of_the_full_product(dtype):
                                                .to(dtype)),
                                p.to_dense() @ torch.randn(70, 5, generator=torch.Generator().manual_seed(1))
                                .to(dtype).float())
+
+
+def test_the_compressed_size_rule_is_one_function_the_strategy_uses() -> None:
+    from lightning_offload import LSPOffloadStrategy
+    from lightning_offload.lsp.targets import compressed_size
+
+    assert [compressed_size(576, 0.25), compressed_size(1536, 0.125), compressed_size(3, 0.1), compressed_size(64, 16)] \
+        == [144, 192, 1, 16]
+    strategy = LSPOffloadStrategy(rank=0.3, density=2)
+    assert strategy._compressed_dim("w", "input", 100) == compressed_size(100, 0.3) == 30

@@ -1,13 +1,20 @@
-"""Which weights LSP-Offload projects: Linear and Hugging Face Conv1D layers chosen by size or name."""
+"""Which weights LSP-Offload projects (Linear and Hugging Face Conv1D layers chosen by size or name), and to what size."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
 from torch import nn
 
 from lightning_offload.lsp.linear import ProjectedWeight, is_hf_conv1d
+
+
+def compressed_size(size: int, rank: int | float) -> int:
+    """The compressed size of one side of a projected weight: ``⌈rank·size⌉`` (at least 1) for a fractional rank,
+    the rank itself for an integer one (which the strategy checks against ``size``)."""
+    return max(1, math.ceil(rank * size)) if isinstance(rank, float) else int(rank)
 
 
 def _is_projectable(module: nn.Module) -> bool:

@@ -9,7 +9,6 @@ host Adam steps them (the ZeRO-Offload-style baseline).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from lightning_offload.engine.optimizer import OffloadOptimizer, validate_user_o
 from lightning_offload.engine.slots import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
-from lightning_offload.lsp.targets import select_projected_modules
+from lightning_offload.lsp.targets import compressed_size, select_projected_modules
 from lightning_offload.strategies.embeddings_head import Placement, plan_placement
 from lightning_offload.strategies.refit import ProjectorRefit
 from lightning_offload.strategies.report import OffloadFacts, StepFigures
@@ -264,15 +263,12 @@ class OffloadMixin:
         return layers
 
     def _compressed_dim(self, name: str, side: str, size: int) -> int:
-        if isinstance(self.rank, float):
-            dim = max(1, math.ceil(self.rank * size))
-        else:
-            dim = self.rank
-            if dim > size:
-                raise ValueError(
-                    f"rank={dim} is larger than the {side} dim {size} of {name} allows. Use rank ≤ {size}, a fraction "
-                    f"such as rank=0.25, or raise min_dim / exclude_modules to skip that layer."
-                )
+        dim = compressed_size(size, self.rank)
+        if dim > size:  # an integer rank; a fraction in (0, 1] never exceeds the size
+            raise ValueError(
+                f"rank={dim} is larger than the {side} dim {size} of {name} allows. Use rank ≤ {size}, a fraction "
+                f"such as rank=0.25, or raise min_dim / exclude_modules to skip that layer."
+            )
         if self.density > dim:
             raise ValueError(
                 f"density={self.density} is larger than the compressed {side} size {dim} of {name} allows (each "
