@@ -43,7 +43,9 @@ def test_a_cpu_without_native_bf16_kernels_gets_fp32() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     precision, ratio = done.stdout.split()
-    assert precision == "32-true" and float(ratio) > 2.0
+    # The ratio is a timing on a shared machine: 1.9–2.9 in this emulation, so it is held to what decides, not to a
+    # figure of its own (a fixed 2.0 failed under load while the decision was right).
+    assert precision == "32-true" and float(ratio) > hp.NATIVE_BF16_MAX_RATIO
 
 
 def test_auto_is_resolved_once_said_in_one_line_and_inherited_by_launched_ranks(
