@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.engine.row_slot import RowSlot
 from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -52,8 +53,8 @@ def measure(strategy_name: str, precision: str, link_dtype: str, steps: int, war
     steady = [metrics for _, metrics in strategy.offload_optimizer.telemetry.completed][warmup:]
     slots = strategy.offload_optimizer.slots
     rows = statistics.median(s["offload/sparse_rows"] for s in steady)
-    elements = sum(slot.host_param.numel() for slot in slots if slot.row_adam is None) + sum(
-        rows * slot.host_param.shape[1] for slot in slots if slot.row_adam is not None)
+    elements = sum(slot.host_param.numel() for slot in slots if not isinstance(slot, RowSlot)) + sum(
+        rows * slot.host_param.shape[1] for slot in slots if isinstance(slot, RowSlot))
     seconds = statistics.median(s["offload/host_optimizer_seconds"] for s in steady)
     return {"faults": statistics.median(s["offload/host_page_faults"] for s in steady),
             "faults_max": max(s["offload/host_page_faults"] for s in steady),

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_modules import TinyClassifier, classification_data, params_of  # noqa: E402
 
 import lightning_offload  # noqa: E402,F401
+from lightning_offload.engine.speculation import Speculation  # noqa: E402
 from lightning_offload import (  # noqa: E402
     LSPOffloadDDPStrategy,
-    OffloadOptimizer,
     ProjectorRefit,
     ZeroOffloadDDPStrategy,
     signed_permutation_projector,
@@ -172,14 +172,18 @@ def main() -> None:
     elif scenario.startswith("fail_on_rank_"):
         failing_rank = int(scenario.removeprefix("fail_on_rank_"))
         if int(os.environ.get("LOCAL_RANK", "0")) == failing_rank:
-            planted = OffloadOptimizer._host_job
+            planted = Speculation._host_job
+            steps: list[Any] = []  # the figures object of each step whose host jobs ran here
 
-            def failing(self: OffloadOptimizer, *args: Any, **kwargs: Any) -> None:
-                if self.telemetry.steps >= 1:
+            def failing(self: Speculation, slot: Any, clip: Any, compute_done: Any, step: Any, *args: Any,
+                        **kwargs: Any) -> None:
+                if all(step is not seen for seen in steps):
+                    steps.append(step)
+                if len(steps) >= 2:  # the second step's first host job
                     raise RuntimeError(f"planted failure on rank {failing_rank}")
-                planted(self, *args, **kwargs)
+                planted(self, slot, clip, compute_done, step, *args, **kwargs)
 
-            OffloadOptimizer._host_job = failing  # type: ignore[method-assign]
+            Speculation._host_job = failing  # type: ignore[method-assign]
         fit(out, "fail", "lossless", TinyClassifier(), 6)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")

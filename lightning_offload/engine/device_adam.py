@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.slot import Clip, clip_
+
 
 class DeviceAdam:
     """``torch.optim.Adam`` (fused) on the device over some of the user's parameters, with the user's groups.
@@ -35,12 +37,16 @@ class DeviceAdam:
         return [param for param, _, _, _ in self.entries]
 
     @torch.no_grad()
-    def step(self, hparams_of: Any) -> None:
-        """Step every parameter that has a gradient (already clipped by the caller).
+    def step(self, clip: Clip, hparams_of: Any) -> None:
+        """Clip each gradient as the step decided, then step every parameter that has one.
 
         Args:
+            clip: the step's clipping (the same the host jobs apply).
             hparams_of: ``group -> dict`` of Adam hyper-parameters to copy into the step.
         """
+        for param, _, _, _ in self.entries:
+            if param.grad is not None:
+                clip_(param.grad, clip)
         for param, master, group, adam in self.entries:
             grad = param.grad
             if grad is None:

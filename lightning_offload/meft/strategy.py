@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_offload.engine.clipping import NonFiniteGradientError
-from lightning_offload.engine.slots import is_decoupled
+from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic, meft_adapters
 from lightning_offload.meft.block_adam import BlockRowAdam, Clip, RowAdamSettings
 from lightning_offload.meft.row_pipeline import RowPipeline

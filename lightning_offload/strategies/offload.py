@@ -27,8 +27,9 @@ from typing_extensions import override
 
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
-from lightning_offload.engine.optimizer import OffloadOptimizer, validate_user_optimizer
-from lightning_offload.engine.slots import is_decoupled
+from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.user_optimizer import validate_user_optimizer
+from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.lsp.targets import compressed_size, select_projected_modules

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from lightning_offload.engine.optimizer import LINK_DTYPES
+from lightning_offload.engine.user_optimizer import LINK_DTYPES
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.strategies.embeddings_head import validate_placements
 

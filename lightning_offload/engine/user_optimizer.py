@@ -1,0 +1,80 @@
+"""The user's optimizer as the offload engine takes it over: which ones it accepts, and which of their parameters
+were frozen when it did."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+LINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def validate_user_optimizer(optimizer: Any) -> Optimizer:
+    """Check the optimizer an offload strategy can take over; return it unwrapped.
+
+    Raises:
+        TypeError: for anything but ``torch.optim.Adam``/``AdamW`` (subclasses are refused too: their ``step``
+            may do something the host Adam would not reproduce).
+    """
+    inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    if type(inner) not in SUPPORTED_OPTIMIZERS:
+        raise TypeError(
+            f"The offload strategies take over torch.optim.Adam or torch.optim.AdamW, but configure_optimizers "
+            f"returned {type(inner).__module__}.{type(inner).__qualname__}. Return torch.optim.AdamW(...) (any param "
+            f"groups, lr, betas, eps, weight_decay) — its state will live on the host."
+        )
+    for group in inner.param_groups:
+        if group.get("capturable") or group.get("differentiable"):
+            raise ValueError(
+                "capturable/differentiable Adam cannot be offloaded: the host Adam is neither. Create the optimizer "
+                "without capturable=True and differentiable=True."
+            )
+    return inner
+
+
+def named_parameters_of(groups: list[dict[str, Any]], model: torch.nn.Module | None) -> list[tuple[str, Tensor]]:
+    """Each parameter of the optimizer's groups with its name in ``model`` (``param<i>`` where unknown)."""
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+    params = [p for group in groups for p in group["params"]]
+    return [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+
+
+def check_still_frozen(frozen_at_setup: list[tuple[Tensor, str]]) -> None:
+    """Refuse a step in which a parameter frozen at set-up has a gradient: it has no host state to step.
+
+    Raises:
+        ValueError: naming the parameter and when to unfreeze it instead.
+    """
+    for param, name in frozen_at_setup:
+        if param.grad is not None or param.requires_grad:
+            raise ValueError(
+                f"{name} was frozen (requires_grad=False) when the strategy set up and now has a gradient: the "
+                f"offload strategies build each trained tensor's host state at set-up, so it would never be "
+                f"stepped. Unfreeze it before trainer.fit (e.g. in configure_model), or stop and start a new "
+                f"fit from a checkpoint after unfreezing it.")
+
+
+def check_engine_arguments(link_dtype: str, on_nonfinite: str, pipelined_without_model: bool,
+                           rows_across_ranks: bool) -> None:
+    """Refuse settings the engine cannot run, naming the bad value and the accepted ones.
+
+    Raises:
+        ValueError: for an unknown link dtype or non-finite policy, ``pipelined=True`` without the model, or
+            row-sparse embeddings with data parallelism.
+    """
+    if rows_across_ranks:
+        raise ValueError("embeddings='sparse' is not available with data parallelism: each rank's batch touches "
+                         "different rows. Use embeddings='host', 'device' or 'frozen' with the DDP strategies.")
+    if on_nonfinite not in ("skip", "raise"):
+        raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
+    if link_dtype not in LINK_DTYPES:
+        raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {link_dtype!r}.")
+    if pipelined_without_model:
+        raise ValueError("pipelined=True needs the model, whose forward pre-hooks apply the updates.")
