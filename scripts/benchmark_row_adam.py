@@ -5,7 +5,7 @@ One process, interleaved repeats, medians, two tables:
 * the row-sparse embedding's :class:`~lightning_offload.engine.row_adam.HostRowAdam` (gathers the touched rows into
   preallocated workspaces, catches their moments up, steps, scatters) on ``--rows`` of an ``--height × --width``
   matrix;
-* MEFT's :class:`~lightning_offload.meft.block_adam.BlockRowAdam` on one adapter (keys and values, ``--neurons × --width``
+* MEFT's :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam` on one adapter (keys and values, ``--neurons × --width``
   each, blocks of ``--neurons / --experts`` rows, ``--fill`` of each block's rows with a gradient), ``--blocks`` blocks
   per step: the whole row step as ``meft_offload`` runs it (zeroing the stepped blocks' idle rows, the gradient norm
   over the stepped blocks, the fused Adam kernel on the slices with the moments' catch-up folded in; the touched rows'
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_offload.engine.row_adam import HostRowAdam
-from lightning_offload.meft.block_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 

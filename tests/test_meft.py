@@ -16,7 +16,7 @@ from lightning_offload import BlockRowAdam, MEFTConfig, MEFTOffloadStrategy, inj
 from lightning_offload.engine.clipping import NonFiniteGradientError
 from lightning_offload.engine.pipeline import HostWorkerError
 from lightning_offload.meft.adapter import expert_key_scores, route, select_experts, select_neurons
-from lightning_offload.meft.block_adam import RENORMALIZE_BELOW, RowAdamSettings
+from lightning_offload.engine.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.models import tiny_gpt2, tiny_llama
 from lightning_offload.strategies.report import facts_of, figures_at_step_end
 from lightning_offload.tasks.causal_lm import CausalLMModule
@@ -559,14 +559,21 @@ def test_host_routing_trains_without_keys_on_the_device(tmp_path: Path) -> None:
 def _row_gradients_per_step(strategy: MEFTOffloadStrategy) -> list[list[torch.Tensor]]:
     """Records, at every optimizer step, the accumulated row gradients the block Adam is about to consume."""
     seen: list[list[torch.Tensor]] = []
-    step_rows = strategy.step_rows
+    setup = strategy.setup_optimizers
 
-    def recording_step_rows() -> None:
-        strategy.row_pipeline.flush()  # the gradients of the last backward are still being added on the host
-        seen.append([g for a in strategy.adapters for g in a.host.summed_gradients()])
-        step_rows()
+    def recording_setup(trainer: pl.Trainer) -> None:
+        setup(trainer)
+        first = strategy.row_slots[0]  # the first adapter's rows are prepared before any row step is queued
+        prepare = first.prepare
 
-    strategy.step_rows = recording_step_rows
+        def recording_prepare(step: Any) -> None:
+            strategy.row_pipeline.flush()  # the gradients of the last backward are still being added on the host
+            seen.append([g for a in strategy.adapters for g in a.host.summed_gradients()])
+            prepare(step)
+
+        first.prepare = recording_prepare
+
+    strategy.setup_optimizers = recording_setup
     return seen
 
 
@@ -606,13 +613,22 @@ def test_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
                    callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True,
                                                            every_n_train_steps=3)])
     t.fit(CausalLMModule(first, lr=1e-2), train_dataloaders=loader(data))
-    resumed = meft_model()
-    trainer(tmp_path / "resumed", 6).fit(CausalLMModule(resumed, lr=1e-2), train_dataloaders=loader(data),
-                                         ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    for a, b in zip(meft_adapters(straight), meft_adapters(resumed)):
-        assert torch.equal(a.host.values, b.host.values)
-        assert torch.equal(a.host.keys, b.host.keys)
-        assert torch.equal(a.router.weight, b.router.weight)
+    # The same checkpoint as the release before the rows were slots of the offload engine wrote it: the rows'
+    # Adam state beside the engine's, under "meft_host_rows".
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    state = checkpoint["optimizer_states"][0]
+    rows = len(meft_adapters(first))
+    state["meft_host_rows"] = {"rows": state["host_adam"][-rows:], "skipped": 0}
+    state["slots"], state["host_adam"] = state["slots"][:-rows], state["host_adam"][:-rows]
+    torch.save(checkpoint, tmp_path / "ckpt" / "old_layout.ckpt")
+    for name in ("last.ckpt", "old_layout.ckpt"):
+        resumed = meft_model()
+        trainer(tmp_path / name, 6).fit(CausalLMModule(resumed, lr=1e-2), train_dataloaders=loader(data),
+                                        ckpt_path=tmp_path / "ckpt" / name)
+        for a, b in zip(meft_adapters(straight), meft_adapters(resumed)):
+            assert torch.equal(a.host.values, b.host.values), name
+            assert torch.equal(a.host.keys, b.host.keys), name
+            assert torch.equal(a.router.weight, b.router.weight), name
 
 
 def test_strategy_without_adapters_says_how_to_add_them(tmp_path: Path) -> None:
@@ -699,7 +715,7 @@ def test_pipelined_row_updates_equal_finishing_them_in_the_step(tmp_path: Path) 
         runs[pipelined] = meft_adapters(model)
     for a, b in zip(runs[True], runs[False]):
         assert torch.equal(a.host.values, b.host.values) and torch.equal(a.host.keys, b.host.keys)
-        assert a.pending_update is None and a.row_pipeline is None  # fit ended: finished and handed back
+        assert a.rows_slot is None and a.row_pipeline is None  # fit ended: finished and handed back
 
 
 def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> None:
@@ -720,7 +736,7 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
         trainer(tmp_path, 3, strategy).fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(3)))
     assert "host Adam failed" in str(failure.value.__cause__)
     # The adapters are handed back: a plain forward and backward work again, gradients added in the hook.
-    assert all(a.row_pipeline is None and a.pending_update is None for a in meft_adapters(model))
+    assert all(a.row_pipeline is None and a.rows_slot is None for a in meft_adapters(model))
     model(**batches(1)[0]).loss.backward()
     assert any(a.host.grad_values.abs().sum() > 0 for a in meft_adapters(model))
 

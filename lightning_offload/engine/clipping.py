@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.slot import Clip, Slot
 
 
@@ -41,6 +42,8 @@ class GradientNorms:
         self.last_norm: Tensor | None = None
         #: Data parallelism: which slots had a gradient on some rank this step (decided by every rank alike).
         self.present: dict[int, bool] = {}
+        #: Row gradients summed on the host (MEFT's adapter rows): their norm joins the device gradients' norm.
+        self.rows: RowGradients | None = None
 
     @torch.no_grad()
     def global_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
@@ -48,6 +51,13 @@ class GradientNorms:
         ones as ``‖S‖ / ρ`` (:attr:`~lightning_offload.engine.slot.Slot.norm_ratio`)."""
         if self.ranks is not None:
             return self._data_parallel_norm(slots, device_params)
+        norm = self._device_norm(slots, device_params)
+        if self.rows is not None:
+            # Summed on the host: combined there, as torch.nn.utils.clip_grad_norm_ would over ordinary parameters.
+            norm = torch.linalg.vector_norm(torch.stack([norm.float().cpu(), self.rows.norm()]))
+        return norm
+
+    def _device_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
         grads, ratios = [], []
         for slot in slots:
             grad = slot.gradient()

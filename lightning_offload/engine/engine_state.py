@@ -11,6 +11,7 @@ import torch
 from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.device_adam import DeviceAdam
+from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
 from lightning_offload.engine.row_slot import RowSlot
 from lightning_offload.engine.slot import Slot
 from lightning_offload.engine.telemetry import OffloadTelemetry
@@ -81,6 +82,8 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_adam
         raise ValueError("This optimizer state lacks the host Adam state of some tensors: it is a non-zero "
                          "rank's share of a data-parallel checkpoint. Resume from the checkpoint rank 0 wrote.")
     for slot, adam_state in zip(slots, state["host_adam"]):
+        if isinstance(slot, RowBlocksSlot):
+            continue  # its row Adam checks its own state's layout
         saved_rows = "last_step" in adam_state  # a HostRowAdam's state, not a torch optimizer's
         rows = isinstance(slot, RowSlot)
         if saved_rows != rows:

@@ -38,6 +38,7 @@ class GradientRouting:
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[Slot]] = {}
         self._layers = [slot.layer for slot in slots if slot.layer is not None]
+        slots = [slot for slot in slots if slot.routed]
         for slot in slots:
             if slot.layer is not None:
                 slot.layer.on_grad_ready = lambda layer, slot=slot: self._gradient_ready(slot)

@@ -33,7 +33,10 @@ from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
 from lightning_offload.engine.gradients import GradientRouting
 from lightning_offload.engine.pipeline import HostWorker, UpdateRing
+from lightning_offload.engine.block_row_adam import RowAdamSettings
 from lightning_offload.engine.projected_slot import UpdatePrefetch
+from lightning_offload.engine.row_blocks_slot import HostRowBlocks, RowBlocksSlot
+from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.slot import Lanes, Slot, is_decoupled, synced_hparams
 from lightning_offload.engine.slot_building import build_slots
 from lightning_offload.engine.speculation import Speculation
@@ -139,9 +142,6 @@ class OffloadOptimizer(Optimizer):
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
         self._round = 0  # counts launched steps: tells gradients sent for this step from stale ones
-        # Set by a strategy whose step has gradients outside this optimizer (MEFT's host rows): their norm joins the
-        # non-finite check, so one decision covers every gradient of the step.
-        self.external_grad_norm: Callable[[], Tensor] | None = None
         self.last_step_skipped = False
 
         on_device = {id(p) for p in keep_on_device}
@@ -234,8 +234,6 @@ class OffloadOptimizer(Optimizer):
         clip, norm = self.norms.take()
         if norm is None:
             norm = self.grad_norm()
-            if self.external_grad_norm is not None:
-                norm = torch.linalg.vector_norm(torch.stack([norm.float().cpu(), self.external_grad_norm().float()]))
         self.last_step_skipped = not bool(torch.isfinite(norm))
         if self.last_step_skipped:
             self._skip_step(norm)
@@ -326,12 +324,12 @@ class OffloadOptimizer(Optimizer):
 
     def _skip_step(self, norm: Tensor) -> None:
         self._abandon()  # the host state must be as if this step never began
-        if self.on_nonfinite == "raise":
-            raise nonfinite_error(norm, self.telemetry.steps)
         for slot in self.slots:
             slot.abandon_gradient()
         for layer in self.projected_layers:
             layer.zero_grad()
+        if self.on_nonfinite == "raise":
+            raise nonfinite_error(norm, self.telemetry.steps)
         self._round += 1
         self.figures.skipped()
         warnings.warn(skipped_step_warning(norm, self.telemetry.skipped_steps, self.telemetry.steps),
@@ -398,19 +396,37 @@ class OffloadOptimizer(Optimizer):
         self.norms.clip_norm(total, max_norm)
         return total
 
-    def set_clip_coefficient(self, coef: float | Tensor, norm: Tensor) -> None:
-        """Scale this step's gradients by ``coef`` on the host, and take ``norm`` as their global norm.
-
-        For strategies whose global norm also covers gradients this optimizer does not hold (MEFT's host rows):
-        they compute the norm and coefficient, and this optimizer applies the coefficient and checks the norm.
-        """
-        self.norms.clip = ("norm", torch.as_tensor(coef, dtype=torch.float32))
-        self.norms.last_norm = torch.as_tensor(norm)
-
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element (compressed and dense) to ``[-clip_value, clip_value]`` (on the host)."""
         self.norms.clip = ("value", float(clip_value))
+
+    # ---------------------------------------------------------------------------------------------- host rows
+    def attach_row_blocks(self, blocks: Sequence[HostRowBlocks],
+                          settings: Callable[[], RowAdamSettings]) -> list[RowBlocksSlot]:
+        """Step host row matrices (MEFT's adapter keys and values) with everything else: their gradients land on
+        this optimizer's worker, their norm joins the global norm, and one clip and skip decision covers both.
+
+        Args:
+            blocks: each owner's matrices, gradient accumulators and row layout.
+            settings: the rows' Adam hyper-parameters, read at each step.
+
+        Returns:
+            One slot per owner, in the order given: the owner's gradient hooks hand row gradients to
+            ``slot.gradients.accumulate``, and its forward calls ``slot.wait()`` before reading the rows.
+
+        Raises:
+            ValueError: with data parallelism (row gradients are not reduced between ranks), or when called twice.
+        """
+        if self.ranks is not None:
+            raise ValueError("Host row blocks train on one process: their gradients are not reduced between ranks.")
+        if self.norms.rows is not None:
+            raise ValueError("This optimizer already steps host row blocks; attach them all in one call.")
+        gradients = RowGradients(self.lanes.worker, self.lanes.link)
+        slots = [RowBlocksSlot(rows, settings, gradients, self.lanes) for rows in blocks]
+        self.slots += slots  # after every other slot: their jobs queue last, as the forward needs them last
+        self.norms.rows = gradients
+        return slots
 
     # ------------------------------------------------------------------------------------------------------ refit
     @torch.no_grad()

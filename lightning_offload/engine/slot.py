@@ -121,6 +121,8 @@ class Slot:
     speculates = False
     #: Whether ``host_param`` is an fp32 master of the parameter (dense and row kinds).
     keeps_master = False
+    #: Whether the engine's hooks route its gradient and apply its update (else its owner's own hooks do).
+    routed = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  owner: int = 0, owned: bool = True) -> None:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.engine.pipeline import Job
+from lightning_offload.engine.row_blocks_slot import HostRowBlocks, RowBlocksSlot
+from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.meft.config import MEFTConfig
-from lightning_offload.meft.row_pipeline import RowPipeline
 
 
 @dataclass
@@ -258,10 +258,10 @@ class MEFTAdapter(nn.Module):
         # A host-side mirror of `input_calibrated`: reading the buffer on a GPU would synchronise every forward.
         self._calibrated = not config.standardize_inputs
         self.attention_mask: torch.Tensor | None = None  # set per forward by the model's pre-hook (padding)
-        # Set by meft_offload: gradients go through its host worker, and the forward waits for this adapter's
-        # pending row update there. Without a pipeline (plain backward) gradients are added right in the hook.
-        self.row_pipeline: RowPipeline | None = None
-        self.pending_update: Job | None = None
+        # Set by meft_offload: gradients land through the offload engine's worker, and the forward waits for this
+        # adapter's row step there (its slot). Without them (plain backward) gradients are added right in the hook.
+        self.row_pipeline: RowGradients | None = None
+        self.rows_slot: RowBlocksSlot | None = None
 
     def pin_host_memory(self) -> None:
         """Page-locks the host rows so gathers can be copied to a GPU asynchronously."""
@@ -387,10 +387,17 @@ class MEFTAdapter(nn.Module):
 
     def wait_for_update(self) -> None:
         """Block until the host has finished this adapter's pending row update (no-op when none is pending)."""
-        if self.pending_update is not None:
-            assert self.row_pipeline is not None
-            self.row_pipeline.wait(self.pending_update)
-            self.pending_update = None
+        if self.rows_slot is not None:
+            self.rows_slot.wait()
+
+    def row_blocks(self, name: str, block_rows: int, key_lr_scale: float) -> HostRowBlocks:
+        """The host rows as the offload engine steps them, under ``name``: keys and values, block by block (keys at
+        ``key_lr_scale`` times the values' learning rate), the routing copy of stepped keys refreshed after each
+        step."""
+        h = self.host
+        return HostRowBlocks(name, [h.keys, h.values],
+                             [h.grad_keys, h.grad_values], [h.written_keys, h.written_values], h.touched, block_rows,
+                             [key_lr_scale, 1.0], self.refresh_routing_keys)
 
     def _gradient_sink(self, rows: torch.Tensor, accumulator: torch.Tensor, written: torch.Tensor) -> Any:
         def sink(grad: torch.Tensor) -> None:

@@ -1,14 +1,14 @@
-"""The host side of MEFT training: one worker thread that sums row gradients into host accumulators during backward
-and steps the lazy Adam after it, while the main thread goes on with device work.
+"""Row gradients of host matrices (MEFT's adapter keys and values), summed into host accumulators during backward
+on the engine's one host worker, while the main thread goes on with device work.
 
 Order on the worker is submission order, which is all the synchronisation the host state needs:
 
-1. during backward, each adapter's key and value gradients are copied device→host (on a GPU: on a copy stream, into a
-   reused pinned buffer) and a job adds them into the adapter's accumulators;
-2. at the optimizer step the main thread waits for those jobs (:meth:`RowPipeline.flush`), checks the gradients,
-   and queues one Adam job per adapter;
+1. during backward, each adapter's key and value gradients are copied device→host (on a GPU: on the link's copy
+   stream, into a reused pinned buffer) and a job adds them into the adapter's accumulators;
+2. at the optimizer step the main thread waits for those jobs (:meth:`RowGradients.flush`), checks the gradients,
+   and queues one Adam job per adapter on the same worker, after the other slots' host jobs;
 3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run
-   (:meth:`RowPipeline.wait`), so the first layers compute while the host is still updating the last ones.
+   (:meth:`RowGradients.wait`), so the first layers compute while the host is still updating the last ones.
 
 A failure on the worker is re-raised on the main thread at the next wait (see :class:`HostWorker`).
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -45,16 +44,18 @@ class _PinnedPool:
             self._free.append(buffer)
 
 
-class RowPipeline:
-    """Host worker, copy stream and staging shared by the MEFT adapters of one model.
+class RowGradients:
+    """Row-gradient landing and host row jobs on an offload engine's worker and link, shared by the MEFT adapters of
+    one model.
 
     Args:
-        device: the training device (its copy stream orders the device→host gradient copies on a GPU).
+        worker: the engine's host worker (its one thread: no second worker runs beside it).
+        link: the engine's device↔host link (its copy stream orders the device→host gradient copies on a GPU).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.worker = HostWorker(name="lightning_offload-meft")
-        self.link = Link(device)
+    def __init__(self, worker: HostWorker, link: Link) -> None:
+        self.worker = worker
+        self.link = link
         self._staging = _PinnedPool() if self.link.is_cuda else None
         self._last: Job | None = None
         self.gradients_queued = 0  # row gradients handed to the worker so far (a cached norm checks it is current)
@@ -64,6 +65,13 @@ class RowPipeline:
         self._square_sum_is_norm = True
         self._busy_seconds = 0.0
         self._lock = threading.Lock()  # the busy-time counter is written by the worker, read by the main thread
+        # The row slots whose gradients land here, and this step's touched blocks per slot (their idle rows zeroed)
+        # and row-gradient norm once computed: keyed by how many gradients had been queued by then, so a later
+        # micro-batch invalidates them.
+        self.slots: list[Any] = []
+        self._prepared: tuple[int, list[torch.Tensor]] | None = None
+        self._norm: torch.Tensor | None = None
+        self._taken = 0  # slots that took (or dropped) their blocks this step
 
     # ---------------------------------------------------------------------------------------------- gradients
     def accumulate(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor,
@@ -134,24 +142,54 @@ class RowPipeline:
             self._last = None
         self.worker.check()
 
-    # ---------------------------------------------------------------------------------------------- updates
-    def submit(self, fn: Callable[[], None], label: str) -> Job:
-        """Queue host work (an adapter's Adam step); its time counts as host optimizer time."""
+    # ---------------------------------------------------------------------------------------------- the step
+    def step_blocks(self) -> list[torch.Tensor]:
+        """Each row slot's touched blocks for this step, their idle rows zeroed in the accumulators (once per step).
 
-        def timed() -> None:
-            start = time.perf_counter()
-            fn()
-            self._record(time.perf_counter() - start)
+        A block is stepped whole, so its rows without a gradient this step must read zero; their accumulator rows may
+        still hold a consumed step's sum (the step's first gradient of a row is copied in, never added to a zeroed
+        row), so exactly those rows are zeroed here.
+        """
+        self.flush()
+        if self._prepared is None or self._prepared[0] != self.gradients_queued:
+            self._prepared, self._norm = (self.gradients_queued, [slot.touched_blocks() for slot in self.slots]), None
+        return self._prepared[1]
 
-        job = self.worker.submit(timed, label)
-        self._last = job
-        return job
+    @torch.no_grad()
+    def norm(self) -> torch.Tensor:
+        """2-norm of this step's summed row gradients (fp32, on the host; waits for the host to finish summing).
 
-    def wait(self, job: Job) -> None:
-        """Block until ``job`` ran; re-raises a worker failure."""
-        self.worker.wait(job)
+        Once per step, shared by the non-finite check and norm clipping: summed as the gradients landed (no pass over
+        the accumulators) when no row received two gradients this step, else read in place over the touched blocks'
+        slices (no other row has a gradient). A non-finite gradient makes it non-finite.
+        """
+        step_blocks = self.step_blocks()  # a new micro-batch's gradients reset the cached norm with the blocks
+        if self._norm is None:
+            landed = self.landed_square_sum()
+            if landed is not None:
+                squares = torch.tensor(landed, dtype=torch.float64)
+            else:
+                squares = torch.stack([torch.zeros((), dtype=torch.float64)] + [
+                    slot.square_sum(blocks) for slot, blocks in zip(self.slots, step_blocks)]).sum()
+            self._norm = squares.sqrt().float()
+        return self._norm
+
+    def take(self, slot: Any) -> torch.Tensor:
+        """``slot``'s blocks of this step, taken by its step (or dropped, when the step is skipped); once every slot
+        has taken its own, the next gradients start a new step."""
+        blocks = self.step_blocks()[self.slots.index(slot)]
+        self._taken += 1
+        if self._taken == len(self.slots):
+            self._prepared = self._norm = None
+            self._taken = 0
+            self.start_step()
+        return blocks
 
     # ---------------------------------------------------------------------------------------------- telemetry
+    def record(self, seconds: float) -> None:
+        """Count ``seconds`` of host work on rows (a row step)."""
+        self._record(seconds)
+
     def _record(self, seconds: float) -> None:
         with self._lock:
             self._busy_seconds += seconds
@@ -162,6 +200,6 @@ class RowPipeline:
             seconds, self._busy_seconds = self._busy_seconds, 0.0
         return seconds
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker after its queued jobs (bounded by ``timeout``)."""
-        self.worker.close(timeout)
+    def release(self) -> None:
+        """Forget the jobs queued so far (the worker is the engine's: it stops with the engine)."""
+        self._last = None

@@ -1,0 +1,83 @@
+"""The ``meft/*`` figures of a step, and the adapters' host-row sizes ``meft_offload`` reports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
+from lightning_offload.meft.adapter import MEFTAdapter
+
+
+def row_figures(adapters: Sequence[MEFTAdapter], slots: Sequence[RowBlocksSlot], host_seconds: float,
+                skipped_steps: int, device: torch.device) -> dict[str, float]:
+    """The rows' figures of the step just taken (and the traffic counters read, so the next step counts its own).
+
+    Args:
+        adapters: the model's adapters, in the order of ``slots``.
+        slots: their row slots (their latest step's rows updated and stepped).
+        host_seconds: host work on rows since the last step (gradient sums and row updates).
+        skipped_steps: steps skipped so far for non-finite gradients (one decision for routers and rows).
+        device: the training device (the adapters' bytes on it are counted).
+    """
+    rows_moved = bytes_to_device = bytes_to_host = routing_bytes = 0
+    for adapter, slot in zip(adapters, slots):
+        traffic = adapter.host.traffic
+        rows_moved += traffic.rows
+        bytes_to_device += traffic.bytes_to_device
+        bytes_to_host += traffic.bytes_to_host
+        traffic.rows = traffic.bytes_to_device = traffic.bytes_to_host = 0
+        if adapter.routing_keys is not None:
+            routing_bytes += slot.rows_stepped * adapter.hidden_size * adapter.routing_keys.element_size()
+    return {
+        "meft/rows_moved": float(rows_moved),
+        "meft/rows_updated": float(sum(slot.rows_updated for slot in slots)),
+        # Whole blocks are stepped: the touched rows plus their blocks' idle rows (zero gradient).
+        "meft/rows_stepped": float(sum(slot.rows_stepped for slot in slots)),
+        "meft/bytes_host_to_device": float(bytes_to_device),
+        "meft/bytes_device_to_host": float(bytes_to_host),
+        # The stepped keys' new bf16 routing copy, sent to the device after the update (device routing only).
+        "meft/bytes_routing_keys_to_device": float(routing_bytes),
+        # Host work finished since the last step: this step's gradient sums and the previous step's updates
+        # (this step's own updates are still running when pipelined).
+        "meft/host_optimizer_seconds": host_seconds,
+        "meft/adapter_device_bytes": float(adapter_device_bytes(adapters, device)),
+        "meft/skipped_steps": float(skipped_steps),
+        **expert_usage(adapters),
+    }
+
+
+def adapter_device_bytes(adapters: Sequence[MEFTAdapter], device: torch.device) -> int:
+    """Bytes the adapters hold on the device: routers and bf16 routing keys (host rows excluded)."""
+    return sum(t.numel() * t.element_size() for adapter in adapters
+               for t in [*adapter.parameters(), *adapter.buffers()] if t.device.type == device.type)
+
+
+def host_rows_bytes(adapters: Sequence[MEFTAdapter]) -> int:
+    """Bytes of the adapters' host rows: keys, values, their gradient accumulators and Adam moments."""
+    # Two matrices (keys, values), each with a gradient accumulator and two Adam moments: 8 N×h fp32 arrays.
+    return sum(8 * a.host.keys.numel() * a.host.keys.element_size() for a in adapters)
+
+
+def host_trainable_parameters(adapters: Sequence[MEFTAdapter]) -> int:
+    """Adapter keys and values: trained, but held on the host rather than as device parameters."""
+    return sum(a.host.keys.numel() + a.host.values.numel() for a in adapters)
+
+
+def expert_usage(adapters: Sequence[MEFTAdapter]) -> dict[str, float]:
+    """Expert-usage statistics since the start of fit: normalised entropy (1 = uniform) and share unused."""
+    entropies, unused = [], []
+    for adapter in adapters:
+        counts = adapter.host.expert_counts.double()
+        total = counts.sum()
+        if total == 0:
+            continue
+        p = counts[counts > 0] / total
+        entropies.append(float(-(p * p.log()).sum() / math.log(counts.numel())))
+        unused.append(float((counts == 0).double().mean()))
+    if not entropies:
+        return {}
+    return {"meft/expert_usage_entropy": sum(entropies) / len(entropies),
+            "meft/experts_unused_share": sum(unused) / len(unused)}
