@@ -5,6 +5,7 @@ One process, interleaved repeats, medians, two tables:
 * the row-sparse embedding's :class:`~lightning_offload.engine.row_adam.HostRowAdam` (gathers the touched rows into
   preallocated workspaces, catches their moments up, steps, scatters) on ``--rows`` of an ``--height × --width``
   matrix;
+  and, beside it, MEFT's block Adam on the same rows with one row per block;
 * MEFT's :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam` on one adapter (keys and values, ``--neurons × --width``
   each, blocks of ``--neurons / --experts`` rows, ``--fill`` of each block's rows with a gradient), ``--blocks`` blocks
   per step: the whole row step as ``meft_offload`` runs it (zeroing the stepped blocks' idle rows, the gradient norm
@@ -76,8 +77,20 @@ def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> Non
     def host_row(i: int) -> None:
         row_adam.step(row_sets[i % 4], grads[i % 4].clone(), **SETTINGS)
 
+    # MEFT's block Adam on the same rows, each row a block of its own (the candidate for one row Adam): the rows'
+    # gradients scattered into a full-size accumulator first, as it steps them in place there.
+    block_adam = BlockRowAdam([torch.randn(args.height, args.width, generator=generator)], 1)
+    accumulator = torch.zeros(args.height, args.width)
+    masks = [torch.zeros(args.height, dtype=torch.bool).index_fill_(0, rows, True) for rows in row_sets]
+
+    def block_row(i: int) -> None:
+        accumulator.index_copy_(0, row_sets[i % 4], grads[i % 4])
+        block_adam.step(block_adam.blocks_of(masks[i % 4]), [accumulator], RowAdamSettings(**SETTINGS),
+                        zero_grads=False)
+
     steps = {"torch AdamW (fused), dense": _fused_floor(args.rows, args.width, 1, generator),
-             "HostRowAdam (embedding rows)": host_row}
+             "HostRowAdam (embedding rows)": host_row,
+             "BlockRowAdam, one row per block (embedding rows)": block_row}
     results: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(3):  # interleaved, so load on the machine hits all alike
         for name, step in steps.items():
