@@ -143,7 +143,7 @@ def add_parallel_adapters(model: nn.Module, width: int, target_modules: str = r"
     Returns:
         The number of adapters added.
     """
-    from lightning_offload.meft.adapter import ffn_hidden_size, find_ffns, replace_submodule
+    from lightning_offload.meft.injection import ffn_hidden_size, find_ffns, replace_submodule
 
     if width < 1:
         raise ValueError(f"Parallel adapter width={width} must be a positive integer.")

@@ -28,7 +28,7 @@ from lightning_offload.cli.baselines import (
     galore_optimizer,
     layer_param_groups,
 )
-from lightning_offload.meft.adapter import inject_meft
+from lightning_offload.meft.injection import inject_meft
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.strategies.offload import LSPOffloadStrategy

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.meft.adapter import MEFTFFN, MEFTInjection, inject_meft, replace_submodule
+from lightning_offload.meft.injection import MEFTFFN, MEFTInjection, inject_meft, replace_submodule
 from lightning_offload.meft.config import MEFTConfig
 
 #: The layout of an adapters file; a file of another is refused.

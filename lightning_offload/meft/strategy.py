@@ -28,7 +28,8 @@ from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSetting
 from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
 from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.slot import is_decoupled
-from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic, meft_adapters
+from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic
+from lightning_offload.meft.injection import meft_adapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters, row_figures
 from lightning_offload.strategies.offload import LSPOffloadStrategy
 from lightning_offload.strategies.report import OffloadFacts
@@ -40,7 +41,7 @@ _OLD_STATE_KEY = "meft_host_rows"
 class MEFTOffloadStrategy(LSPOffloadStrategy):
     """Single-device training of MEFT adapters with their rows and Adam state on the host.
 
-    Registered as ``strategy="meft_offload"``. Call :func:`~lightning_offload.meft.adapter.inject_meft` on the
+    Registered as ``strategy="meft_offload"``. Call :func:`~lightning_offload.meft.injection.inject_meft` on the
     model first; ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW`` over the trainable parameters
     (the routers), whose first param group also sets the rows' hyper-parameters unless ``lr``/``weight_decay`` do.
     Every other keyword goes to :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` with
