@@ -251,7 +251,8 @@ def test_a_missing_bible_fails_before_the_trainer_is_built(tmp_path: Path, monke
     import lightning.pytorch as pl
     from test_configs import compose_cfg
 
-    from lightning_offload.cli.train import error_paragraph, train
+    from lightning_offload.cli.failures import error_paragraph
+    from lightning_offload.cli.train import train
 
     from lightning_offload.data import bible
 

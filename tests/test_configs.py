@@ -16,7 +16,8 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, open_dict
 
 from lightning_offload.cli.policies import OffloadPolicy
-from lightning_offload.cli.train import CONFIG_DIR, compose_config, format_summary, train
+from lightning_offload.cli.train import CONFIG_DIR, compose_config, train
+from lightning_offload.reporting.summary import format_summary
 from lightning_offload.meft.strategy import MEFTOffloadStrategy
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.models.tiny import ByteTokenizer

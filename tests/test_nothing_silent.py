@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_offload import LSPOffloadStrategy, NonFiniteStepWarning, ProjectorRefit, ZeroOffloadStrategy
-from lightning_offload.cli.train import format_summary
+from lightning_offload.reporting.summary import format_summary
 from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, tiny_hf_model, token_data, trainer
 
 

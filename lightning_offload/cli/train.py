@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -25,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
+from lightning_offload.cli.failures import error_paragraph, log_to_files, remove_fresh_run_dir
 from lightning_offload.cli.interrupt import StopOnInterrupt
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
 from lightning_offload.cli.policies import OffloadPolicy
@@ -33,15 +32,8 @@ from lightning_offload.models.builders import LanguageModel
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.tasks.schedule import OptimSettings, SettingsError
-from lightning_offload.strategies.refit import ProjectorRefit
-from lightning_offload.strategies.report import OffloadFacts, facts_of
-from lightning_offload.reporting.run_record import (
-    RunRecorder,
-    device_peak_bytes,
-    host_peak_rss_bytes,
-    optimizer_state_bytes,
-    write_summary,
-)
+from lightning_offload.reporting.run_record import RunRecorder, write_summary
+from lightning_offload.reporting.summary import RunNames, format_summary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -152,155 +144,6 @@ def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule 
     heldout: pl.LightningDataModule = hydra.utils.instantiate(cfg.heldout_data, tokenizer=lm.tokenizer)
     heldout.prepare_data()
     return heldout
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _device_trainable_bytes(module: pl.LightningModule, trainer: pl.Trainer, facts: OffloadFacts,
-                            row_bytes_per_step: float) -> float:
-    """Bytes of training state on the device: trainable parameters, their gradients and device optimizer state.
-
-    Offload strategies stream gradients to the host tensor by tensor, so none persist on the device; under
-    ``meft_offload`` the adapters add their buffers (routing keys, input statistics) and, per step, the fetched rows
-    (keys and values, ``row_bytes_per_step`` as they crossed the link) and their gradients.
-    """
-    device = trainer.strategy.root_device.type
-    params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
-                 and p.device.type == device)
-    grads = 0 if facts.gradients_offloaded else params
-    state = 0.0 if facts.gradients_offloaded else optimizer_state_bytes(trainer.optimizers)
-    return float(params + grads + state + facts.adapter_device_bytes + 2 * row_bytes_per_step)
-
-
-def summarize(cfg: DictConfig, lm: LanguageModel, datamodule: pl.LightningDataModule, module: pl.LightningModule,
-              trainer: pl.Trainer, recorder: RunRecorder, before: dict[str, float], after: dict[str, float],
-              train_seconds: float) -> dict[str, Any]:
-    """The figures printed at the end of a run and written to ``summary.json``."""
-    metric = primary_metric(module)
-    telemetry = recorder.telemetry
-    steps = [r for r in recorder.records if r["kind"] == "train"]
-    steady = steps[2:] or steps  # the first steps include warm-up
-
-    def med(key: str) -> float:
-        return _median([r[key] for r in steady if key in r]) or 0.0
-
-    facts = facts_of(trainer.strategy)
-    # MEFT's adapter rows live on the host as plain tensors, not module parameters: Lightning's model summary does
-    # not count them.
-    host_rows = facts.host_trainable_parameters
-    summary: dict[str, Any] = {
-        "model": lm.name,
-        "task": getattr(datamodule, "task", None) or type(datamodule).__name__,
-        "offload": cfg.offload.name,
-        "strategy": type(trainer.strategy).__name__,
-        "precision": str(trainer.precision),
-        "steps": trainer.global_step,
-        # A resumed run: the steps taken in this session (train_seconds and the step times are this session's).
-        "steps_this_run": trainer.global_step - recorder.start_step,
-        # Offload strategies file every step's figures, the skipped count among them (0 for other strategies).
-        "skipped_steps": int(telemetry[-1].get("offload/skipped_steps", 0)) if telemetry else 0,
-        "projected_layers": facts.projected_layers,
-        "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad) + host_rows,
-        "host_trainable_parameters": host_rows,
-        "device": str(trainer.strategy.root_device),
-        "device_peak_bytes": device_peak_bytes(trainer.strategy.root_device),
-        "host_peak_rss_bytes": host_peak_rss_bytes(),
-        "device_trainable_bytes": _device_trainable_bytes(module, trainer, facts, med("meft/bytes_host_to_device")),
-        "rows_moved_per_step": med("meft/rows_moved") or None,
-        # The share of all adapter rows a step moves: the link bytes against moving the whole adapter, in any dtype.
-        "rows_share_per_step": (med("meft/rows_moved") / facts.adapter_rows) if facts.adapter_rows else None,
-        # What moving every adapter row each way would cost: MEFT's link bytes are compared with it.
-        "whole_adapter_bytes": float(host_rows * 4) or None,
-        # Dense/compressed offload traffic plus, under meft_offload, the adapter rows' traffic.
-        "link_bytes_to_host_per_step": med("offload/bytes_device_to_host") + med("meft/bytes_device_to_host"),
-        # Data parallelism: what rank 0 handed to collectives per step (0 on one device; None where no offload
-        # strategy counts them, e.g. Lightning's own DDP).
-        "bytes_between_ranks_per_step": _median([r["offload/bytes_between_ranks"] for r in steady
-                                                 if "offload/bytes_between_ranks" in r]),
-        "world_size": trainer.world_size,
-        "link_bytes_to_device_per_step": med("offload/bytes_host_to_device") + med("meft/bytes_host_to_device"),
-        "host_optimizer_seconds_per_step": med("offload/host_optimizer_seconds") + med("meft/host_optimizer_seconds"),
-        "host_state_bytes": (telemetry[-1]["offload/host_state_bytes"] if telemetry else 0.0)
-        + facts.host_rows_bytes,
-        "device_state_bytes": (telemetry[-1]["offload/device_state_bytes"] if telemetry
-                               else optimizer_state_bytes(trainer.optimizers)),
-        "median_step_seconds": _median(recorder.step_seconds[2:] or recorder.step_seconds),
-        "train_seconds": train_seconds,
-        "loss_before": before.get("val/loss"),
-        "loss_after": after.get("val/loss"),
-        "metric": metric,
-        "metric_before": before.get(metric),
-        "metric_after": after.get(metric),
-    }
-    refits = [c for c in trainer.callbacks if isinstance(c, ProjectorRefit) and c.history]
-    if refits:
-        first = refits[0].history[0]
-        summary["projector_fit_seconds"] = first.seconds
-        summary["projector_error_drawn"] = statistics.fmean(first.errors.values())
-        summary["projector_error_fitted"] = statistics.fmean(first.fitted_errors.values())
-    return summary
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as aligned lines for the terminal."""
-    mib = 1024**2
-
-    def num(value: Any, fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
-
-    def size(value: float | None) -> str:
-        if value is None:
-            return "n/a"
-        # Tiny models move kilobytes: a fixed MiB format would print them as 0.
-        for unit, scale in (("GiB", 1024**3), ("MiB", mib), ("KiB", 1024)):
-            if value >= scale:
-                return f"{value / scale:.1f} {unit}"
-        return f"{value:.0f} B"
-
-    peak = summary["device_peak_bytes"]
-    device_memory = (f"{peak / mib:.0f} MiB peak on {summary['device']}" if peak is not None else
-                     f"n/a on {summary['device']} (host peak RSS {summary['host_peak_rss_bytes'] / mib:.0f} MiB)")
-    step = summary["median_step_seconds"]
-    this_run = summary.get("steps_this_run", summary["steps"])
-    steps_line = (f"steps               {summary['steps']} in {summary['train_seconds']:.1f} s "
-                  f"(median {num(step, '.2f')} s / step)")
-    if this_run != summary["steps"]:
-        steps_line = (f"steps               {summary['steps']}, resumed at step {summary['steps'] - this_run}: "
-                      f"{this_run} in {summary['train_seconds']:.1f} s (median {num(step, '.2f')} s / step)")
-    lines = [
-        f"model               {summary['model']}  ({summary['task']})",
-        f"offload             {summary['offload']} ({summary['strategy']}, {summary['precision']})",
-        f"trainable params    {summary['trainable_parameters']:,}" + (
-            f" ({summary['trainable_parameters'] - host_rows:,} module parameters, which Lightning's model summary "
-            f"counts, + {host_rows:,} adapter rows held on the host)" if (host_rows := summary.get(
-                "host_trainable_parameters") or 0) else ""),
-        f"device memory       {device_memory}",
-        f"link bytes / step   {size(summary['link_bytes_to_host_per_step'])} to host, "
-        f"{size(summary['link_bytes_to_device_per_step'])} to device",
-        *([f"between ranks       {size(summary['bytes_between_ranks_per_step'])} / step from rank 0 "
-           f"({summary['world_size']} ranks)"] if summary.get("world_size", 1) > 1 else []),
-        f"host optimizer      {summary['host_optimizer_seconds_per_step'] * 1e3:.0f} ms / step, "
-        f"state {size(summary['host_state_bytes'])} on host, {size(summary['device_state_bytes'])} on device",
-        steps_line
-        + (f", {summary['skipped_steps']} skipped (non-finite gradients)" if summary.get("skipped_steps") else ""),
-        f"eval loss           {num(summary['loss_before'], '.4f')} -> {num(summary['loss_after'], '.4f')}",
-        *([f"held-out text loss  {num(summary['heldout_loss_before'], '.4f')} -> "
-           f"{num(summary['heldout_loss_after'], '.4f')} ({summary['heldout_task']}, never trained on)"]
-          if "heldout_loss_after" in summary else []),
-    ]
-    if summary["metric"] != "val/loss":
-        lines.append(f"{summary['metric']:<20}{num(summary['metric_before'], '.4f')} -> "
-                     f"{num(summary['metric_after'], '.4f')}")
-    if "projector_fit_seconds" in summary:
-        lines.append(f"projector fit       {summary['projector_fit_seconds']:.1f} s, mean error "
-                     f"{summary['projector_error_drawn']:.3f} -> {summary['projector_error_fitted']:.3f} (held-out)")
-    if summary.get("interrupted"):
-        lines.append(f"interrupted         Ctrl-C: stopped after step {summary['steps']}; checkpoint "
-                     f"{summary['checkpoint']}")
-        lines.append(f"resume with         {summary['resume_command']}")
-    return "\n".join(lines)
 
 
 #: Single-device offload strategies and their forms on Lightning's DDP.
@@ -429,7 +272,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
         return {}, {"cfg": cfg, "trainer": trainer, "module": module}
 
-    summary = summarize(cfg, lm, datamodule, module, trainer, recorder, before, after, train_seconds)
+    summary = summarize(RunNames(lm.name, getattr(datamodule, "task", None) or type(datamodule).__name__,
+                                 cfg.offload.name, primary_metric(module)),
+                        module, trainer, recorder, before, after, train_seconds)
     if interrupted:
         summary.update({"interrupted": True, "checkpoint": str(interrupt.checkpoint),
                         "resume_command": resume_command(interrupt.checkpoint)})
@@ -494,57 +339,20 @@ def compose_config(overrides: Sequence[str] = (), output_dir: str | Path | None 
     return cfg
 
 
-def error_paragraph(error: BaseException) -> str:
-    """The message a failed run prints: the error's own text (Hydra's instantiation wrapper unwrapped), one
-    paragraph, without the traceback."""
-    from hydra.errors import InstantiationException
-
-    while isinstance(error, InstantiationException) and error.__cause__ is not None:
-        error = error.__cause__  # "Error in call to target ...": the cause is what the user has to fix
-    text = " ".join(str(error).split()) or "(no message)"
-    return f"{type(error).__name__}: {text}"
-
-
-def _log_to_files(message: str, error: BaseException) -> str | None:
-    """Writes ``message`` with the traceback to the log files only (the run's train.log); returns the first one's
-    path. The terminal gets one paragraph instead."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None,
-                            (type(error), error, error.__traceback__))
-    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-    for handler in files:
-        handler.handle(record)
-    return files[0].baseFilename if files else None
-
-
-#: What Hydra writes into a run directory before the run starts: a directory holding only these has no results.
-_HYDRA_FILES = {".hydra", "train.log"}
-
-
-def _remove_fresh_run_dir(cfg: DictConfig) -> None:
-    """Removes the run directory Hydra created for a run refused at its settings (a resumed run's is kept)."""
-    if cfg.get("ckpt_path") is not None:
-        return
-    folder = _output_dir(cfg)
-    if folder.is_dir() and {p.name for p in folder.iterdir()} <= _HYDRA_FILES:
-        for handler in logging.getLogger().handlers:  # train.log is open in Hydra's file handler
-            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == folder:
-                handler.close()
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         metrics, _ = train(cfg)
     except SettingsError as error:
         # A refused setting: the message is the whole story (no traceback to keep), and no run happened.
-        _remove_fresh_run_dir(cfg)
+        if cfg.get("ckpt_path") is None:  # a resumed run's directory holds its earlier results
+            remove_fresh_run_dir(_output_dir(cfg))
         shown = error.__cause__ if error.__cause__ is not None else error
         raise SystemExit(f"lightning-offload-train: {error_paragraph(shown)}") from None
     except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        where = _log_to_files("The run failed.", error)
+        where = log_to_files(log, "The run failed.", error)
         raise SystemExit(f"lightning-offload-train: {error_paragraph(error)}"
                          + (f"\n(Traceback in {where}; HYDRA_FULL_ERROR=1 prints it here.)" if where else "")) from None
     finally:
