@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
-from lightning_offload.strategies.offload import OffloadMixin
+from lightning_offload.strategies.offload_base import OffloadMixin
 from lightning_offload.strategies.settings import OffloadSettings
 
 

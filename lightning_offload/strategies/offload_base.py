@@ -1,0 +1,387 @@
+"""The offload machinery every offload strategy shares (:class:`OffloadMixin`): the engine in place of the user's
+Adam, precision checks, clipping, synchronisation, checkpoints, reporting and teardown. The single-device strategies
+(``lsp_offload``, ``zero_offload``) are in :mod:`lightning_offload.strategies.offload`, the data-parallel ones in
+:mod:`lightning_offload.strategies.ddp`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.user_optimizer import validate_user_optimizer
+from lightning_offload.engine.slot import is_decoupled
+from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.strategies.embeddings_head import Placement, plan_placement
+from lightning_offload.strategies.projection import attach_projections, compressed_dim
+from lightning_offload.strategies.refit import ProjectorRefit
+from lightning_offload.strategies.report import OffloadFacts, StepFigures
+from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.strategies.weight_readers import weight_readers
+
+_PRECISION_ADVICE = {
+    "16-mixed": (
+        "fp16 loss scaling only unscales param.grad, but projected weights deliver their gradient compressed and "
+        "never fill param.grad. Use precision='bf16-mixed' (bf16 needs no loss scaling) or 'bf16-true'."
+    ),
+    "16-true": "fp16 weights without loss scaling underflow. Use precision='bf16-true' or 'bf16-mixed'.",
+}
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class OffloadMixin:
+    """The offload machinery of the ``lsp_offload``/``zero_offload`` strategies, shared by their single-device and
+    data-parallel forms: settings, projection, the :class:`OffloadOptimizer` that replaces the user's Adam, clipping,
+    synchronisation, checkpoints and teardown. A strategy class mixes it in before its Lightning base."""
+
+    strategy_name: str
+    #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
+    sparse_embeddings_by_default = True
+
+    def _configure_offload(self, settings: OffloadSettings) -> None:
+        """Keep the offload settings, validated when ``settings`` was built (the Args of
+        :class:`LSPOffloadStrategy`)."""
+        self.settings = settings
+        self.projection = settings.projection
+        self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
+        self._settle_each_step = False  # set at set-up: whether a callback needs each step's weights right after it
+        self.rank = settings.rank
+        self.density = settings.density
+        self.min_dim = settings.min_dim
+        self.target_modules = list(settings.target_modules) if settings.target_modules is not None else None
+        self.exclude_modules = list(settings.exclude_modules)
+        self.projectors = settings.projectors
+        self.projector_factory = settings.projector_factory
+        self.seed = settings.seed
+        self.on_nonfinite = settings.on_nonfinite
+        self.log_telemetry = settings.log_telemetry
+        self.pipelined = settings.pipelined
+        self.link_dtype = settings.link_dtype
+        self.update_buffers = settings.update_buffers
+        self.speculative = settings.speculative
+        projection, embeddings, head = settings.projection, settings.embeddings, settings.head
+        # Defaults chosen by measurement (docs/benchmarks.md, "Embeddings and head off the dense host path"): the
+        # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
+        # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
+        default_embeddings = "sparse" if projection and self.sparse_embeddings_by_default else "host"
+        self._embeddings_by_default = embeddings is None  # a default gives way where it cannot apply (amsgrad)
+        embeddings = embeddings if embeddings is not None else default_embeddings
+        head = head if head is not None else "host"
+        self.embeddings = embeddings
+        self.head = head
+        self.placement = Placement()
+        self.offload_optimizer: OffloadOptimizer | None = None
+
+    # ------------------------------------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # The accelerator connector replaces the plugin after __init__, so validation must live in this setter.
+        if plugin is not None:
+            name = str(getattr(plugin, "precision", "32-true"))
+            supported = type(plugin) is Precision or (
+                isinstance(plugin, (HalfPrecision, MixedPrecision)) and name in _SUPPORTED_PRECISION
+            )
+            if not supported or name not in _SUPPORTED_PRECISION:
+                advice = _PRECISION_ADVICE.get(
+                    name, f"Use one of {', '.join(_SUPPORTED_PRECISION)} (the host Adam and its state are fp32)."
+                )
+                raise ValueError(f"strategy {self.strategy_name!r} does not support precision={name!r}: {advice}")
+            # Clipping must see the compressed gradients too, which the plugin's parameter-based clipping cannot.
+            plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        self._precision_plugin = plugin
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        _as_offload_optimizer(optimizer).clip_grad_norm_(clip_val)
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        _as_offload_optimizer(optimizer).clip_grad_value_(clip_val)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _add_refit_callback(self, trainer: pl.Trainer | None) -> None:
+        # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
+        # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
+        if self.projection and self.projectors == "learned" and trainer is not None:
+            if not any(isinstance(callback, ProjectorRefit) for callback in trainer.callbacks):
+                refit = ProjectorRefit(seed=self.seed)
+                trainer.callbacks.append(refit)
+                rank_zero_info(
+                    f"{self.strategy_name}: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits "
+                    f"the projectors on {refit.num_samples} extra forward/backward passes before the first step, "
+                    f"measures their norm ratio on {refit.norm_samples} more, and checks them every "
+                    f"{refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
+                    f"projectors='random' for none."
+                )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._prepare_model()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Deliberately no `_optimizers_to_device`: Lightning would move every optimizer-state tensor to the device,
+        # and the whole point is that this state stays on the host.
+
+    def _prepare_model(self) -> None:
+        """What the strategy does to the model on its device before the optimizer is built."""
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"strategy {self.strategy_name!r} takes over exactly one Adam/AdamW optimizer, but "
+                f"configure_optimizers returned {len(self.optimizers)}. Return a single optimizer; use param groups "
+                f"for different hyper-parameters."
+            )
+        user_optimizer = validate_user_optimizer(self.optimizers[0])
+        self._compiled_forward = self._runs_compiled_code()  # configure_model (where users compile) has run
+        readers = weight_readers(trainer.callbacks) if self.pipelined else []
+        self._settle_each_step = bool(readers)
+        if readers:
+            rank_zero_info(f"{self.strategy_name}: {', '.join(readers)} may read or write the weights after each step, "
+                           f"so each step's updates are applied before the step returns (as with pipelined=False) and "
+                           f"the callbacks see that step's weights.")
+        trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
+        self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head,
+                                        dense_reasons=self._rows_stepped_densely(user_optimizer))
+        for weight in self.placement.frozen:
+            weight.requires_grad_(False)  # no gradient is computed for it at all; restored at teardown
+        for message in self.placement.messages:
+            rank_zero_info(f"{self.strategy_name}: {message}")
+        assert self.lightning_module is not None
+        layers = attach_projections(self.lightning_module, user_optimizer, self.settings, self.placement,
+                                    self.root_device) if self.projection else []
+        if self.projection and not layers:
+            rank_zero_warn(
+                f"strategy {self.strategy_name!r} found no layer to project: no trainable Linear/Conv1D has both dims "
+                f"≥ min_dim={self.min_dim} outside the output and task heads and exclude_modules. Every gradient "
+                f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules."
+            )
+        self.offload_optimizer = OffloadOptimizer(
+            user_optimizer,
+            layers,
+            self.root_device,
+            model=self.lightning_module,
+            pipelined=self.pipelined,
+            link_dtype=self.link_dtype,
+            on_nonfinite=self.on_nonfinite,
+            rounding_seed=self.seed,
+            update_buffers=self.update_buffers,
+            speculative=self.speculative,
+            keep_on_device=self.placement.device,
+            row_sparse=self.placement.row_sparse,
+            frozen=self.placement.frozen,
+            tied_projected=[m.weight for m in self.placement.projected_heads.values()
+                            if id(m.weight) in self.placement.tied_projected],
+            data_parallel=self._rank_shards(),
+        )
+        self.optimizers = [self.offload_optimizer]
+
+    def _rank_shards(self) -> RankShards | None:
+        """What the optimizer shares its work with: nothing for one device (the DDP strategies override this)."""
+        return None
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """A full gradient sampled for a projector fit, made the same on every rank (identity for one device)."""
+        return grad
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (identity for one device): for decisions every rank must share."""
+        return value
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """A fit's result as every rank installs it: rank 0's (identity for one device)."""
+        return proj_out, proj_in, norm_ratio, second_moment_scale
+
+    def _compressed_dim(self, name: str, side: str, size: int) -> int:
+        return compressed_dim(self.settings, name, side, size)
+
+    @property
+    def projected_layers(self) -> dict[str, ProjectedWeight]:
+        """The projected weights of the current fit, by module name."""
+        if self.offload_optimizer is None:
+            return {}
+        return {layer.name: layer for layer in self.offload_optimizer.projected_layers}
+
+    # ---------------------------------------------------------------------------------------------- training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._settle_each_step:
+            self.synchronize()  # a callback reads or writes the weights after the step: they must be this step's
+        if self.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
+            telemetry = self.offload_optimizer.telemetry
+            telemetry.device_state_bytes = self.offload_optimizer.device_state_bytes()
+            if self.lightning_module._trainer is not None:
+                self.lightning_module.log_dict(telemetry.metrics(), on_step=True, on_epoch=False, batch_size=1)
+        return output
+
+    def synchronize(self) -> None:
+        """Apply every pending update now, and the weight decay row-sparse embeddings' untouched rows owe, so the
+        weights are AdamW's (but for the momentum drift of rows a batch left out). The strategy does this itself
+        before evaluation, checkpoints and at the end of fit; call it before reading weights from a callback in the
+        middle of a pipelined step."""
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.synchronize()
+            self.offload_optimizer.settle_row_decay()
+
+    def _rows_stepped_densely(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+        """The parameters whose group the row-sparse embedding step cannot follow, with the reason: Adam's coupled L2
+        (it moves every row at every step), and ``amsgrad`` where ``embeddings="sparse"`` is only the default (asked
+        for explicitly, amsgrad is refused instead)."""
+        reasons = {}
+        for group in optimizer.param_groups:
+            reason = None
+            if group.get("weight_decay") and not is_decoupled(optimizer, group):
+                reason = ("uses Adam's coupled L2 (weight_decay of torch.optim.Adam), which moves every row at every "
+                          "step, so a row-sparse step could not be exact")
+            elif group.get("amsgrad") and self._embeddings_by_default:
+                reason = "uses amsgrad=True, which the default row-sparse step does not have"
+            if reason is not None:
+                reasons.update({id(p): reason for p in group["params"]})
+        return reasons
+
+    def _runs_compiled_code(self) -> bool:
+        """Whether the module's forward runs under torch.compile (the module compiled whole, which Lightning
+        records in ``_compiler_ctx``, or a compiled submodule)."""
+        module = self.lightning_module
+        if module is None:
+            return False
+        return getattr(module, "_compiler_ctx", None) is not None or any(
+            isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules())
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.offload_optimizer is not None and self._compiled_forward:
+            # torch.compile traces the per-layer pre-forward hooks as no-ops (a wait for the host worker cannot be
+            # part of a graph): the compiled forward gets the previous step's updates applied before it starts.
+            self.offload_optimizer.synchronize()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.synchronize()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.synchronize()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Ctrl-C or a failure: stop the worker without applying half a step; the process must exit cleanly.
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.worker.close(timeout=1.0)
+        super().on_exception(exception)
+
+    # ---------------------------------------------------------------------------------------------- reporting
+    def offload_facts(self) -> OffloadFacts:
+        """What a run's summary needs of this strategy beyond its logged figures (see strategies/report.py)."""
+        return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
+                            projected_layers=len(self.projected_layers))
+
+    def figures_at_step_end(self) -> dict[str, float]:
+        """Figures complete when a step returns: none here (the engine files its own when the step completes)."""
+        return {}
+
+    def completed_step_figures(self, settle: bool = False) -> Sequence[StepFigures]:
+        """The engine's figures of recently completed steps, oldest first; ``settle=True`` finishes the step in
+        flight first, so that its figures are among them."""
+        optimizer = self.offload_optimizer
+        if optimizer is None:
+            return ()
+        if settle and optimizer.step_in_flight:
+            self.synchronize()
+        return tuple(optimizer.telemetry.completed)
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The weights saved must include every update already stepped on the host.
+        self.synchronize()
+        return super().lightning_module_state_dict()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The base class would load and then move the state to the device; this state stays on the host.
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"Checkpoint holds {len(states)} optimizer states, this run has {len(self.optimizers)}.")
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if not self.is_global_zero:
+            return  # rank 0 writes the checkpoint; Lightning's base saves on rank 0 only as well
+        path = str(filepath)
+        if "://" in path:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        # Write beside the target, then rename: an interrupted save never leaves a half-written checkpoint.
+        partial = f"{path}.partial"
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+
+    @override
+    def teardown(self) -> None:
+        # Give the user back plain modules: after fit, forward and autograd behave as without the strategy.
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.close()
+            for layer in self.offload_optimizer.projected_layers:
+                layer.detach()
+        for weight in self.placement.frozen:
+            weight.requires_grad_(True)
+        self.placement = Placement()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+
+def _as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(inner, OffloadOptimizer):
+        raise TypeError(f"Expected the strategy's OffloadOptimizer, got {type(inner).__name__}.")
+    return inner
