@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -34,6 +33,7 @@ from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.norm_ratio import NormRatioPool
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.strategies.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
+from lightning_offload.strategies.refit_record import RefitRecord
 
 
 @runtime_checkable
@@ -57,76 +57,6 @@ class ProjectedTraining(Protocol):
     def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
                          second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
         """Rank 0's fitted projectors, on every rank."""
-
-
-@dataclass
-class RefitRecord:
-    """What one fit did.
-
-    :class:`ProjectorRefit` makes one at the initial fit and at each scheduled check, and keeps them in its
-    ``history``; ``step`` and ``initial`` are required, the rest start empty and are filled in as the fit goes.
-
-    Attributes:
-        step: the optimizer step before which it ran (0 for the initial fit). Required.
-        initial: whether this was the initial fit. Required.
-        errors: per layer, ``err`` on the first fresh gradient of the projectors in use (at a refit, compared with
-            the threshold) or, at the initial fit, of the norm-scaled random draw the fit starts from (≈ 1.0; the
-            ``±1/√r`` draw itself sits near 5 because ``AᵀA`` is far from a projection). Default: ``{}``.
-        refit: names of the layers that were (re)fitted. Default: ``[]``.
-        fitted_errors: per refit layer, ``err`` of the new projectors on the last sampled gradient before fitting
-            on it (a held-out error when ``num_samples ≥ 2``, else the error after fitting). Default: ``{}``.
-        norm_ratios: per refit layer, ``ρ = ‖S‖/‖G‖`` of the new projectors pooled over ``norm_samples`` batches the
-            fit did not use: the share of a full gradient's norm that the compressed gradient keeps (gradient
-            clipping divides by it). Default: ``{}``.
-        norm_ratio_from_fit: refit layers whose ``ρ`` is the fit's own one-batch figure (the last sample before
-            fitting on it) because no batch was left to measure on (``norm_samples=0``, or a dataloader with no more
-            than ``num_samples`` batches). Default: ``[]``.
-        seconds: wall time of the sampling passes and fits. Default: ``0.0``.
-        device_fit_state_bytes: the most fit state (values, their Adam moments, indices) held on the training device
-            at once: one layer's on an accelerator, where the others wait on the host; every layer's on the CPU.
-            Default: ``0``.
-
-    Example::
-
-        import lightning.pytorch as pl
-        from lightning_offload import ProjectorRefit
-
-        refit = ProjectorRefit(every_n_steps=200)
-        pl.Trainer(strategy="lsp_offload", callbacks=[refit]).fit(module)
-        for record in refit.history:  # the initial fit first, then one per check
-            print(record.step, record.refit, record.metrics()["projector_refit/error_mean"])
-    """
-
-    step: int
-    initial: bool
-    errors: dict[str, float] = field(default_factory=dict)
-    refit: list[str] = field(default_factory=list)
-    fitted_errors: dict[str, float] = field(default_factory=dict)
-    norm_ratios: dict[str, float] = field(default_factory=dict)
-    norm_ratio_from_fit: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    device_fit_state_bytes: int = 0
-
-    def metrics(self) -> dict[str, float]:
-        """Summary figures for loggers: error min/mean/max over layers before, mean after, counts, time."""
-        before = list(self.errors.values()) or [0.0]
-        after = list(self.fitted_errors.values())
-        out = {
-            "projector_refit/error_min": min(before),
-            "projector_refit/error_mean": sum(before) / len(before),
-            "projector_refit/error_max": max(before),
-            "projector_refit/layers_refit": float(len(self.refit)),
-            "projector_refit/seconds": self.seconds,
-            "projector_refit/device_fit_state_bytes": float(self.device_fit_state_bytes),
-        }
-        if after:
-            out["projector_refit/fitted_error_mean"] = sum(after) / len(after)
-            out["projector_refit/fitted_error_max"] = max(after)
-        if self.norm_ratios:
-            ratios = list(self.norm_ratios.values())
-            out["projector_refit/norm_ratio_mean"] = sum(ratios) / len(ratios)
-            out["projector_refit/norm_ratio_min"] = min(ratios)
-        return out
 
 
 class ProjectorRefit(Callback):
@@ -379,7 +309,7 @@ class ProjectorRefit(Callback):
         # The fit has its own figure (projector_refit/seconds); the next step's device time must not include it.
         optimizer.restart_step_clock()
         self.history.append(record)
-        self._announce(record, len(layers))
+        rank_zero_info(record.summary_line(len(layers)))
         if record.norm_ratio_from_fit and self.norm_samples:
             rank_zero_warn(
                 f"ProjectorRefit: the training dataloader had no batch left after the fit's {self.num_samples} to "
@@ -388,24 +318,9 @@ class ProjectorRefit(Callback):
                 f"dataloader at least num_samples + norm_samples = {self.num_samples + self.norm_samples} batches, or "
                 f"lower num_samples."
             )
-        stuck = [name for name in record.refit if record.fitted_errors.get(name, 0.0) > self.threshold]
-        if initial and stuck:
-            # Fitted, yet no better than the threshold the schedule holds them to: the first check will refit them.
-            rank_zero_warn(
-                f"ProjectorRefit: the initial fit left {len(stuck)} of {len(record.refit)} layers above "
-                f"threshold={self.threshold} (e.g. {stuck[0]}: {record.fitted_errors[stuck[0]]:.3f} on a held-out "
-                f"gradient, from {record.errors.get(stuck[0], math.nan):.3f} drawn), so each check will refit them. "
-                f"On such data learned projectors gain little over projectors='random'; or raise threshold, "
-                f"num_samples or max_iters."
-            )
-        if not initial and stuck:
-            # Such layers are refitted at every check: the cost of a full fit each time, for nothing.
-            rank_zero_warn(
-                f"ProjectorRefit at step {step}: {len(stuck)} of {len(record.refit)} refitted layers stay above "
-                f"threshold={self.threshold} after fitting (e.g. {stuck[0]}: "
-                f"{record.fitted_errors[stuck[0]]:.2f} on a held-out gradient), so they will be refitted at every "
-                f"check. Raise threshold (fresh fits reach ~0.6–0.9 held out), num_samples or max_iters."
-            )
+        stuck = record.stuck_warning(self.threshold)
+        if stuck is not None:
+            rank_zero_warn(stuck)
         self.fits_done += 1
         if self.log:
             for logger in trainer.loggers:
@@ -424,25 +339,6 @@ class ProjectorRefit(Callback):
         if self.fit_threads is not None:
             return self.fit_threads
         return max(1, min(torch.get_num_threads(), grad.numel() // 2**18))
-
-    @staticmethod
-    def _announce(record: RefitRecord, num_layers: int) -> None:
-        """One line on what the fit did: layers, time, and the errors before and after."""
-        def mean(values: Mapping[str, float]) -> str:
-            return f"{sum(values.values()) / len(values):.3f}" if values else "n/a"
-
-        if record.initial:
-            rank_zero_info(
-                f"ProjectorRefit: fitted {len(record.refit)} of {num_layers} layers in {record.seconds:.1f} s; mean "
-                f"reconstruction error {mean(record.errors)} (norm-scaled random) -> {mean(record.fitted_errors)} "
-                f"(held-out)."
-            )
-        else:
-            rank_zero_info(
-                f"ProjectorRefit at step {record.step}: refitted {len(record.refit)} of {num_layers} layers in "
-                f"{record.seconds:.1f} s; mean error {mean(record.errors)} (in use) -> {mean(record.fitted_errors)} "
-                f"(refitted, held-out)."
-            )
 
     def _redraw(self, layer: ProjectedWeight, step: int, index: int) -> tuple[SparseProjector, SparseProjector]:
         """Fresh collision-free indices for a refit, seeded by (seed, step, layer) so a resumed run redraws alike."""
