@@ -1,24 +1,20 @@
-"""The offload engine's orchestrator: the optimizer that takes over a user's Adam/AdamW and runs its step over
-slots, one per offloaded tensor, that it knows only through :class:`~lightning_offload.engine.slot.Slot`.
+"""The offload engine as a ``torch.optim.Optimizer``: :class:`OffloadOptimizer` takes over a user's Adam/AdamW, builds
+one slot per offloaded tensor and the parts they share, and hands each step to the engine's orchestrator
+(:class:`~lightning_offload.engine.orchestrator.StepOrchestrator`).
 
 :class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
 ``configure_optimizers``. It shares that optimizer's ``param_groups`` dicts, so per-group hyper-parameters are
 honoured and LR schedulers (which write ``param_groups[i]["lr"]``) keep working. The user's optimizer never
 steps and holds no state. All optimizer state lives on the host, in the slots: a projected weight's Adam on
 ``S = A G Bᵀ`` (:mod:`~lightning_offload.engine.projected_slot`), a dense parameter's fp32 master and Adam
-(:mod:`~lightning_offload.engine.dense_slot`), an embedding's rows (:mod:`~lightning_offload.engine.row_slot`), or
-nothing where another rank steps the tensor (:mod:`~lightning_offload.engine.remote_slot`). This module holds the
-step: the global norm and the clip/skip decision (:mod:`~lightning_offload.engine.clipping`), launching each slot's
-host job (:mod:`~lightning_offload.engine.speculation`), applying updates (hooks in
-:mod:`~lightning_offload.engine.gradients`), and the step's figures. ``docs/design.md`` ("The engine") describes
-the timeline and what each slot kind owns.
+(:mod:`~lightning_offload.engine.dense_slot`), an embedding's rows (:mod:`~lightning_offload.engine.row_slot`), MEFT's
+adapter rows (:mod:`~lightning_offload.engine.row_blocks_slot`), or nothing where another rank steps the tensor
+(:mod:`~lightning_offload.engine.remote_slot`). This module holds the set-up, the clipping calls, accounting and
+checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and what each slot kind owns.
 """
-
 from __future__ import annotations
 
 import math
-import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,22 +22,20 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_offload.engine.clipping import (
-    GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
+from lightning_offload.engine.clipping import GradientNorms, NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
 from lightning_offload.engine.gradients import GradientRouting
 from lightning_offload.engine.pipeline import HostWorker, UpdateRing
 from lightning_offload.engine.block_row_adam import RowAdamSettings
-from lightning_offload.engine.projected_slot import UpdatePrefetch
+from lightning_offload.engine.orchestrator import StepOrchestrator
 from lightning_offload.engine.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.engine.row_gradients import RowGradients
-from lightning_offload.engine.slot import Lanes, Slot, is_decoupled, synced_hparams
+from lightning_offload.engine.slot import Lanes, Slot, is_decoupled
 from lightning_offload.engine.slot_building import build_slots
 from lightning_offload.engine.speculation import Speculation
 from lightning_offload.engine.step_figures import StepFigures
-from lightning_offload.engine.telemetry import StepTelemetry
 from lightning_offload.engine.user_optimizer import (
     LINK_DTYPES, check_engine_arguments, check_still_frozen, named_parameters_of, validate_user_optimizer)
 from lightning_offload.lsp.linear import ProjectedWeight
@@ -141,8 +135,6 @@ class OffloadOptimizer(Optimizer):
         self.figures = StepFigures()
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
-        self._round = 0  # counts launched steps: tells gradients sent for this step from stale ones
-        self.last_step_skipped = False
 
         on_device = {id(p) for p in keep_on_device}
         # Parameters that do not require gradients (the user's frozen layers left in the optimizer, and those the
@@ -163,11 +155,16 @@ class OffloadOptimizer(Optimizer):
         # with it (and the state copies cost extra), so speculation is for accelerators.
         self.speculation = Speculation(speculative if speculative is not None else self.device.type != "cpu",
                                        self.slots, self.lanes.worker)
+        self.orchestrator = StepOrchestrator(
+            self.lanes, self.slots, self.device_adam, self.speculation, self.norms, self.figures, on_nonfinite,
+            pipelined, lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
+                                self.lanes.ring.fallbacks if self.lanes.ring is not None else 0))
         # _send_gradient is looked up at each call, so a wrapper set on the instance (a test's log) sees every send.
-        self.routing = GradientRouting(self.slots, model, self.ranks, self._device_params(),
-                                       {id(p) for p in tied_projected}, lambda slot: self._send_gradient(slot),
-                                       self._finish)
-        self.prefetch = UpdatePrefetch(self.slots, self.lanes)
+        self.orchestrator.send = lambda slot: self._send_gradient(slot)
+        self.routing = GradientRouting(self.slots, model, self.ranks, self.orchestrator.device_params,
+                                       {id(p) for p in tied_projected}, self.orchestrator.send,
+                                       self.orchestrator.finish)
+        self.orchestrator.routing = self.routing
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
         if update_buffers and self.projected_layers:
@@ -205,144 +202,28 @@ class OffloadOptimizer(Optimizer):
         :meth:`synchronize` (the next step's launch, when pipelined)."""
         return self.figures.in_flight
 
-    def _device_params(self) -> list[Tensor]:
-        return self.device_adam.params if self.device_adam is not None else []
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest step was skipped for a non-finite gradient."""
+        return self.orchestrator.last_step_skipped
 
     # ------------------------------------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor."""
-        loss = None
-        if closure is not None:
-            # No synchronize before the closure: its forward applies the previous step's updates module by module
-            # (forward pre-hooks), which is where the host work of that step gets hidden.
-            for layer in self.projected_layers:
-                layer.reset_forward_count()  # a forward whose backward never ran must not hold back this step's send
-            self.routing.collecting = True
-            try:
-                with torch.enable_grad():
-                    loss = closure()
-            except BaseException:
-                self._abandon()  # nothing of a step that never happened may stay in the host state
-                raise
-            finally:
-                self.routing.collecting = False
+        """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor
+        (:class:`~lightning_offload.engine.orchestrator.StepOrchestrator`)."""
+        loss = self.orchestrator.collect(closure) if closure is not None else None
         check_still_frozen(self._frozen_at_setup)
-        # Updates of modules this forward did not run, and last step's telemetry, are settled before the next launch.
-        self.synchronize()
-        self.figures.backward_ended()
-        clip, norm = self.norms.take()
-        if norm is None:
-            norm = self.grad_norm()
-        self.last_step_skipped = not bool(torch.isfinite(norm))
-        if self.last_step_skipped:
-            self._skip_step(norm)
-            return loss
-        step = self.speculation.take_step()
-        for layer in self.projected_layers:
-            if layer.grad_buffer is not None:
-                step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
-            step.device_saved_projection_bytes += layer.saved_projection_bytes
-        clip = launch_clip(clip)
-        compute_done = self.lanes.link.compute_event()
-        for slot in self.slots:
-            self._launch(slot, clip, compute_done, step)
-        if self.device_adam is not None:
-            # Queued on the device after backward, like a native optimizer step: nothing waits for it.
-            self.device_adam.step(clip, synced_hparams)
-        self.speculation.launched(clip)
-        if self.ranks is not None:
-            # This step's reductions and norm, and the broadcasts of the previous step's updates.
-            step.bytes_between_ranks = float(self.ranks.bytes_this_step)
-            self.ranks.reset()
-        self.figures.launched(step)
-        self._round += 1
-        # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
-        # scheduler's order check does not warn (the user's optimizer never steps itself).
-        self.wrapped._opt_called = True  # type: ignore[attr-defined]
-        for slot in self.routing.eager:
-            self._finish(slot)
-        if not self.pipelined:
-            self.synchronize()
-        self.figures.restart_clock()
+        self.orchestrator.decide_and_launch(self.grad_norm, self.wrapped)
         return loss
 
-    def _launch(self, slot: Slot, clip: Any, compute_done: Any, step: StepTelemetry) -> None:
-        """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner."""
-        has_grad = slot.has_grad() if self.ranks is None else self.norms.present.get(id(slot), False)
-        if not slot.owned:
-            if has_grad:
-                slot.expect_update(self.figures.timeline)
-            return
-        speculation = self.speculation
-        if not has_grad:
-            speculation.undo(slot, self._round)  # its gradient was dropped after it was sent (never in Lightning)
-            return
-        settings = slot.settings()
-        confirmed = speculation.holds(slot, self._round, clip, settings)
-        if not slot.is_sent(self._round):
-            self._send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
-        slot.prepare(step)
-        if confirmed:
-            step.speculative_steps += 1
-            speculation.confirm(slot, compute_done)
-        else:
-            redo = speculation.speculated(slot, self._round)
-            if redo:
-                step.rolled_back_steps += 1  # the redo job first restores what the speculative one changed
-            else:
-                slot.prepare_l2(step)
-                slot.timeline = self.figures.timeline
-            slot.job = speculation.submit(slot, clip, compute_done, step, settings, redo)
-        slot.pending = True
-        slot.release_gradient()
-
     def _send_gradient(self, slot: Slot) -> None:
-        """``slot``'s gradient is final: it crosses now, and during backward its host step may start at once."""
-        slot.send(self._round, self.figures.timeline)
-        if self.routing.collecting and self.speculation.enabled:
-            self.speculation.start(slot, self._round, self.figures.timeline)
-
-    def _finish(self, slot: Slot) -> None:
-        """Main thread: wait for a slot's update and apply it on the device."""
-        if not slot.pending:
-            return
-        start = time.perf_counter()
-        if slot.owned:
-            self.lanes.worker.wait(slot.job)
-        slot.finish(start)
-        if slot.owned:
-            self.prefetch.after(slot)
-        slot.pending = False
-        slot.job = None
-
-    def _abandon(self) -> None:
-        """Forget a step that will not be taken: its speculative host steps and its reductions."""
-        self.speculation.roll_back(self.slots, self._round)
-        if self.ranks is not None:
-            self.ranks.reset()
-
-    def _skip_step(self, norm: Tensor) -> None:
-        self._abandon()  # the host state must be as if this step never began
-        for slot in self.slots:
-            slot.abandon_gradient()
-        for layer in self.projected_layers:
-            layer.zero_grad()
-        if self.on_nonfinite == "raise":
-            raise nonfinite_error(norm, self.telemetry.steps)
-        self._round += 1
-        self.figures.skipped()
-        warnings.warn(skipped_step_warning(norm, self.telemetry.skipped_steps, self.telemetry.steps),
-                      NonFiniteStepWarning, stacklevel=2)
-        self.figures.restart_clock()
+        """``slot``'s gradient is final: it crosses now (see :meth:`StepOrchestrator.send_gradient`)."""
+        self.orchestrator.send_gradient(slot)
 
     def synchronize(self) -> None:
         """Apply every pending update now (before reading weights outside training, saving, or evaluating)."""
-        for slot in self.slots:
-            self._finish(slot)
-        self.lanes.worker.check()
-        self.figures.complete(lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
-                                       self.lanes.ring.fallbacks if self.lanes.ring is not None else 0))
+        self.orchestrator.synchronize()
 
     def restart_step_clock(self) -> None:
         """Start the next step's device lane now: work done since the last step (a projector fit) is not the step's."""
@@ -382,7 +263,7 @@ class OffloadOptimizer(Optimizer):
         1 for random draws, which keep norms in expectation, and exactly right for signed permutations). So
         ``gradient_clip_val`` means what it means for plain AdamW.
         """
-        return self.norms.global_norm(self.slots, self._device_params())
+        return self.norms.global_norm(self.slots, self.orchestrator.device_params)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:

@@ -1,0 +1,213 @@
+"""The engine's step over its slots, which it knows only through :class:`~lightning_offload.engine.slot.Slot`: the
+backward that sends each gradient as it is final, one global norm and one clip or skip decision, each slot's host job,
+and each update applied before the module that owns it runs again (``docs/design.md``, "The engine").
+
+:class:`~lightning_offload.engine.optimizer.OffloadOptimizer` is its face as a ``torch.optim.Optimizer``: it builds
+the slots and their shared parts, and hands every step to :class:`StepOrchestrator`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.engine.clipping import (
+    GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
+from lightning_offload.engine.device_adam import DeviceAdam
+from lightning_offload.engine.gradients import GradientRouting
+from lightning_offload.engine.projected_slot import UpdatePrefetch
+from lightning_offload.engine.slot import Clip, Lanes, Slot, synced_hparams
+from lightning_offload.engine.speculation import Speculation
+from lightning_offload.engine.step_figures import StepFigures
+from lightning_offload.engine.telemetry import StepTelemetry
+from lightning_offload.lsp.linear import ProjectedWeight
+
+
+class StepOrchestrator:
+    """Runs the engine's steps over its slots.
+
+    Args:
+        lanes: what the slots share (link, worker, update ring, ranks).
+        slots: every offloaded tensor's slot, in the order their host jobs run (forward order).
+        device_adam: the parameters stepped on the device, clipped and checked with the rest (or ``None``).
+        speculation: submits each host job, and speculates where it is on.
+        norms: the step's global norm and the clipping asked for.
+        figures: the steps' timelines and figures.
+        on_nonfinite: ``"skip"`` or ``"raise"`` for a step whose gradients hold inf/nan.
+        pipelined: apply updates before the owning modules' next forwards (else before the step returns).
+        sizes: host state bytes, device persistent bytes by category and update-ring fallbacks, measured when a
+            step's figures complete (:meth:`~lightning_offload.engine.step_figures.StepFigures.complete`).
+    """
+
+    def __init__(self, lanes: Lanes, slots: list[Slot], device_adam: DeviceAdam | None, speculation: Speculation,
+                 norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
+                 sizes: Callable[[], tuple[int, dict[str, int], int]]) -> None:
+        self.lanes = lanes
+        self.slots = slots
+        self.device_adam = device_adam
+        self.speculation = speculation
+        self.norms = norms
+        self.figures = figures
+        self.on_nonfinite = on_nonfinite
+        self.pipelined = pipelined
+        self.sizes = sizes
+        self.projected_layers: list[ProjectedWeight] = [slot.layer for slot in slots if slot.layer is not None]
+        self.prefetch = UpdatePrefetch(slots, lanes)
+        self.round = 0  # counts launched steps: tells gradients sent for this step from stale ones
+        self.last_step_skipped = False
+        # Set by the optimizer once its hooks exist: they say whether the closure's backward is running, and
+        # route each final gradient to `send` (looked up on the optimizer at each call, so a wrapper set there sees
+        # every send).
+        self.routing: GradientRouting | None = None
+        self.send: Callable[[Slot], None] = self.send_gradient
+
+    @property
+    def device_params(self) -> list[Tensor]:
+        """The parameters the device Adam steps."""
+        return self.device_adam.params if self.device_adam is not None else []
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def collect(self, closure: Callable[[], Any]) -> Any:
+        """Run the step's forward and backward (``closure``); each gradient is sent as soon as it is final."""
+        # No synchronize before the closure: its forward applies the previous step's updates module by module
+        # (forward pre-hooks), which is where the host work of that step gets hidden.
+        for layer in self.projected_layers:
+            layer.reset_forward_count()  # a forward whose backward never ran must not hold back this step's send
+        self.routing.collecting = True
+        try:
+            with torch.enable_grad():
+                return closure()
+        except BaseException:
+            self.abandon()  # nothing of a step that never happened may stay in the host state
+            raise
+        finally:
+            self.routing.collecting = False
+
+    def send_gradient(self, slot: Slot) -> None:
+        """``slot``'s gradient is final: it crosses now, and during backward its host step may start at once."""
+        slot.send(self.round, self.figures.timeline)
+        if self.routing.collecting and self.speculation.enabled:
+            self.speculation.start(slot, self.round, self.figures.timeline)
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
+        """After backward: one norm, one decision; then every slot's host step is launched (or the step skipped).
+
+        Args:
+            grad_norm: the step's global norm, when no clipping call computed it already.
+            user_optimizer: the optimizer whose ``param_groups`` are stepped (marked as stepped for its schedulers).
+        """
+        # Updates of modules this forward did not run, and last step's figures, are settled before the next launch.
+        self.synchronize()
+        self.figures.backward_ended()
+        clip, norm = self.norms.take()
+        if norm is None:
+            norm = grad_norm()
+        self.last_step_skipped = not bool(torch.isfinite(norm))
+        if self.last_step_skipped:
+            self._skip(norm)
+            return
+        step = self.speculation.take_step()
+        for layer in self.projected_layers:
+            if layer.grad_buffer is not None:
+                step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
+            step.device_saved_projection_bytes += layer.saved_projection_bytes
+        clip = launch_clip(clip)
+        compute_done = self.lanes.link.compute_event()
+        for slot in self.slots:
+            self._launch(slot, clip, compute_done, step)
+        if self.device_adam is not None:
+            # Queued on the device after backward, like a native optimizer step: nothing waits for it.
+            self.device_adam.step(clip, synced_hparams)
+        self.speculation.launched(clip)
+        if self.lanes.ranks is not None:
+            # This step's reductions and norm, and the broadcasts of the previous step's updates.
+            step.bytes_between_ranks = float(self.lanes.ranks.bytes_this_step)
+            self.lanes.ranks.reset()
+        self.figures.launched(step)
+        self.round += 1
+        # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
+        # scheduler's order check does not warn (the user's optimizer never steps itself).
+        user_optimizer._opt_called = True
+        for slot in self.routing.eager:
+            self.finish(slot)
+        if not self.pipelined:
+            self.synchronize()
+        self.figures.restart_clock()
+
+    def _launch(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry) -> None:
+        """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner."""
+        ranks = self.lanes.ranks
+        has_grad = slot.has_grad() if ranks is None else self.norms.present.get(id(slot), False)
+        if not slot.owned:
+            if has_grad:
+                slot.expect_update(self.figures.timeline)
+            return
+        speculation = self.speculation
+        if not has_grad:
+            speculation.undo(slot, self.round)  # its gradient was dropped after it was sent (never in Lightning)
+            return
+        settings = slot.settings()
+        confirmed = speculation.holds(slot, self.round, clip, settings)
+        if not slot.is_sent(self.round):
+            self.send(slot)  # manual optimization, or a gradient that changed after it was sent
+        slot.prepare(step)
+        if confirmed:
+            step.speculative_steps += 1
+            speculation.confirm(slot, compute_done)
+        else:
+            redo = speculation.speculated(slot, self.round)
+            if redo:
+                step.rolled_back_steps += 1  # the redo job first restores what the speculative one changed
+            else:
+                slot.prepare_l2(step)
+                slot.timeline = self.figures.timeline
+            slot.job = speculation.submit(slot, clip, compute_done, step, settings, redo)
+        slot.pending = True
+        slot.release_gradient()
+
+    def finish(self, slot: Slot) -> None:
+        """Main thread: wait for a slot's update and apply it on the device."""
+        if not slot.pending:
+            return
+        start = time.perf_counter()
+        if slot.owned:
+            self.lanes.worker.wait(slot.job)
+        slot.finish(start)
+        if slot.owned:
+            self.prefetch.after(slot)
+        slot.pending = False
+        slot.job = None
+
+    def synchronize(self) -> None:
+        """Apply every pending update now, and complete the launched step's figures."""
+        for slot in self.slots:
+            self.finish(slot)
+        self.lanes.worker.check()
+        self.figures.complete(self.sizes)
+
+    def abandon(self) -> None:
+        """Forget a step that will not be taken: its speculative host steps and its reductions."""
+        self.speculation.roll_back(self.slots, self.round)
+        if self.lanes.ranks is not None:
+            self.lanes.ranks.reset()
+
+    def _skip(self, norm: Tensor) -> None:
+        self.abandon()  # the host state must be as if this step never began
+        for slot in self.slots:
+            slot.abandon_gradient()
+        for layer in self.projected_layers:
+            layer.zero_grad()
+        telemetry = self.figures.telemetry
+        if self.on_nonfinite == "raise":
+            raise nonfinite_error(norm, telemetry.steps)
+        self.round += 1
+        self.figures.skipped()
+        warnings.warn(skipped_step_warning(norm, telemetry.skipped_steps, telemetry.steps), NonFiniteStepWarning,
+                      stacklevel=3)
+        self.figures.restart_clock()
