@@ -135,3 +135,39 @@ def test_the_internals_check_sees_getattr_and_attribute_reads(tmp_path: Path) ->
                       "    return getattr(datamodule, 'task', '')\n")
     assert _reads_of_strategy_internals(module) == ["line 2: getattr(trainer.strategy, 'x', None)",
                                                     "line 3: trainer.strategy.offload_optimizer"]
+
+
+# Sizes a maintainer can hold in their head (issue 29): a module past them has grown a second job.
+MODULE_MAX_LINES = 400
+ORCHESTRATOR_MAX_LINES = 350
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_module_is_over_its_size() -> None:
+    long = {str(p.relative_to(PACKAGE)): _lines(p) for p in PACKAGE.rglob("*.py") if _lines(p) > MODULE_MAX_LINES}
+    assert not long, f"modules over {MODULE_MAX_LINES} lines (split them by job): {long}"
+    assert _lines(PACKAGE / "engine" / "orchestrator.py") <= ORCHESTRATOR_MAX_LINES
+
+
+def _constructs(path: Path, names: set[str]) -> list[str]:
+    """Calls in ``path`` that construct one of ``names`` (by its bare or dotted name)."""
+    return [f"line {node.lineno}: {ast.unparse(node.func)}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and ast.unparse(node.func).rsplit(".", 1)[-1] in names]
+
+
+def test_meft_runs_on_the_engine_s_worker_and_norm() -> None:
+    # One host worker and one global norm for the whole step: MEFT's rows are a slot kind of the engine, so nothing
+    # under meft/ starts a host worker or a thread of its own, or computes a gradient norm of its own.
+    found = {str(p.relative_to(PACKAGE)): _constructs(p, {"HostWorker", "Thread", "GradientNorms"})
+             for p in (PACKAGE / "meft").rglob("*.py")}
+    found = {path: calls for path, calls in found.items() if calls}
+    assert not found, f"a second worker or norm under meft/: {found}"
+
+
+def test_the_construction_check_sees_bare_and_dotted_calls(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import threading\nw = HostWorker()\nt = threading.Thread(target=print)\nx = Worker()\n")
+    assert _constructs(module, {"HostWorker", "Thread"}) == ["line 2: HostWorker", "line 3: threading.Thread"]
