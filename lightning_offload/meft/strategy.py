@@ -21,33 +21,38 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
 from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.meft.adapter import MEFTAdapter, RowTraffic
 from lightning_offload.meft.injection import meft_adapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters, row_figures
-from lightning_offload.strategies.offload import LSPOffloadStrategy
+from lightning_offload.strategies.offload import SingleDeviceOffload
+from lightning_offload.strategies.settings import PROJECTION_SETTINGS, OffloadSettings
 from lightning_offload.strategies.report import OffloadFacts
 
 # Where checkpoints written before the rows were slots of the engine kept the rows' Adam state.
 _OLD_STATE_KEY = "meft_host_rows"
 
 
-class MEFTOffloadStrategy(LSPOffloadStrategy):
+class MEFTOffloadStrategy(SingleDeviceOffload):
     """Single-device training of MEFT adapters with their rows and Adam state on the host.
 
     Registered as ``strategy="meft_offload"``. Call :func:`~lightning_offload.meft.injection.inject_meft` on the
     model first; ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW`` over the trainable parameters
     (the routers), whose first param group also sets the rows' hyper-parameters unless ``lr``/``weight_decay`` do.
-    Every other keyword goes to :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` with
-    ``projection=False``, the ``zero_offload`` machinery that steps the dense parameters; the projection settings
+    Every other keyword is an offload setting of :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy`,
+    for the dense parameters, stepped as ``zero_offload`` steps them (no projection); the projection settings
     (``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``, ``projectors``,
-    ``projector_factory``, ``update_buffers``) do not apply and are refused.
+    ``projector_factory``, ``update_buffers``) do not apply and are refused unless left at their defaults.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU).
@@ -75,6 +80,9 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
         head: as for ``zero_offload``, when the output head is left trainable. Default: ``None`` (``"host"``).
         accelerator, checkpoint_io, precision_plugin: as for ``LSPOffloadStrategy`` (filled in by the Trainer).
             Default: ``None``.
+        projection_settings: ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``,
+            ``projectors``, ``projector_factory``, ``update_buffers``: accepted at their defaults only (nothing is
+            projected); another value is refused, naming it. Any other keyword is a ``TypeError``. Default: none.
 
     Example::
 
@@ -91,9 +99,21 @@ class MEFTOffloadStrategy(LSPOffloadStrategy):
 
     def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
                  weight_decay: float | None = None, key_lr_scale: float = 1.0, row_block: int | None = None,
-                 **kwargs: Any) -> None:
-        kwargs["projection"] = False
-        super().__init__(device, **kwargs)
+                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, seed: int = 0, on_nonfinite: NonFinitePolicy = "skip",
+                 log_telemetry: bool = True, pipelined: bool = True, link_dtype: str = "fp32",
+                 speculative: bool | None = None, embeddings: str | None = None, head: str | None = None,
+                 **projection_settings: Any) -> None:
+        for name in projection_settings:
+            if name not in PROJECTION_SETTINGS:
+                raise TypeError(f"MEFTOffloadStrategy.__init__() got an unexpected keyword argument {name!r}"
+                                + (" (meft_offload never projects)" if name == "projection" else "") + ".")
+        settings = OffloadSettings(projection=False, seed=seed, on_nonfinite=on_nonfinite,
+                                   log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
+                                   speculative=speculative, embeddings=embeddings, head=head, **projection_settings)
+        super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._configure_offload(settings)
         if lr is not None and not lr > 0:
             raise ValueError(f"meft_offload lr={lr} must be positive (or None to follow the optimizer).")
         if not key_lr_scale > 0:

@@ -34,7 +34,75 @@ def default_device() -> torch.device:
 
 
 
-class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
+class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
+    """The offload machinery on Lightning's single-device strategy: what ``lsp_offload``, ``zero_offload`` and
+    ``meft_offload`` share. The device follows the Trainer's accelerator when none is given, and more than one
+    device is refused (naming the strategy's data-parallel form, where it has one). A strategy on it builds its
+    ``OffloadSettings`` first (a bad value is refused before anything is set up), then calls this constructor and
+    ``_configure_offload(settings)``.
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
+            ``accelerator``).
+        accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
+    """
+
+    #: The registered name of this strategy's form for several devices and nodes (None: it has none).
+    data_parallel_form: str | None = None
+
+    def __init__(self, device: torch.device | str | None = None, *, accelerator: Accelerator | None = None,
+                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None) -> None:
+        self._auto_device = device is None
+        super().__init__(
+            device=default_device() if device is None else device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    # ---------------------------------------------------------------------------------------------------- device
+    @property
+    @override
+    def accelerator(self) -> Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        self._accelerator = accelerator
+        # A strategy built from its registered name gets no device: follow the accelerator the Trainer chose.
+        if self._auto_device and accelerator is not None:
+            kind = type(accelerator).__name__
+            if kind == "CPUAccelerator":
+                self._root_device = torch.device("cpu")
+            elif kind == "CUDAAccelerator" and torch.cuda.is_available():
+                self._root_device = torch.device("cuda", torch.cuda.current_device())
+
+    @override
+    def setup_environment(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        connector = getattr(trainer, "_accelerator_connector", None)
+        requested = len(getattr(connector, "_parallel_devices", None) or [None])
+        num_nodes = getattr(connector, "_num_nodes_flag", 1) or 1
+        if requested > 1 or num_nodes > 1:
+            # Lightning would quietly train on the first device only.
+            raise ValueError(
+                f"strategy {self.strategy_name!r} trains on one device, but the Trainer asks for {requested} "
+                f"device(s) on {num_nodes} node(s). "
+                + (f"Use strategy='{self.data_parallel_form}' (the same offload on Lightning's DDP, after `import "
+                   f"lightning_offload`) for several devices or nodes, or pass devices=1."
+                   if self.data_parallel_form else "It has no multi-device form yet: pass devices=1 (and num_nodes=1).")
+            )
+        super().setup_environment()
+        self._add_refit_callback(trainer)
+
+    @override
+    def _prepare_model(self) -> None:
+        self.model = self._setup_model(self.model)
+
+
+class LSPOffloadStrategy(SingleDeviceOffload):
     """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
 
     Registered as ``strategy="lsp_offload"`` (after ``import lightning_offload``); build it yourself to change the
@@ -102,8 +170,7 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
     """
 
     strategy_name = "lsp_offload"
-    #: The registered name of this strategy's form for several devices and nodes (None: it has none).
-    data_parallel_form: str | None = "lsp_offload_ddp"
+    data_parallel_form = "lsp_offload_ddp"
 
     def __init__(
         self,
@@ -130,57 +197,10 @@ class LSPOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
         embeddings: str | None = None,
         head: str | None = None,
     ) -> None:
-        # Built first: a bad setting is refused before anything else is set up.
-        settings = OffloadSettings.from_arguments(locals())
-        self._auto_device = device is None
-        super().__init__(
-            device=default_device() if device is None else device,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        settings = OffloadSettings.from_arguments(locals())  # first: a bad setting is refused before any set-up
+        super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
         self._configure_offload(settings)
-
-    # ---------------------------------------------------------------------------------------------------- device
-    @property
-    @override
-    def accelerator(self) -> Accelerator | None:
-        return self._accelerator
-
-    @accelerator.setter
-    @override
-    def accelerator(self, accelerator: Accelerator | None) -> None:
-        self._accelerator = accelerator
-        # A strategy built from its registered name gets no device: follow the accelerator the Trainer chose.
-        if self._auto_device and accelerator is not None:
-            kind = type(accelerator).__name__
-            if kind == "CPUAccelerator":
-                self._root_device = torch.device("cpu")
-            elif kind == "CUDAAccelerator" and torch.cuda.is_available():
-                self._root_device = torch.device("cuda", torch.cuda.current_device())
-
-    @override
-    def setup_environment(self) -> None:
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        connector = getattr(trainer, "_accelerator_connector", None)
-        requested = len(getattr(connector, "_parallel_devices", None) or [None])
-        num_nodes = getattr(connector, "_num_nodes_flag", 1) or 1
-        if requested > 1 or num_nodes > 1:
-            # Lightning would quietly train on the first device only.
-            raise ValueError(
-                f"strategy {self.strategy_name!r} trains on one device, but the Trainer asks for {requested} "
-                f"device(s) on {num_nodes} node(s). "
-                + (f"Use strategy='{self.data_parallel_form}' (the same offload on Lightning's DDP, after `import "
-                   f"lightning_offload`) for several devices or nodes, or pass devices=1."
-                   if self.data_parallel_form else "It has no multi-device form yet: pass devices=1 (and num_nodes=1).")
-            )
-        super().setup_environment()
-        self._add_refit_callback(trainer)
-
-    @override
-    def _prepare_model(self) -> None:
-        self.model = self._setup_model(self.model)
 
 
 class ZeroOffloadStrategy(LSPOffloadStrategy):
