@@ -1,6 +1,8 @@
 """Bad input gets a clear error naming the bad value and the fix."""
 
 import pytest
+
+from lightning_offload.strategies.settings import OffloadSettings
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -106,6 +108,19 @@ def test_meft_refuses_projection_settings_by_name():
     with pytest.raises(ValueError, match=r"rank=0\.1, density=4: nothing is projected .* use strategy='lsp_offload'"):
         MEFTOffloadStrategy(rank=0.1, density=4)
     MEFTOffloadStrategy(rank=0.25)  # the default, given explicitly, changes nothing and is accepted
+
+
+def test_meft_refuses_unknown_keywords_and_projection_and_keeps_its_settings_as_one_value():
+    from lightning_offload import MEFTOffloadStrategy
+
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'rnak'"):
+        MEFTOffloadStrategy(rnak=0.25)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'projection' \(meft_offload never projects\)"):
+        MEFTOffloadStrategy(projection=True)
+    strategy = MEFTOffloadStrategy(seed=3, link_dtype="bf16", pipelined=False)
+    assert strategy.settings == OffloadSettings(projection=False, seed=3, link_dtype="bf16", pipelined=False)
+    with pytest.raises(ValueError, match=r"link_dtype must be one of"):
+        MEFTOffloadStrategy(link_dtype="fp8")
 
 
 def test_settings_are_one_frozen_value_that_the_strategy_keeps():

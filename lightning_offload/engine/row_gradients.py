@@ -7,8 +7,9 @@ Order on the worker is submission order, which is all the synchronisation the ho
    stream, into a reused pinned buffer) and a job adds them into the adapter's accumulators;
 2. at the optimizer step the main thread waits for those jobs (:meth:`RowGradients.flush`), checks the gradients,
    and queues one Adam job per adapter on the same worker, after the other slots' host jobs;
-3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run
-   (:meth:`RowGradients.wait`), so the first layers compute while the host is still updating the last ones.
+3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run (its slot's
+   :meth:`~lightning_offload.engine.row_blocks_slot.RowBlocksSlot.wait`), so the first layers compute while the host
+   is still updating the last ones.
 
 A failure on the worker is re-raised on the main thread at the next wait (see :class:`HostWorker`).
 """
@@ -122,7 +123,7 @@ class RowGradients:
         written[rows] = True
         if buffer is not None:
             self._staging.give_back(buffer)  # type: ignore[union-attr]
-        self._record(time.perf_counter() - start)
+        self.record(time.perf_counter() - start)
 
     def landed_square_sum(self) -> float | None:
         """Σ‖g‖² of the row gradients summed since :meth:`start_step`, when that is the squared norm of their sums
@@ -187,10 +188,7 @@ class RowGradients:
 
     # ---------------------------------------------------------------------------------------------- telemetry
     def record(self, seconds: float) -> None:
-        """Count ``seconds`` of host work on rows (a row step)."""
-        self._record(seconds)
-
-    def _record(self, seconds: float) -> None:
+        """Count ``seconds`` of host work on rows (a gradient sum, a row step)."""
         with self._lock:
             self._busy_seconds += seconds
 
