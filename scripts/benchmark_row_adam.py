@@ -1,12 +1,11 @@
-"""Host nanoseconds per element of the row-sparse Adams against torch's fused AdamW on the same number of elements.
+"""Host nanoseconds per element of the engine's row Adam against torch's fused AdamW on the same number of elements.
 
-One process, interleaved repeats, medians, two tables:
+One process, interleaved repeats, medians, two tables of :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`:
 
-* the row-sparse embedding's :class:`~lightning_offload.engine.row_adam.HostRowAdam` (gathers the touched rows into
-  preallocated workspaces, catches their moments up, steps, scatters) on ``--rows`` of an ``--height × --width``
-  matrix;
-  and, beside it, MEFT's block Adam on the same rows with one row per block;
-* MEFT's :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam` on one adapter (keys and values, ``--neurons × --width``
+* a row-sparse embedding's step, ``--rows`` of an ``--height × --width`` matrix of one-row blocks: gathered
+  (``step_rows``: the touched rows read into preallocated workspaces, their moments caught up, one kernel call,
+  scattered back; the path the engine takes for an embedding) and, beside it, in place (``step``: one slice per row);
+* MEFT's adapter rows, in place, on one adapter (keys and values, ``--neurons × --width``
   each, blocks of ``--neurons / --experts`` rows, ``--fill`` of each block's rows with a gradient), ``--blocks`` blocks
   per step: the whole row step as ``meft_offload`` runs it (zeroing the stepped blocks' idle rows, the gradient norm
   over the stepped blocks, the fused Adam kernel on the slices with the moments' catch-up folded in; the touched rows'
@@ -30,7 +29,6 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_offload.engine.row_adam import HostRowAdam
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -68,17 +66,18 @@ def _table(results: dict[str, list[float]], elements: dict[str, int], floor_name
 
 
 def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> None:
-    """HostRowAdam on the touched rows of an embedding against fused AdamW on as many elements."""
+    """The row Adam on the touched rows of an embedding, gathered and in place, against fused AdamW on as many
+    elements."""
     elements = args.rows * args.width
     row_sets = [torch.randperm(args.height, generator=generator)[:args.rows].sort().values for _ in range(4)]
     grads = [torch.randn(args.rows, args.width, generator=generator) for _ in range(4)]
-    row_adam = HostRowAdam(torch.randn(args.height, args.width, generator=generator))
+    row_adam = BlockRowAdam([torch.randn(args.height, args.width, generator=generator)], 1)
 
-    def host_row(i: int) -> None:
-        row_adam.step(row_sets[i % 4], grads[i % 4].clone(), **SETTINGS)
+    def gathered(i: int) -> None:
+        row_adam.step_rows(row_sets[i % 4], grads[i % 4].clone(), RowAdamSettings(**SETTINGS))
 
-    # MEFT's block Adam on the same rows, each row a block of its own (the candidate for one row Adam): the rows'
-    # gradients scattered into a full-size accumulator first, as it steps them in place there.
+    # The same rows stepped in place, as MEFT's blocks are: the rows' gradients scattered into a full-size
+    # accumulator first, as that path steps them in place there.
     block_adam = BlockRowAdam([torch.randn(args.height, args.width, generator=generator)], 1)
     accumulator = torch.zeros(args.height, args.width)
     masks = [torch.zeros(args.height, dtype=torch.bool).index_fill_(0, rows, True) for rows in row_sets]
@@ -89,8 +88,8 @@ def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> Non
                         zero_grads=False)
 
     steps = {"torch AdamW (fused), dense": _fused_floor(args.rows, args.width, 1, generator),
-             "HostRowAdam (embedding rows)": host_row,
-             "BlockRowAdam, one row per block (embedding rows)": block_row}
+             "BlockRowAdam.step_rows, gathered (the embedding's path)": gathered,
+             "BlockRowAdam.step, in place, one slice per row": block_row}
     results: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(3):  # interleaved, so load on the machine hits all alike
         for name, step in steps.items():

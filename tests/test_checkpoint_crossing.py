@@ -103,17 +103,17 @@ def test_projected_weights_restart_and_are_named(tmp_path: Path) -> None:
 
 
 def test_row_sparse_moments_caught_up_equal_dense_adamw_with_zero_gradients() -> None:
-    from lightning_offload.engine.row_adam import HostRowAdam
+    from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
     from lightning_offload.strategies.plain_checkpoint import dense_moments_of_rows
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(6, 4, generator=generator)
-    rows_adam, dense = HostRowAdam(weight.clone()), torch.nn.Parameter(weight.clone())
+    rows_adam, dense = BlockRowAdam([weight.clone()], block_rows=1), torch.nn.Parameter(weight.clone())
     adamw = torch.optim.AdamW([dense], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     for rows in ([0, 1], [1, 2], [0], [3, 4, 5], [1]):
         index = torch.tensor(rows)
         grad = torch.randn(len(rows), 4, generator=generator)
-        rows_adam.step(index, grad.contiguous(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+        rows_adam.step_rows(index, grad.contiguous(), RowAdamSettings(lr=1e-2, betas=(0.9, 0.99), eps=1e-8))
         dense.grad = torch.zeros_like(dense).index_copy_(0, index, grad)
         adamw.step()
     caught_up = dense_moments_of_rows(rows_adam.state_dict(), (0.9, 0.99))

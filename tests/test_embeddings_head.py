@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, signed_permutation_projector
-from lightning_offload.engine.row_adam import HostRowAdam
+from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.models.tiny import tiny_llama
 from tiny_modules import TinyCausalLM, lossless_lsp, params_of, tiny_hf_model, token_data, trainer
 
@@ -26,7 +26,7 @@ EMBEDDING = "model.model.embed_tokens.weight"
 HEAD = "model.lm_head.weight"
 
 
-# ----------------------------------------------------------------------------------------------- HostRowAdam
+# ------------------------------------------------------------------ the row Adam, gathered steps of one-row blocks
 @pytest.mark.parametrize("kind", ["adamw", "adam_l2", "maximize"])
 def test_row_adam_equals_torch_adam_on_rows_touched_every_step(kind):
     generator = torch.Generator().manual_seed(0)
@@ -36,25 +36,26 @@ def test_row_adam_equals_torch_adam_on_rows_touched_every_step(kind):
     optimizer = (torch.optim.AdamW if kind != "adam_l2" else torch.optim.Adam)([reference], **settings,
                                                                               maximize=kind == "maximize")
     master = start.clone()
-    row_adam = HostRowAdam(master)
+    row_adam = BlockRowAdam([master], block_rows=1)
     rows = torch.arange(12)
     for _ in range(5):
         grad = torch.randn(12, 5, generator=generator)
         reference.grad = grad.clone()
         optimizer.step()
-        row_adam.step(rows, grad.clone(), **settings, decoupled=kind != "adam_l2", maximize=kind == "maximize")
+        row_adam.step_rows(rows, grad.clone(), RowAdamSettings(**settings, decoupled=kind != "adam_l2",
+                                                               maximize=kind == "maximize"))
     torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
     assert not torch.equal(master, start)
 
 
 def test_row_adam_keeps_fp32_workspaces_whatever_the_default_dtype():
     """The worker steps rows while the main thread's bf16-true forward has set torch's default dtype to bf16."""
-    row_adam = HostRowAdam(torch.randn(8, 4))
+    row_adam = BlockRowAdam([torch.randn(8, 4)], block_rows=1)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        values = row_adam.step(torch.tensor([1, 5]), torch.ones(2, 4, dtype=torch.float32), lr=1e-2,
-                               betas=(0.9, 0.999), eps=1e-8)
+        values = row_adam.step_rows(torch.tensor([1, 5]), torch.ones(2, 4, dtype=torch.float32),
+                                    RowAdamSettings(lr=1e-2, betas=(0.9, 0.999), eps=1e-8))
     finally:
         torch.set_default_dtype(previous)
     assert values.dtype == torch.float32 and row_adam.rows_touched == 2
@@ -68,7 +69,7 @@ def test_row_adam_catches_moments_and_decay_up_over_gaps_as_dense_adamw():
     settings = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     dense = start.clone().requires_grad_(True)
     optimizer = torch.optim.AdamW([dense], **settings)
-    row_adam = HostRowAdam(start.clone())
+    row_adam = BlockRowAdam([start.clone()], block_rows=1)
     schedule = [[0, 1, 2, 3, 4, 5], [0, 1], [0, 1], [0, 1, 2, 3, 4, 5]]  # rows 2..5 miss two steps
     for touched in schedule:
         grad = torch.randn(6, 4, generator=generator)
@@ -77,15 +78,15 @@ def test_row_adam_catches_moments_and_decay_up_over_gaps_as_dense_adamw():
         dense.grad = grad * mask  # zero gradient on the skipped rows
         optimizer.step()
         rows = torch.tensor(touched)
-        row_adam.step(rows, grad[rows].clone(), **settings)
+        row_adam.step_rows(rows, grad[rows].clone(), RowAdamSettings(**settings))
     state = optimizer.state[dense]
-    torch.testing.assert_close(row_adam.exp_avg, state["exp_avg"], rtol=1e-6, atol=1e-8)
-    torch.testing.assert_close(row_adam.exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-10)
+    torch.testing.assert_close(row_adam.exp_avg[0], state["exp_avg"], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(row_adam.exp_avg_sq[0], state["exp_avg_sq"], rtol=1e-6, atol=1e-10)
     # Rows stepped every time are dense AdamW's exactly; the skipped ones differ by the drift they missed only.
-    torch.testing.assert_close(row_adam.param[:2], dense.detach()[:2], rtol=1e-6, atol=1e-7)
-    assert not torch.allclose(row_adam.param[2:], dense.detach()[2:], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(row_adam.params[0][:2], dense.detach()[:2], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(row_adam.params[0][2:], dense.detach()[2:], rtol=1e-6, atol=1e-7)
     assert row_adam.rows_touched == 6
-    row_adam.step(torch.empty(0, dtype=torch.int64), torch.empty(0, 4), **settings)  # a batch of padding only
+    row_adam.step_rows(torch.empty(0, dtype=torch.int64), torch.empty(0, 4), RowAdamSettings(**settings))  # padding
     assert row_adam.step_count == 5 and row_adam.rows_touched == 0
 
 

@@ -171,3 +171,17 @@ def test_the_construction_check_sees_bare_and_dotted_calls(tmp_path: Path) -> No
     module = tmp_path / "m.py"
     module.write_text("import threading\nw = HostWorker()\nt = threading.Thread(target=print)\nx = Worker()\n")
     assert _constructs(module, {"HostWorker", "Thread"}) == ["line 2: HostWorker", "line 3: threading.Thread"]
+
+
+def _fused_kernel_calls(path: Path) -> list[str]:
+    """Calls of torch's fused Adam kernels (``torch._fused_adam_``/``torch._fused_adamw_``) in ``path``."""
+    return [f"line {node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in ("_fused_adam_", "_fused_adamw_")]
+
+
+def test_one_row_adam_drives_the_fused_kernel() -> None:
+    # One row Adam for every row-stepped tensor (a row-sparse embedding, MEFT's adapter rows): only its module calls
+    # torch's fused kernel on rows; everything else steps through torch.optim.Adam or through it.
+    found = {str(p.relative_to(PACKAGE)): _fused_kernel_calls(p) for p in PACKAGE.rglob("*.py")}
+    found = {path: calls for path, calls in found.items() if calls}
+    assert list(found) == ["engine/block_row_adam.py"], f"fused Adam kernels called outside the row Adam: {found}"

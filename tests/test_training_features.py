@@ -31,7 +31,7 @@ def test_bf16_precisions_train(precision):
     assert weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     optimizer = strategy.offload_optimizer
     assert all(slot.host_param.dtype == torch.float32 for slot in optimizer.slots)
-    moments = [slot.row_adam.exp_avg if isinstance(slot, RowSlot) else slot.adam.state[slot.host_param]["exp_avg"]
+    moments = [slot.row_adam.exp_avg[0] if isinstance(slot, RowSlot) else slot.adam.state[slot.host_param]["exp_avg"]
                for slot in optimizer.slots]
     assert len(moments) == len(optimizer.slots) and all(m.dtype == torch.float32 for m in moments)
 

@@ -1,11 +1,16 @@
-"""Adam over MEFT adapter rows, block by block, in place: torch's fused Adam kernel on row slices, no gathered copies.
+"""The one row Adam of the engine: Adam over the rows of fp32 host matrices, stepping only the rows a step touched.
 
-A MEFT adapter's keys and values have ``N`` rows, of which a step touches a few experts' worth. Gathering the touched
-rows of the weights, both moments and the gradient, stepping the copies and scattering them back streams every element
-through memory three times over, plus index arithmetic. Here the rows are split into contiguous blocks (by default one
-expert's neurons, so routing touches whole blocks), and a step hands the touched blocks to torch's fused Adam kernel as
-slices of the host matrices: one pass that reads the gradient, weight and moments and writes the weight and moments in
-place.
+Two kinds of tensor have gradients in a few of many rows: a MEFT adapter's keys and values (``N`` rows, of which a step
+touches a few experts' worth) and a row-sparse embedding (the batch's tokens among the vocabulary). Both are stepped
+here, with one state layout and one catch-up rule; the rows are split into contiguous blocks, and a step takes one of
+two paths by the shape of what it touches:
+
+* **In place, block by block** (:meth:`BlockRowAdam.step`; MEFT, a block being one expert's neurons): the touched
+  blocks go to torch's fused Adam kernel as slices of the host matrices, one pass that reads the gradient, weight and
+  moments and writes the weight and moments in place, with no gathered copies.
+* **Gathered** (:meth:`BlockRowAdam.step_rows`; the embedding, one row per block): thousands of scattered rows would
+  be thousands of slices and kernel calls, so the rows are gathered into a workspace, caught up and stepped by one
+  kernel call, and scattered back.
 
 Semantics, against dense AdamW over the whole matrix:
 
@@ -20,64 +25,39 @@ Semantics, against dense AdamW over the whole matrix:
 * Norm clipping is part of the kernel's gradient scale (the gradient divided by ``1/c``, within an ulp of multiplying
   by ``c``); value clipping clamps the stepped slices first.
 
-The catch-up costs no pass over the moments: each block keeps two scales, the true moments being ``s₁·m`` and ``s₂·v``
+In place, the catch-up costs no pass over the moments: each block keeps two scales, the true moments being ``s₁·m`` and ``s₂·v``
 of the stored ones. A gap only multiplies the scales by ``β₁^g`` and ``β₂^g``, and a step of the kernel with per-block
 hyper-parameters (its ``β₁``, learning rate, ``ε``, weight decay and gradient scale, solved in float64 from the scales)
 gives exactly the true Adam step in the stored representation, with ``β₂`` unchanged and the gradient scaled by
 ``1/√s₂``, so the stored second moment stays at the gradient's scale. A block that was never skipped has scales of 1
 and is stepped with the user's hyper-parameters unchanged, bit for bit torch's fused kernel; a block whose ``s₂``
 decays below :data:`RENORMALIZE_BELOW` (thousands of skipped steps) has its moments rescaled once and its scales reset.
+A gathered step multiplies the gathered moments by their catch-up factors instead (exactly 1 for a row stepped at the
+previous step), so a row stepped at every step gets dense fused Adam's arithmetic bit for bit, and its scales are 1.
+
+Decoupled decay a row owes can also be applied before anything reads the weights (:meth:`BlockRowAdam.settle_decay`):
+the weights are then AdamW's but for the momentum drift above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-# The strategy's per-step clipping: ("norm", coefficient) or ("value", bound), or None.
-Clip = tuple[str, float] | None
+from lightning_offload.engine.row_adam_kernel import Clip, RowAdamSettings, RowWorkspace, scaled_kernel_calls
+
+__all__ = ["RENORMALIZE_BELOW", "BlockRowAdam", "Clip", "RowAdamSettings"]
 
 # A block's second-moment scale below which its stored moments are rescaled in place (its scales reset to 1): far
 # from underflow, and reached only after thousands of skipped steps at β₂ = 0.999.
 RENORMALIZE_BELOW = 1e-3
 
 
-@dataclass
-class RowAdamSettings:
-    """The hyper-parameters of one row step (taken from the user's optimizer at each step).
-
-    ``meft_offload`` builds one at every step from the first param group of the user's optimizer (and its own
-    ``lr``/``weight_decay`` when given); build one yourself to drive :class:`BlockRowAdam` by hand.
-
-    Attributes:
-        lr: learning rate of a matrix whose ``lr_scale`` is 1. Default: ``1e-3``.
-        betas: ``(β₁, β₂)``. Default: ``(0.9, 0.999)``.
-        eps: added to the denominator. Default: ``1e-8``.
-        weight_decay: ``λ``; decoupled (AdamW) or added to the gradient (Adam's L2), per ``decoupled``.
-            Default: ``0.0``.
-        decoupled: AdamW's decoupled decay rather than Adam's L2. Default: ``True``.
-        maximize: ascend instead of descend. Default: ``False``.
-
-    Example::
-
-        settings = RowAdamSettings(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)  # AdamW: decoupled=True
-        adam.step(blocks, grads, settings)  # adam: a BlockRowAdam (see its example)
-    """
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    decoupled: bool = True
-    maximize: bool = False
-
-
 class BlockRowAdam:
     """Adam or AdamW over blocks of rows of fp32 host matrices that share their row layout (an adapter's keys and
-    values), stepping only the blocks given.
+    values; an embedding, one row per block), stepping only the blocks given.
 
     Args:
         params: fp32 host matrices ``[N, h]``, updated in place; all with the same ``N``.
@@ -91,6 +71,9 @@ class BlockRowAdam:
         grads = [torch.zeros_like(keys), torch.zeros_like(values)]
         grads[1][:40] = torch.randn(40, 64)  # rows 0–39 touched: blocks 0 and 1 are stepped
         adam.step(adam.blocks_of(grads[1].ne(0).any(dim=1)), grads, RowAdamSettings(lr=1e-3))
+
+        embedding = BlockRowAdam([torch.randn(50_000, 64)], block_rows=1)  # scattered rows: gathered steps
+        embedding.step_rows(torch.tensor([3, 917, 4096]), torch.randn(3, 64), RowAdamSettings(lr=1e-3))
     """
 
     def __init__(self, params: list[Tensor], block_rows: int, lr_scales: list[float] | None = None) -> None:
@@ -117,13 +100,20 @@ class BlockRowAdam:
         # Per block, the true first and second moments are these times the stored ones (see the module docstring).
         self.scale1 = torch.ones(rows // block_rows, dtype=torch.float64)
         self.scale2 = torch.ones(rows // block_rows, dtype=torch.float64)
+        # The step through which each block's decoupled decay has been applied: its last step, or later where
+        # settle_decay applied what it owed before the weights were read (its next step must not apply it again).
+        self.decayed_step = torch.zeros(rows // block_rows, dtype=torch.int64)
         # The step count the fused kernel reads (one tensor handed for every slice: the kernel only reads it).
         self._step = torch.zeros((), dtype=torch.float32)
-        # Each block of every matrix and moment as a view, made once: a step hands them to the kernel as they are.
-        self._param_blocks = [self._by_block(p) for p in params]
-        self._exp_avg_blocks = [self._by_block(m) for m in self.exp_avg]
-        self._exp_avg_sq_blocks = [self._by_block(v) for v in self.exp_avg_sq]
+        # Each block of every matrix and moment as a view, made at the first in-place step (an embedding stepped by
+        # gathering would otherwise hold tens of thousands of views it never uses); handed to the kernel as they are.
+        self._block_views: tuple[list[tuple[Tensor, ...]], ...] | None = None
+        self._workspace = RowWorkspace(rows, params[0].shape[1])
         self._betas = (0.9, 0.999)  # the latest step's, for reading the moments back (moments())
+        self._rows_touched = 0
+        # Whether some block's scales differ from 1 (only in-place steps leave them so): a gathered step checks this
+        # flag rather than the scales, so the embedding's steps allocate nothing (tests/test_host_jobs.py).
+        self._scaled = False
 
     def _by_block(self, matrix: Tensor) -> tuple[Tensor, ...]:
         """``matrix``'s blocks as ``[block_rows, h]`` views (one call, whatever the block count)."""
@@ -197,6 +187,7 @@ class BlockRowAdam:
         ranges = self.row_ranges(blocks)
         if not ranges:
             return []  # a step whose batch touched no row (all padding): only the count advances
+        params, exp_avgs, exp_avg_sqs = self._views()
         grad_blocks = [self._by_block(g) for g in grads]
         block_list = blocks.tolist()
         grad_slices = [g[block] for g in grad_blocks for block in block_list]
@@ -204,31 +195,131 @@ class BlockRowAdam:
             for piece in grad_slices:
                 piece.clamp_(-clip[1], clip[1])
         coefficient = clip[1] if clip is not None and clip[0] == "norm" else 1.0
-        gaps, scale1, scale2 = self._decayed_scales(blocks, settings.betas)
+        scale1, scale2 = self._decayed_scales(blocks, settings.betas)
         new_scale1 = self._new_first_scales(scale1, scale2, settings.betas[0])
+        decay_gaps = (self.step_count - 1 - self.decayed_step[blocks]).tolist()
+        scales = scale1.tolist(), scale2.tolist(), new_scale1.tolist()
         self._step.fill_(self.step_count)
         kernel = torch._fused_adamw_ if settings.decoupled else torch._fused_adam_
         for lr_scale in dict.fromkeys(self.lr_scales):  # matrices sharing a learning rate share the kernel calls
             matrices = [i for i, s in enumerate(self.lr_scales) if s == lr_scale]
-            calls = self._calls(blocks, gaps, scale1, scale2, new_scale1, settings, settings.lr * lr_scale)
+            calls = scaled_kernel_calls(block_list, decay_gaps, *scales, settings, settings.lr * lr_scale,
+                                        self.step_count)
             for (hyper, moment_scale), members in calls.items():
                 pairs = [(i, block) for i in matrices for block in members]
                 grad_scale = moment_scale / coefficient  # the kernel divides the gradient by it
-                kernel([self._param_blocks[i][b] for i, b in pairs], [grad_blocks[i][b] for i, b in pairs],
-                       [self._exp_avg_blocks[i][b] for i, b in pairs],
-                       [self._exp_avg_sq_blocks[i][b] for i, b in pairs], [], [self._step] * len(pairs),
+                kernel([params[i][b] for i, b in pairs], [grad_blocks[i][b] for i, b in pairs],
+                       [exp_avgs[i][b] for i, b in pairs], [exp_avg_sqs[i][b] for i, b in pairs], [],
+                       [self._step] * len(pairs),
                        **dict(hyper), amsgrad=False, maximize=settings.maximize,
                        grad_scale=None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32),
                        found_inf=None)
         self.scale1[blocks] = new_scale1
         self.scale2[blocks] = scale2
+        self._scaled = self._scaled or bool((new_scale1 != 1.0).any() or (scale2 != 1.0).any())
         if zero_grads:
             torch._foreach_zero_(grad_slices)
         self.last_step[blocks] = self.step_count
+        self.decayed_step[blocks] = self.step_count
+        self._rows_touched = blocks.numel() * self.block_rows
         return ranges
 
-    def _decayed_scales(self, blocks: Tensor, betas: tuple[float, float]) -> tuple[Tensor, Tensor, Tensor]:
-        """Gaps of ``blocks`` and their moment scales decayed over them, to just before this step (float64).
+    def _views(self) -> tuple[list[tuple[Tensor, ...]], ...]:
+        """Per matrix, its blocks, its first moment's and its second moment's, as views (made once)."""
+        if self._block_views is None:
+            self._block_views = ([self._by_block(p) for p in self.params], [self._by_block(m) for m in self.exp_avg],
+                                 [self._by_block(v) for v in self.exp_avg_sq])
+        return self._block_views
+
+    @torch.no_grad()
+    def step_rows(self, rows: Tensor, grad: Tensor, settings: RowAdamSettings) -> Tensor:
+        """One Adam step on scattered rows of a single matrix of one-row blocks (an embedding), gathered: the rows'
+        weights and moments are read into a workspace, caught up over each row's gap, stepped by one fused kernel
+        call and written back.
+
+        Args:
+            rows: unique int64 row indices.
+            grad: their gradients, ``[len(rows), h]`` fp32 contiguous (clipped already: coupled L2 and ``maximize``
+                are applied here as ``torch.optim.Adam`` applies them).
+            settings: this step's hyper-parameters.
+
+        Returns:
+            The stepped rows' new values (a view of the workspace, valid until the next step).
+        """
+        if self.block_rows != 1 or len(self.params) != 1:
+            raise ValueError(f"step_rows steps scattered rows of one matrix of one-row blocks; this one has "
+                             f"{len(self.params)} matrices of blocks of {self.block_rows} rows: use step().")
+        count = rows.numel()
+        self.step_count += 1
+        self._betas = settings.betas
+        self._rows_touched = count
+        param, exp_avg_all, exp_avg_sq_all = self.params[0], self.exp_avg[0], self.exp_avg_sq[0]
+        if count == 0:
+            return param[:0]  # a step whose batch touched no row (all padding): only the count advances
+        weight, exp_avg, exp_avg_sq, factor1, factor2, decay, gaps, last = self._workspace.views(count)
+        beta1, beta2 = settings.betas
+        torch.index_select(param, 0, rows, out=weight)
+        torch.index_select(exp_avg_all, 0, rows, out=exp_avg)
+        torch.index_select(exp_avg_sq_all, 0, rows, out=exp_avg_sq)
+        # Steps each row missed: its moments (and decoupled decay) are caught up as dense Adam's would have been; a
+        # row touched at the previous step gets factors of exactly 1.
+        torch.index_select(self.last_step, 0, rows, out=last)
+        gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)
+        exp_avg.mul_(torch.pow(beta1, gaps, out=factor1))
+        exp_avg_sq.mul_(torch.pow(beta2, gaps, out=factor2))
+        if self._scaled:
+            # Rows last stepped in place keep scaled moments: made true here, as every gathered row's are.
+            exp_avg.mul_(self.scale1[rows].float().unsqueeze(1))
+            exp_avg_sq.mul_(self.scale2[rows].float().unsqueeze(1))
+            self.scale1[rows], self.scale2[rows] = 1.0, 1.0
+            self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
+        lr = settings.lr * self.lr_scales[0]
+        if settings.weight_decay and settings.decoupled:
+            torch.index_select(self.decayed_step, 0, rows, out=last)
+            gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)  # the decay it still owes
+            weight.mul_(torch.pow(1.0 - lr * settings.weight_decay, gaps, out=decay))
+        # Then torch's own fused Adam/AdamW kernel on the gathered rows, at the matrix's step count (one pass;
+        # coupled L2 and maximize as torch.optim.Adam applies them).
+        self._step.fill_(self.step_count)
+        kernel = torch._fused_adamw_ if settings.decoupled else torch._fused_adam_
+        kernel([weight], [grad], [exp_avg], [exp_avg_sq], [], [self._step], lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=settings.weight_decay, eps=settings.eps, amsgrad=False, maximize=settings.maximize)
+        param.index_copy_(0, rows, weight)
+        exp_avg_all.index_copy_(0, rows, exp_avg)
+        exp_avg_sq_all.index_copy_(0, rows, exp_avg_sq)
+        self.last_step.index_fill_(0, rows, self.step_count)
+        self.decayed_step.index_fill_(0, rows, self.step_count)
+        return weight
+
+    @torch.no_grad()
+    def settle_decay(self, lr: float, weight_decay: float) -> Tensor:
+        """Applies to every matrix the decoupled decay each block owes for the steps it missed (at ``lr`` times the
+        matrix's scale, as the catch-up of its next step would), so the weights read now are AdamW's but for momentum
+        drift. Returns the rows it changed (their next step then owes nothing for these steps)."""
+        owing = torch.nonzero(self.decayed_step < self.step_count).squeeze(1)
+        if owing.numel() == 0 or not weight_decay or not lr:
+            self.decayed_step.fill_(self.step_count)
+            return owing[:0]
+        missed = (self.step_count - self.decayed_step[owing]).to(torch.float32).unsqueeze(1)
+        rows = owing if self.block_rows == 1 else self.blocks_mask(owing).nonzero().squeeze(1)
+        missed = missed.repeat_interleave(self.block_rows, dim=0)
+        for matrix, lr_scale in zip(self.params, self.lr_scales):
+            matrix.index_copy_(0, rows, matrix[rows] * torch.pow(1.0 - lr * lr_scale * weight_decay, missed))
+        self.decayed_step.fill_(self.step_count)
+        return rows
+
+    @property
+    def rows_touched(self) -> int:
+        """Rows the latest step read and wrote."""
+        return self._rows_touched
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every host tensor this optimizer holds beside the matrices (for memory accounting)."""
+        return [*self.exp_avg, *self.exp_avg_sq, self.last_step, self.decayed_step, self.scale1, self.scale2,
+                *self._workspace.tensors]
+
+    def _decayed_scales(self, blocks: Tensor, betas: tuple[float, float]) -> tuple[Tensor, Tensor]:
+        """``blocks``' moment scales decayed over their gaps, to just before this step (float64).
 
         Blocks never stepped have zero moments, whose scale is arbitrary: 1. Blocks whose second-moment scale fell
         below :data:`RENORMALIZE_BELOW` get their stored moments rescaled here, and scales of 1.
@@ -247,7 +338,7 @@ class BlockRowAdam:
                     exp_avg_sq[rows].mul_(s2)
             scale1 = torch.where(small, 1.0, scale1)
             scale2 = torch.where(small, 1.0, scale2)
-        return gaps, scale1, scale2
+        return scale1, scale2
 
     @staticmethod
     def _new_first_scales(scale1: Tensor, scale2: Tensor, beta1: float) -> Tensor:
@@ -256,52 +347,27 @@ class BlockRowAdam:
         exact = (scale1 == 1.0) & (scale2 == 1.0)
         return torch.where(exact, 1.0, beta1 * scale1 + (1.0 - beta1) * scale2.sqrt())
 
-    def _calls(self, blocks: Tensor, gaps: Tensor, scale1: Tensor, scale2: Tensor, new_scale1: Tensor,
-               settings: RowAdamSettings, lr: float) -> dict[tuple[tuple[tuple[str, float], ...], float], list[int]]:
-        """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), the blocks
-        they step. With ``m = s1·M`` and ``v = s2·W`` stored as ``M`` and ``W``, Adam's true step
-        ``m' = β₁m + (1−β₁)g``, ``v' = β₂v + (1−β₂)g²``, ``p' = d·p − lr·(m'/b₁)/(√(v'/b₂) + ε)`` is the kernel's
-        step on ``M, W`` with gradient ``g/c``, ``β₁' = β₁s1/s1'``, ``β₂``, ``ε' = ε/c`` and
-        ``lr' = lr·s1'·(1 − β₁'^t)/(b₁·c)``; decoupled decay over the gap folds into the kernel's decay. Blocks never
-        skipped get the user's hyper-parameters unchanged."""
-        beta1, beta2 = settings.betas
-        bias1 = 1.0 - beta1**self.step_count
-        calls: dict[tuple[tuple[tuple[str, float], ...], float], list[int]] = {}
-        for block, gap, s1, s2, s1_new in zip(blocks.tolist(), gaps.tolist(), scale1.tolist(), scale2.tolist(),
-                                              new_scale1.tolist()):
-            if s1 == 1.0 and s2 == 1.0:
-                kernel_beta1, kernel_lr, kernel_eps, c = beta1, lr, settings.eps, 1.0
-            else:
-                c = s2**0.5
-                kernel_beta1 = beta1 * s1 / s1_new
-                kernel_lr = lr * s1_new * (1.0 - kernel_beta1**self.step_count) / (bias1 * c)
-                kernel_eps = settings.eps / c
-            decay = settings.weight_decay
-            if decay and settings.decoupled and (gap or kernel_lr != lr):
-                # g + 1 steps of decay at once; at lr 0 (a schedule passing through it) the kernel steps nothing and
-                # nothing decays, so there is nothing to fold in (and no lr to divide by).
-                decay = (1.0 - (1.0 - lr * decay)**(gap + 1)) / kernel_lr if kernel_lr else 0.0
-            elif decay and not settings.decoupled:
-                decay = decay / c  # Adam's L2 joins the gradient after the kernel divided it by c
-            hyper = (("lr", kernel_lr), ("beta1", kernel_beta1), ("beta2", beta2), ("weight_decay", decay),
-                     ("eps", kernel_eps))
-            calls.setdefault((hyper, c), []).append(block)
-        return calls
-
     def state_dict(self) -> dict[str, Any]:
-        """Stored moments and their per-block scales, the step count and each block's last step (host tensors,
-        shared, not copied)."""
+        """Stored moments and their per-block scales, the step count and each block's last step and last decay
+        (host tensors, shared, not copied)."""
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "scale1": self.scale1, "scale2": self.scale2,
-                "step": self.step_count, "last_step": self.last_step, "block_rows": self.block_rows,
-                "betas": self._betas}
+                "step": self.step_count, "last_step": self.last_step, "decayed_step": self.decayed_step,
+                "block_rows": self.block_rows, "betas": self._betas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` in place.
+
+        State written by the row-sparse embedding's former ``HostRowAdam`` (one matrix, true moments, a last step per
+        row) loads as the one-row blocks it is.
 
         Raises:
             ValueError: For state of another layout: per-row step counts (the lazy row Adam this replaced) or
                 another block size.
         """
+        if torch.is_tensor(state.get("exp_avg")):
+            ones = torch.ones(state["last_step"].shape, dtype=torch.float64)
+            state = {**state, "exp_avg": [state["exp_avg"]], "exp_avg_sq": [state["exp_avg_sq"]], "scale1": ones,
+                     "scale2": ones, "block_rows": 1, "betas": self._betas}
         if "steps" in state and "last_step" not in state:
             raise ValueError("This MEFT checkpoint holds per-row Adam step counts, written by lightning_offload's "
                              "earlier lazy row Adam; its state does not carry over to the block Adam (one step count, "
@@ -313,11 +379,14 @@ class BlockRowAdam:
         for name in ("exp_avg", "exp_avg_sq"):
             for dst, src in zip(getattr(self, name), state[name]):
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"MEFT row Adam state {name} has shape {tuple(src.shape)}, expected "
-                                     f"{tuple(dst.shape)}: resume with the same adapter configuration.")
+                    raise ValueError(f"Row Adam state {name} has shape {tuple(src.shape)}, expected "
+                                     f"{tuple(dst.shape)}: resume with the same model and adapter configuration.")
                 dst.copy_(src)
         self.last_step.copy_(state["last_step"])
+        # State from before settle_decay existed: every block's decay was applied through its last step.
+        self.decayed_step.copy_(state.get("decayed_step", state["last_step"]))
         self.scale1.copy_(state["scale1"])
         self.scale2.copy_(state["scale2"])
+        self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
         self.step_count = int(state["step"])
         self._betas = tuple(state["betas"])

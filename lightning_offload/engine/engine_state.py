@@ -84,7 +84,7 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_adam
     for slot, adam_state in zip(slots, state["host_adam"]):
         if isinstance(slot, RowBlocksSlot):
             continue  # its row Adam checks its own state's layout
-        saved_rows = "last_step" in adam_state  # a HostRowAdam's state, not a torch optimizer's
+        saved_rows = "last_step" in adam_state  # a row Adam's state, not a torch optimizer's
         rows = isinstance(slot, RowSlot)
         if saved_rows != rows:
             raise ValueError(

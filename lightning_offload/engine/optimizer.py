@@ -78,7 +78,7 @@ class OffloadOptimizer(Optimizer):
         keep_on_device: parameters stepped by a device Adam (:class:`~lightning_offload.engine.device_adam.DeviceAdam`)
             instead of the host: clipped and checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
-            each way and are stepped (:class:`~lightning_offload.engine.row_adam.HostRowAdam`). Default: ``()``.
+            each way and are stepped (:class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`). Default: ``()``.
         frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
             Default: ``()``.
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected

@@ -1,5 +1,6 @@
 """A row-sparse embedding's slot: only the rows with a nonzero gradient (the batch's tokens) cross each way and are
-stepped, by :class:`~lightning_offload.engine.row_adam.HostRowAdam`."""
+stepped, by the engine's row Adam (:class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`, one row per block,
+gathered steps)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.pipeline import StepTimeline
-from lightning_offload.engine.row_adam import HostRowAdam
+from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.engine.slot import Clip, JobSettings, Lanes, Slot, clip_, pinned_zeros, thread_minor_faults
 from lightning_offload.engine.telemetry import StepTelemetry
 
@@ -38,7 +39,7 @@ class RowSlot(Slot):
         self.host_param = pinned_zeros(param.shape, False)
         self.host_param.copy_(param.detach())
         self.adam = None
-        self.row_adam = HostRowAdam(self.host_param)
+        self.row_adam = BlockRowAdam([self.host_param], block_rows=1)
         self.host_grad = pinned_zeros(param.shape, pin, lanes.link_dtype)
         self.host_rows = pinned_zeros((param.shape[0],), pin, torch.int64)
         # A staging buffer for the new rows: pinned for an async copy to a GPU, or in a narrower parameter dtype.
@@ -92,9 +93,9 @@ class RowSlot(Slot):
             grad = self.host_grad_fp32[:count].copy_(grad)
         clip_(grad, clip)
         hparams, l2_weight = settings
-        values = self.row_adam.step(
-            self.host_rows[:count], grad, lr=hparams["lr"], betas=hparams["betas"], eps=hparams["eps"],
-            weight_decay=l2_weight, decoupled=self.decoupled, maximize=hparams.get("maximize", False))
+        values = self.row_adam.step_rows(self.host_rows[:count], grad, RowAdamSettings(
+            lr=hparams["lr"], betas=hparams["betas"], eps=hparams["eps"], weight_decay=l2_weight,
+            decoupled=self.decoupled, maximize=hparams.get("maximize", False)))
         # Rounded to the parameter's dtype here: only its bytes cross.
         staged = self.host_update[:count].copy_(values) if self.host_update is not None else values
         self.row_values = staged

@@ -41,12 +41,18 @@ class PlainConversion:
 
 
 def dense_moments_of_rows(state: dict[str, Any], betas: tuple[float, float]) -> dict[str, Tensor]:
-    """A row-sparse Adam's saved state as dense AdamW's: each row's moments decayed over the steps it missed."""
+    """A row-sparse embedding's saved row Adam state as dense AdamW's: each row's moments decayed over the steps it
+    missed (and times its stored scales, which are 1 for rows stepped by gathering)."""
     step = int(state["step"])
     missed = (step - state["last_step"]).clamp(min=0).to(torch.float64).unsqueeze(1)
     beta1, beta2 = (torch.tensor(b, dtype=torch.float64) for b in betas)
-    exp_avg = (state["exp_avg"].double() * beta1.pow(missed)).float()
-    exp_avg_sq = (state["exp_avg_sq"].double() * beta2.pow(missed)).float()
+    # One matrix of one-row blocks; checkpoints from before the one row Adam hold it bare, with no scales.
+    exp_avg, exp_avg_sq = (state[key][0] if isinstance(state[key], list) else state[key]
+                           for key in ("exp_avg", "exp_avg_sq"))
+    ones = torch.ones_like(missed)
+    scale1, scale2 = (state[key].unsqueeze(1) if key in state else ones for key in ("scale1", "scale2"))
+    exp_avg = (exp_avg.double() * scale1 * beta1.pow(missed)).float()
+    exp_avg_sq = (exp_avg_sq.double() * scale2 * beta2.pow(missed)).float()
     return {"step": torch.tensor(float(step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -102,7 +108,7 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
             slot_params.add(f"{slot}.weight")
             continue
         slot_params.add(slot)
-        if "last_step" in host_state:  # a row-sparse embedding's HostRowAdam
+        if "last_step" in host_state:  # a row-sparse embedding's row Adam
             state[index[slot]] = dense_moments_of_rows(host_state, betas[group_of[slot]])
             report.caught_up.append(slot)
         else:

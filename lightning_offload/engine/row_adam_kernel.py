@@ -1,0 +1,125 @@
+"""How the row Adam (:class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`) drives torch's fused Adam
+kernel: the step's settings, the per-block hyper-parameters that fold stored moment scales into one kernel step, and
+the workspace a gathered step of scattered rows reads into.
+
+The solver is pure arithmetic over Python floats (solved in float64): a block whose stored moments ``M``, ``W`` stand
+for true moments ``m = s1·M`` and ``v = s2·W`` is stepped by the kernel with hyper-parameters chosen so that the true
+Adam step results, the stored second moment staying at the gradient's scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# The strategy's per-step clipping: ("norm", coefficient) or ("value", bound), or None.
+Clip = tuple[str, float] | None
+
+# One kernel call's hyper-parameters, as keyword pairs (hashable, so blocks that share them share the call).
+KernelHyper = tuple[tuple[str, float], ...]
+
+
+@dataclass
+class RowAdamSettings:
+    """The hyper-parameters of one row step (taken from the user's optimizer at each step).
+
+    The offload strategies build one at every step from the param group of the user's optimizer; build one yourself
+    to drive :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam` by hand.
+
+    Attributes:
+        lr: learning rate of a matrix whose ``lr_scale`` is 1. Default: ``1e-3``.
+        betas: ``(β₁, β₂)``. Default: ``(0.9, 0.999)``.
+        eps: added to the denominator. Default: ``1e-8``.
+        weight_decay: ``λ``; decoupled (AdamW) or added to the gradient (Adam's L2), per ``decoupled``.
+            Default: ``0.0``.
+        decoupled: AdamW's decoupled decay rather than Adam's L2. Default: ``True``.
+        maximize: ascend instead of descend. Default: ``False``.
+
+    Example::
+
+        settings = RowAdamSettings(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)  # AdamW: decoupled=True
+        adam.step(blocks, grads, settings)  # adam: a BlockRowAdam (see its example)
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = True
+    maximize: bool = False
+
+
+def scaled_kernel_calls(blocks: list[int], decay_gaps: list[float], scale1: list[float], scale2: list[float],
+                        new_scale1: list[float], settings: RowAdamSettings, lr: float,
+                        step_count: int) -> dict[tuple[KernelHyper, float], list[int]]:
+    """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), the blocks they
+    step.
+
+    With ``m = s1·M`` and ``v = s2·W`` stored as ``M`` and ``W``, Adam's true step ``m' = β₁m + (1−β₁)g``,
+    ``v' = β₂v + (1−β₂)g²``, ``p' = d·p − lr·(m'/b₁)/(√(v'/b₂) + ε)`` is the kernel's step on ``M, W`` with gradient
+    ``g/c``, ``β₁' = β₁s1/s1'``, ``β₂``, ``ε' = ε/c`` and ``lr' = lr·s1'·(1 − β₁'^t)/(b₁·c)``. Decoupled decay owed
+    over ``decay_gaps`` steps folds into the kernel's decay. Blocks never skipped get the user's hyper-parameters
+    unchanged.
+
+    Args:
+        blocks: the blocks stepped.
+        decay_gaps: per block, the steps of decoupled decay it owes before this one.
+        scale1, scale2: per block, its moment scales decayed to just before this step.
+        new_scale1: per block, its first-moment scale after this step.
+        settings: the step's hyper-parameters.
+        lr: the learning rate of the matrices stepped (``settings.lr`` times their scale).
+        step_count: the matrix's step count, this step included.
+    """
+    beta1, beta2 = settings.betas
+    bias1 = 1.0 - beta1**step_count
+    calls: dict[tuple[KernelHyper, float], list[int]] = {}
+    for block, gap, s1, s2, s1_new in zip(blocks, decay_gaps, scale1, scale2, new_scale1):
+        if s1 == 1.0 and s2 == 1.0:
+            kernel_beta1, kernel_lr, kernel_eps, c = beta1, lr, settings.eps, 1.0
+        else:
+            c = s2**0.5
+            kernel_beta1 = beta1 * s1 / s1_new
+            kernel_lr = lr * s1_new * (1.0 - kernel_beta1**step_count) / (bias1 * c)
+            kernel_eps = settings.eps / c
+        decay = settings.weight_decay
+        if decay and settings.decoupled and (gap or kernel_lr != lr):
+            # g + 1 steps of decay at once; at lr 0 (a schedule passing through it) the kernel steps nothing and
+            # nothing decays, so there is nothing to fold in (and no lr to divide by).
+            decay = (1.0 - (1.0 - lr * decay)**(gap + 1)) / kernel_lr if kernel_lr else 0.0
+        elif decay and not settings.decoupled:
+            decay = decay / c  # Adam's L2 joins the gradient after the kernel divided it by c
+        hyper = (("lr", kernel_lr), ("beta1", kernel_beta1), ("beta2", beta2), ("weight_decay", decay),
+                 ("eps", kernel_eps))
+        calls.setdefault((hyper, c), []).append(block)
+    return calls
+
+
+class RowWorkspace:
+    """fp32 buffers a gathered step reads the touched rows into: the weight, both moments, three per-row factors, the
+    gaps and the rows' last steps. Kept at the most rows a step has touched so far (grown by doubling, never shrunk),
+    so a step allocates only when it touches more rows than every step before it.
+
+    Args:
+        height: the matrix's rows (the most a step can touch).
+        width: its columns.
+    """
+
+    def __init__(self, height: int, width: int) -> None:
+        self.height, self.width = height, width
+        self.capacity = 0
+        self.tensors: list[Tensor] = []
+
+    def views(self, count: int) -> tuple[Tensor, ...]:
+        """``count`` rows of: weight, first moment, second moment, factor 1, factor 2, decay, gaps (all fp32) and
+        last steps (int64)."""
+        if count > self.capacity:
+            self.capacity = min(max(count, 2 * self.capacity), self.height)
+            # Dtypes spelled out: this may run on a worker thread while the main thread's forward has changed
+            # torch's process-wide default dtype (Lightning's bf16-true precision does, during the forward).
+            fp32 = torch.float32
+            self.tensors = ([torch.empty(self.capacity, self.width, dtype=fp32) for _ in range(3)]
+                            + [torch.empty(self.capacity, 1, dtype=fp32) for _ in range(4)]
+                            + [torch.empty(self.capacity, dtype=torch.int64)])
+        return tuple(t[:count] for t in self.tensors)
