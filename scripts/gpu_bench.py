@@ -260,7 +260,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     params = sum(p.numel() for p in module.parameters())
     meft: dict[str, Any] = {}
     if method.startswith("meft"):
-        rows = trainer.strategy.last_metrics
+        rows = trainer.strategy.figures_at_step_end()
         total_rows = sum(a.config.num_neurons for a in trainer.strategy.adapters)
         meft = {
             "meft_rows_share_per_step": rows["meft/rows_moved"] / total_rows,

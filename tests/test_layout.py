@@ -101,7 +101,7 @@ def test_no_import_cycles() -> None:
 
 
 #: What the strategies keep to themselves: the product reads them through strategies/report.py.
-STRATEGY_INTERNALS = {"offload_optimizer", "adapters", "row_optimizers", "last_metrics", "host_rows_bytes",
+STRATEGY_INTERNALS = {"offload_optimizer", "adapters", "attached", "row_optimizers", "last_metrics", "host_rows_bytes",
                       "host_trainable_parameters", "projected_layers", "telemetry"}
 
 
@@ -140,6 +140,7 @@ def test_the_internals_check_sees_getattr_and_attribute_reads(tmp_path: Path) ->
 # Sizes a maintainer can hold in their head (issue 29): a module past them has grown a second job.
 MODULE_MAX_LINES = 400
 ORCHESTRATOR_MAX_LINES = 350
+MEFT_STRATEGY_MAX_LINES = 150  # set-up only: the rows are a slot kind of the engine (meft/attached.py)
 
 
 def _lines(path: Path) -> int:
@@ -150,6 +151,7 @@ def test_no_module_is_over_its_size() -> None:
     long = {str(p.relative_to(PACKAGE)): _lines(p) for p in PACKAGE.rglob("*.py") if _lines(p) > MODULE_MAX_LINES}
     assert not long, f"modules over {MODULE_MAX_LINES} lines (split them by job): {long}"
     assert _lines(PACKAGE / "engine" / "orchestrator.py") <= ORCHESTRATOR_MAX_LINES
+    assert _lines(PACKAGE / "meft" / "strategy.py") <= MEFT_STRATEGY_MAX_LINES
 
 
 def _constructs(path: Path, names: set[str]) -> list[str]:

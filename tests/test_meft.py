@@ -498,7 +498,7 @@ def test_meft_offload_trains_adapters_and_leaves_the_base_alone(tmp_path: Path) 
     for adapter in meft_adapters(model):
         assert adapter.host.values.abs().sum() > 0
         assert adapter.host.keys.device.type == "cpu" and adapter.host.grad_keys.abs().sum() == 0
-    metrics = strategy.last_metrics
+    metrics = strategy.figures_at_step_end()
     hidden = meft_adapters(model)[0].hidden_size
     assert metrics["meft/rows_moved"] > 0
     assert metrics["meft/bytes_host_to_device"] == metrics["meft/rows_moved"] * 2 * hidden * 4
@@ -525,7 +525,7 @@ def test_rows_per_step_stay_within_the_stated_bound(expert_choice, tmp_path: Pat
 
     class Rows(pl.Callback):
         def on_train_batch_end(self, *args) -> None:
-            seen.append(strategy.last_metrics["meft/rows_updated"])
+            seen.append(strategy.figures_at_step_end()["meft/rows_updated"])
 
     data = batches(4, batch=2, length=48, seed=4)
     trainer(tmp_path, 4, strategy, callbacks=[Rows()]).fit(CausalLMModule(model, lr=1e-2),
@@ -545,7 +545,7 @@ def test_step_telemetry_leaves_out_the_rows_evaluation_fetched(tmp_path: Path) -
     trainer(tmp_path, 3, strategy, limit_val_batches=4, val_check_interval=2, num_sanity_val_steps=0).fit(
         CausalLMModule(meft_model(), lr=1e-2), train_dataloaders=loader(data), val_dataloaders=loader(data))
     # Step 3 follows an evaluation: with one micro-batch per step, the rows it moved are the rows it updated.
-    assert strategy.last_metrics["meft/rows_moved"] == strategy.last_metrics["meft/rows_updated"] > 0
+    assert strategy.figures_at_step_end()["meft/rows_moved"] == strategy.figures_at_step_end()["meft/rows_updated"] > 0
 
 
 def test_host_routing_trains_without_keys_on_the_device(tmp_path: Path) -> None:
@@ -553,7 +553,7 @@ def test_host_routing_trains_without_keys_on_the_device(tmp_path: Path) -> None:
     assert all(a.routing_keys is None for a in meft_adapters(model))
     strategy = MEFTOffloadStrategy(device="cpu")
     trainer(tmp_path, 2, strategy).fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(2)))
-    assert strategy.last_metrics["meft/rows_updated"] > 0
+    assert strategy.figures_at_step_end()["meft/rows_updated"] > 0
 
 
 def _row_gradients_per_step(strategy: MEFTOffloadStrategy) -> list[list[torch.Tensor]]:
@@ -563,11 +563,11 @@ def _row_gradients_per_step(strategy: MEFTOffloadStrategy) -> list[list[torch.Te
 
     def recording_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
-        first = strategy.row_slots[0]  # the first adapter's rows are prepared before any row step is queued
+        first = strategy.attached.slots[0]  # the first adapter's rows are prepared before any row step is queued
         prepare = first.prepare
 
         def recording_prepare(step: Any) -> None:
-            strategy.row_pipeline.flush()  # the gradients of the last backward are still being added on the host
+            strategy.attached.gradients.flush()  # the gradients of the last backward are still being added on the host
             seen.append([g for a in strategy.adapters for g in a.host.summed_gradients()])
             prepare(step)
 
@@ -661,7 +661,7 @@ def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[list[tuple[in
 
     def recording_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
-        for optimizer in strategy.row_optimizers:
+        for optimizer in [slot.adam for slot in strategy.attached.slots]:
             step = optimizer.step
 
             def recording_step(blocks, grads, settings, clip=None, zero_grads=True, step=step, optimizer=optimizer):
@@ -728,7 +728,7 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
         def broken(*args, **kwargs):
             raise RuntimeError("host Adam failed")
 
-        strategy.row_optimizers[1].step = broken
+        strategy.attached.slots[1].adam.step = broken
 
     strategy.setup_optimizers = breaking_setup
     model = meft_model()
@@ -783,7 +783,7 @@ def _fit_one_skipped_step(fit: pl.Trainer, model: torch.nn.Module, strategy: MEF
             run()
     else:
         run()
-        assert strategy.last_metrics["meft/skipped_steps"] == 1
+        assert strategy.figures_at_step_end()["meft/skipped_steps"] == 1
 
 
 def test_key_lr_scale_slows_the_keys_only() -> None:
@@ -942,7 +942,7 @@ def test_idle_rows_of_a_stepped_block_read_zero_though_their_old_sums_were_never
 
     def checking_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
-        for adapter, optimizer in zip(strategy.adapters, strategy.row_optimizers):
+        for adapter, optimizer in zip(strategy.adapters, [slot.adam for slot in strategy.attached.slots]):
             step = optimizer.step
             ever_touched = torch.zeros(adapter.config.num_neurons, dtype=torch.bool)
 
@@ -986,8 +986,8 @@ def test_a_smaller_row_block_steps_fewer_idle_rows(tmp_path: Path) -> None:
         strategy = MEFTOffloadStrategy(device="cpu", row_block=row_block)
         trainer(tmp_path / str(row_block), 1, strategy).fit(CausalLMModule(meft_model(), lr=1e-2),
                                                             train_dataloaders=loader(batches(1)))
-        metrics = strategy.last_metrics
+        metrics = strategy.figures_at_step_end()
         assert metrics["meft/rows_updated"] <= metrics["meft/rows_stepped"]
         stepped[row_block] = metrics["meft/rows_stepped"]
-        assert all(o.block_rows == (row_block or 16) for o in strategy.row_optimizers)
+        assert all(o.block_rows == (row_block or 16) for o in [slot.adam for slot in strategy.attached.slots])
     assert stepped[2] < stepped[None]

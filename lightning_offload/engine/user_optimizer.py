@@ -1,5 +1,5 @@
-"""The user's optimizer as the offload engine takes it over: which ones it accepts, and which of their parameters
-were frozen when it did."""
+"""The user's optimizer as the offload engine takes it over: which ones it accepts, which of their parameters were
+frozen when it did, and the row Adam's hyper-parameters read from it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_offload.engine.row_adam_kernel import RowAdamSettings
+from lightning_offload.engine.slot import is_decoupled
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -78,3 +80,30 @@ def check_engine_arguments(link_dtype: str, on_nonfinite: str, pipelined_without
         raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {link_dtype!r}.")
     if pipelined_without_model:
         raise ValueError("pipelined=True needs the model, whose forward pre-hooks apply the updates.")
+
+
+def row_adam_settings(optimizer: Optimizer, group: dict[str, Any], lr: float | None = None,
+                      weight_decay: float | None = None) -> RowAdamSettings:
+    """The row Adam's hyper-parameters at this step, from the user's ``optimizer`` and its param ``group``.
+
+    Args:
+        optimizer: the user's optimizer (its class decides whether its weight decay is decoupled).
+        group: the param group whose settings the rows follow (its scheduler's learning rate included).
+        lr: a learning rate of the rows' own instead of the group's. Default: ``None``.
+        weight_decay: a decoupled weight decay of the rows' own instead of the group's. Default: ``None``.
+
+    Raises:
+        ValueError: for ``amsgrad=True``, which the row Adam does not have.
+    """
+    if group.get("amsgrad", False):
+        raise ValueError("The host row Adam has no amsgrad: its per-row maxima would have to cross the host for "
+                         "every row ever touched. Use amsgrad=False.")
+    return RowAdamSettings(
+        lr=lr if lr is not None else float(group["lr"]),
+        betas=tuple(group.get("betas", (0.9, 0.999))),
+        eps=float(group.get("eps", 1e-8)),
+        weight_decay=weight_decay if weight_decay is not None else float(group.get("weight_decay", 0)),
+        # A weight decay of the rows' own is decoupled, as AdamW's; else the user's optimizer decides.
+        decoupled=weight_decay is not None or is_decoupled(optimizer, group),
+        maximize=bool(group.get("maximize", False)),
+    )

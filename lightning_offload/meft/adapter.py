@@ -254,8 +254,9 @@ class MEFTAdapter(nn.Module):
         pinned = device.type == "cuda"
         keys = keys.to(device, non_blocking=pinned)
         values = values.to(device, non_blocking=pinned)
-        h.traffic.rows += rows.numel()
-        h.traffic.bytes_to_device += 2 * rows.numel() * self.hidden_size * keys.element_size()
+        if self.training:  # an evaluation's fetches are not a training step's traffic (the meft/* figures)
+            h.traffic.rows += rows.numel()
+            h.traffic.bytes_to_device += 2 * rows.numel() * self.hidden_size * keys.element_size()
         if torch.is_grad_enabled():
             keys.requires_grad_(True)
             values.requires_grad_(True)

@@ -58,6 +58,7 @@ class OffloadMixin:
         self.projection = settings.projection
         self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
         self._settle_each_step = False  # set at set-up: whether a callback needs each step's weights right after it
+        self._step_end_figures: dict[str, float] = {}  # the latest step's figures_at_step_end()
         self.rank = settings.rank
         self.density = settings.density
         self.min_dim = settings.min_dim
@@ -241,12 +242,20 @@ class OffloadMixin:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._settle_each_step:
             self.synchronize()  # a callback reads or writes the weights after the step: they must be this step's
+        if self.offload_optimizer is not None:
+            self._step_end_figures = self._take_step_end_figures()
         if self.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
             telemetry = self.offload_optimizer.telemetry
             telemetry.device_state_bytes = self.offload_optimizer.device_state_bytes()
             if self.lightning_module._trainer is not None:
-                self.lightning_module.log_dict(telemetry.metrics(), on_step=True, on_epoch=False, batch_size=1)
+                self.lightning_module.log_dict({**telemetry.metrics(), **self._step_end_figures}, on_step=True,
+                                               on_epoch=False, batch_size=1)
         return output
+
+    def _take_step_end_figures(self) -> dict[str, float]:
+        """Right after each optimizer step: figures complete at its end, beside the engine's (none here; MEFT's
+        rows moved and updated); read once, as they may reset counters."""
+        return {}
 
     def synchronize(self) -> None:
         """Apply every pending update now, and the weight decay row-sparse embeddings' untouched rows owe, so the
@@ -314,8 +323,9 @@ class OffloadMixin:
                             projected_layers=len(self.projected_layers))
 
     def figures_at_step_end(self) -> dict[str, float]:
-        """Figures complete when a step returns: none here (the engine files its own when the step completes)."""
-        return {}
+        """Figures complete when the latest step returned (:meth:`_take_step_end_figures`; the engine files its own
+        when the step completes)."""
+        return dict(self._step_end_figures)
 
     def completed_step_figures(self, settle: bool = False) -> Sequence[StepFigures]:
         """The engine's figures of recently completed steps, oldest first; ``settle=True`` finishes the step in
