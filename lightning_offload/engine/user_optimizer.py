@@ -63,6 +63,18 @@ def check_still_frozen(frozen_at_setup: list[tuple[Tensor, str]]) -> None:
                 f"fit from a checkpoint after unfreezing it.")
 
 
+def refuse_rows_across_ranks() -> None:
+    """The one rule of row-sparse embeddings and data parallelism, wherever it is checked (the DDP strategies at
+    construction, the engine at set-up).
+
+    Raises:
+        ValueError: always, naming the settings that work instead.
+    """
+    raise ValueError("embeddings='sparse' is not available with data parallelism: each rank's batch touches "
+                     "different embedding rows. Use embeddings='host' (the DDP strategies' default), 'device' or "
+                     "'frozen'.")
+
+
 def check_engine_arguments(link_dtype: str, on_nonfinite: str, pipelined_without_model: bool,
                            rows_across_ranks: bool) -> None:
     """Refuse settings the engine cannot run, naming the bad value and the accepted ones.
@@ -72,8 +84,7 @@ def check_engine_arguments(link_dtype: str, on_nonfinite: str, pipelined_without
             row-sparse embeddings with data parallelism.
     """
     if rows_across_ranks:
-        raise ValueError("embeddings='sparse' is not available with data parallelism: each rank's batch touches "
-                         "different rows. Use embeddings='host', 'device' or 'frozen' with the DDP strategies.")
+        refuse_rows_across_ranks()
     if on_nonfinite not in ("skip", "raise"):
         raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
     if link_dtype not in LINK_DTYPES:

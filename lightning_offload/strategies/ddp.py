@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
@@ -136,10 +137,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self._configure_offload(settings)
         if self.embeddings == "sparse":
-            raise ValueError(
-                f"strategy {self.strategy_name!r} does not take embeddings='sparse': each rank's batch touches "
-                f"different embedding rows. Use embeddings='host' (the default here), 'device' or 'frozen'."
-            )
+            refuse_rows_across_ranks()
 
     @override
     def setup_environment(self) -> None:
