@@ -17,7 +17,7 @@ from lightning_offload.lsp.fit import FitSettings, reconstruction_error
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
 from lightning_offload.strategies.refit import ProjectorRefit
-from lightning_offload.strategies.refit_record import RefitRecord
+from lightning_offload.engine.refit_record import RefitRecord
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.injection import inject_meft, meft_adapters
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings

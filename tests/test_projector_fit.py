@@ -21,6 +21,7 @@ from lightning_offload import (
     SparseProjector,
     ZeroOffloadStrategy,
 )
+import lightning_offload.engine.projector_fitting as projector_fitting
 from lightning_offload.lsp.fit import (
     FitSettings,
     LayerFit,
@@ -496,7 +497,7 @@ def test_a_fit_on_an_accelerator_holds_one_layers_fit_state_there_at_a_time(monk
 
     monkeypatch.setattr(fit_module.LayerFit, "fit", fit)
     monkeypatch.setattr(fit_module.LayerFit, "to", to)
-    monkeypatch.setattr(ProjectorRefit, "_park_device", staticmethod(lambda grad: torch.device("cpu")))
+    monkeypatch.setattr(projector_fitting, "_park_device", lambda grad: torch.device("cpu"))
     strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
     _lm_fit(strategy, callbacks=[ProjectorRefit(num_samples=3, max_iters=6)], max_steps=1)
     layers = len(strategy.projected_layers)

@@ -13,8 +13,8 @@ draws the same batches as an uninterrupted one.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,17 +22,15 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
-from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.sampling import GradientConsumer, sample_gradients
+from lightning_offload.engine.batch_gradients import MAX_DRAWS_PER_PASS, BatchGradients, LossFn, loss_tensor
 
-LossFn = Callable[[pl.LightningModule, Any], Tensor]
-
-#: Batches drawn per usable pass wanted, at most, when ``training_step`` skips some (returns ``None``).
-MAX_DRAWS_PER_PASS = 8
+__all__ = ["MAX_DRAWS_PER_PASS", "GradientPasses", "LossFn", "sampling_rng", "stop_if_terminated"]
 
 
-class GradientPasses:
-    """Training batches for gradient passes, drawn one at a time from one iterator over the training dataloader.
+class GradientPasses(BatchGradients):
+    """Training batches for gradient passes, drawn one at a time from one iterator over the Trainer's training
+    dataloader, each prepared as the training loop prepares a batch; the loss from ``training_step`` (with logging
+    muted) or ``loss_fn``.
 
     Several phases can share one :class:`GradientPasses` (the fit, then the measurement on batches it never used):
     each :meth:`run` continues the same iterator where the previous one stopped.
@@ -47,54 +45,28 @@ class GradientPasses:
     def __init__(self, trainer: pl.Trainer, module: pl.LightningModule, passes: int,
                  loss_fn: LossFn | None = None) -> None:
         self.trainer = trainer
-        self.module = module
-        self.loss_fn = loss_fn
-        self.drawn = 0
-        self.used = 0
-        self._batches = _draw_batches(trainer, passes * MAX_DRAWS_PER_PASS)
+        super().__init__(module, (), loss_fn, passes)
 
-    def run(self, passes: int, layers: Callable[[], Sequence[ProjectedWeight]], consume: GradientConsumer) -> int:
-        """Run up to ``passes`` usable passes, each delivering every layer of ``layers()`` (asked before each pass;
-        an empty answer ends the phase) to ``consume``.
+    def _draw(self, batches: Iterable[Any], limit: int) -> Iterator[Any]:
+        return _draw_batches(self.trainer, limit)
 
-        Returns:
-            The usable passes run: fewer than ``passes`` when the dataloader ran out or ``training_step`` skipped
-            (returned ``None`` for) every batch drawn.
-        """
-        used = 0
-        with _muted_logging(self.module), torch.enable_grad():
-            while used < passes:
-                stop_if_terminated(self.trainer)
-                active = layers()
-                batch = next(self._batches, None) if active else None
-                if batch is None:
-                    break
-                self.drawn += 1
-                with sample_gradients(self.module, active, consume):
-                    loss = self._loss(batch, self.drawn - 1)
-                    if loss is None:
-                        continue  # training_step skipped this batch (Lightning's way): draw another
-                    loss.backward()
-                used += 1
-                self.used += 1
-        return used
+    def _context(self) -> AbstractContextManager[Any]:
+        return _muted_logging(self.model)
+
+    def _before_pass(self) -> None:
+        stop_if_terminated(self.trainer)
 
     def _loss(self, batch: Any, index: int) -> Tensor | None:
         """The batch's loss, or ``None`` where ``training_step`` returned ``None`` (Lightning's way to skip it)."""
         with self.trainer.strategy.precision_plugin.train_step_context():
             if self.loss_fn is not None:
-                output = self.loss_fn(self.module, batch)
-            else:
-                output = self.module.training_step(batch, index)
-        if output is None:
-            return None
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not isinstance(loss, Tensor):
-            raise ValueError(
-                f"ProjectorRefit needs a loss tensor from training_step (or loss_fn); got {type(output).__name__}. "
-                f"Return the loss, or pass loss_fn=lambda module, batch: ..."
-            )
-        return loss
+                return loss_tensor(self.loss_fn(self.model, batch), "training_step (or loss_fn)")
+            return loss_tensor(self.model.training_step(batch, index), "training_step (or loss_fn)")
+
+    def no_gradients_error(self) -> str:
+        return (f"ProjectorRefit drew {self.drawn} training batch(es) and training_step returned None (skip) for "
+                f"every one: there are no gradients to fit to. Return a loss for some batches, pass loss_fn, or use "
+                f"LSPOffloadStrategy(projectors='random').")
 
 
 def _draw_batches(trainer: pl.Trainer, limit: int) -> Iterator[Any]:

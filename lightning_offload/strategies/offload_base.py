@@ -12,7 +12,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -21,10 +20,10 @@ from typing_extensions import override
 
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.projector_fitting import OneProcess
 from lightning_offload.engine.user_optimizer import validate_user_optimizer
 from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.strategies.embeddings_head import Placement, plan_placement
 from lightning_offload.strategies.projection import attach_projections, compressed_dim
 from lightning_offload.strategies.refit import ProjectorRefit
@@ -42,10 +41,13 @@ _PRECISION_ADVICE = {
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class OffloadMixin:
+class OffloadMixin(OneProcess):
     """The offload machinery of the ``lsp_offload``/``zero_offload`` strategies, shared by their single-device and
     data-parallel forms: settings, projection, the :class:`OffloadOptimizer` that replaces the user's Adam, clipping,
-    synchronisation, checkpoints and teardown. A strategy class mixes it in before its Lightning base."""
+    synchronisation, checkpoints and teardown. A strategy class mixes it in before its Lightning base.
+
+    A projector fit's agreement between ranks is one process's (:class:`OneProcess`: every value its own); the DDP
+    strategies override it with Lightning's collectives."""
 
     strategy_name: str
     #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
@@ -206,19 +208,6 @@ class OffloadMixin:
     def _rank_shards(self) -> RankShards | None:
         """What the optimizer shares its work with: nothing for one device (the DDP strategies override this)."""
         return None
-
-    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
-        """A full gradient sampled for a projector fit, made the same on every rank (identity for one device)."""
-        return grad
-
-    def agree(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (identity for one device): for decisions every rank must share."""
-        return value
-
-    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
-                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
-        """A fit's result as every rank installs it: rank 0's (identity for one device)."""
-        return proj_out, proj_in, norm_ratio, second_moment_scale
 
     def _compressed_dim(self, name: str, side: str, size: int) -> int:
         return compressed_dim(self.settings, name, side, size)

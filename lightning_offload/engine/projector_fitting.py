@@ -1,0 +1,306 @@
+"""One projector fit or check over an :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`'s projected layers,
+in any training loop: the fit of every layer before training (the *initial fit*), or a check that measures each
+layer's reconstruction error on fresh gradients and refits the layers above ``threshold``, carrying their host Adam
+moments into the new subspace (:meth:`~lightning_offload.engine.optimizer.OffloadOptimizer.replace_projectors`).
+
+Where the gradients come from is the caller's (:class:`GradientSource`): the Lightning callback
+(:class:`~lightning_offload.strategies.refit.ProjectorRefit`) samples the Trainer's dataloader with
+``training_step``; a plain loop hands batches and a loss function
+(:class:`~lightning_offload.engine.gradient_source.BatchGradients`). So is agreement between data-parallel ranks
+(:class:`FitAgreement`). Each gradient is consumed layer by layer as backward produces it
+(:mod:`lightning_offload.lsp.sampling`): the full gradient of one layer exists at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.refit_record import RefitRecord
+from lightning_offload.lsp.fit import FitSettings, LayerFit, fit_initial_values, reconstruction_error
+from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.lsp.norm_ratio import NormRatioPool
+from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.sampling import GradientConsumer
+
+
+class GradientSource(Protocol):
+    """Forward/backward passes that hand the projected layers' full gradients to a consumer.
+
+    Attributes:
+        drawn: batches drawn so far.
+        used: passes that delivered gradients so far.
+    """
+
+    drawn: int
+    used: int
+
+    def run(self, passes: int, layers: Callable[[], Sequence[ProjectedWeight]], consume: GradientConsumer) -> int:
+        """Run up to ``passes`` usable passes, each delivering every layer of ``layers()`` (asked before each pass;
+        an empty answer ends the phase) to ``consume``; returns how many ran."""
+
+    def no_gradients_error(self) -> str:
+        """What to say when no pass delivered a gradient (how to give the source usable batches)."""
+
+
+class FitAgreement(Protocol):
+    """How ranks agree on a fit: one process is its own agreement (:class:`OneProcess`)."""
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """The mean over ranks of a sampled gradient."""
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value of a decision, on every rank."""
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """Rank 0's fitted projectors, on every rank."""
+
+
+class OneProcess:
+    """The agreement of a single process: every value is its own (the single-device strategies and loops)."""
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """A full gradient sampled for a projector fit, made the same on every rank (here: itself)."""
+        return grad
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank, for decisions every rank must share (here: itself)."""
+        return value
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """A fit's result as every rank installs it: rank 0's (here: its own)."""
+        return proj_out, proj_in, norm_ratio, second_moment_scale
+
+
+@dataclass(frozen=True)
+class ProjectorFitting:
+    """How a fit runs (the Args of :class:`~lightning_offload.strategies.refit.ProjectorRefit` say what each does).
+
+    Attributes:
+        threshold: refit a layer whose error on a fresh gradient exceeds it. Default: ``0.9``.
+        num_samples: gradients sampled per fit. Default: ``4``.
+        norm_samples: further batches on which the new projectors' ``ρ`` is measured. Default: ``8``.
+        fit: the per-layer optimisation's settings. Default: ``FitSettings()``.
+        fit_threads: torch threads for the fit's products on the CPU. Default: ``None`` (one per 256K gradient
+            elements, at most the run's count).
+        seed: seeds the indices redrawn at refits. Default: ``0``.
+    """
+
+    threshold: float = 0.9
+    num_samples: int = 4
+    norm_samples: int = 8
+    fit: FitSettings = field(default_factory=FitSettings)
+    fit_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_samples, int) or self.num_samples < 1:
+            raise ValueError(f"num_samples={self.num_samples!r} must be an int ≥ 1.")
+        if not isinstance(self.norm_samples, int) or self.norm_samples < 0:
+            raise ValueError(f"norm_samples={self.norm_samples!r} must be an int ≥ 0 (0: no measurement passes).")
+        if self.fit_threads is not None and (not isinstance(self.fit_threads, int) or self.fit_threads < 1):
+            raise ValueError(f"fit_threads={self.fit_threads!r} must be an int ≥ 1, or None to choose per layer.")
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold={self.threshold!r} must be ≥ 0 (a relative error).")
+
+    def describe(self, layers: int, step: int, initial: bool) -> str:
+        """The line said before a fit starts."""
+        when = "before the first step" if initial else f"at step {step}"
+        return (f"ProjectorRefit: {'fitting' if initial else 'checking'} the projectors of {layers} layers {when} "
+                f"on {self.num_samples} sampled batches (up to {self.fit.max_iters} Adam iterations per layer), "
+                f"then measures the new projectors' norm ratio on {self.norm_samples} more.")
+
+    def missing_measurement_warning(self, record: RefitRecord) -> str | None:
+        """What to warn when refitted layers' ``ρ`` had to come from the fit itself (no batch was left)."""
+        if not (record.norm_ratio_from_fit and self.norm_samples):
+            return None
+        return (f"ProjectorRefit: the training dataloader had no batch left after the fit's {self.num_samples} to "
+                f"measure the norm ratio of {len(record.norm_ratio_from_fit)} refitted layers on, so their gradient "
+                f"clipping norm rests on one batch's figure (0.85–1.22× the true norm at 256 tokens). Give the "
+                f"dataloader at least num_samples + norm_samples = {self.num_samples + self.norm_samples} batches, or "
+                f"lower num_samples.")
+
+
+def fit_projectors(optimizer: OffloadOptimizer, source: GradientSource, fitting: ProjectorFitting, step: int,
+                   initial: bool, agreement: FitAgreement | None = None, show_progress: bool = True,
+                   stop: Callable[[], None] = lambda: None,
+                   sampling: Callable[[], AbstractContextManager[Any]] = nullcontext) -> RefitRecord:
+    """Fit (``initial``) or check and refit the projectors of ``optimizer``'s projected layers, and install them.
+
+    Pending updates are applied first (they belong to the projectors in use), and the decay row-sparse rows owe, as
+    before any read of the weights.
+
+    Args:
+        optimizer: the engine whose projected layers are fitted.
+        source: the gradient passes (``num_samples`` for the fit, then up to ``norm_samples`` for ``ρ``).
+        fitting: how the fit runs.
+        step: the optimizer step before which it runs (seeds the indices redrawn at a refit).
+        initial: fit every layer from its current projectors (else: check each, refit those above the threshold).
+        agreement: how ranks agree. Default: ``None`` (one process).
+        show_progress: a progress bar while fitting. Default: ``True``.
+        stop: called before each layer's sample (raises to stop a preempted run between layers).
+        sampling: the context the passes run in (a forked, seeded RNG, so the run's own random stream is untouched).
+
+    Returns:
+        What the fit did (its ``seconds`` included).
+
+    Raises:
+        ValueError: when no pass delivered a gradient.
+    """
+    agreement = agreement if agreement is not None else OneProcess()
+    layers: list[ProjectedWeight] = list(optimizer.projected_layers)
+    record = RefitRecord(step=step, initial=initial)
+    if not layers:
+        return record
+    # Pending updates belong to the current projectors and must land before the weights are sampled.
+    optimizer.synchronize()
+    optimizer.settle_row_decay()
+    start = time.perf_counter()
+    fits: dict[str, LayerFit] = {}
+    # ρ of the projectors in use on the check's samples, pooled: every one is held out for them.
+    old_pool = NormRatioPool()
+    skipped: set[str] = set()
+    iters_per_sample = math.ceil(fitting.fit.max_iters / fitting.num_samples)
+    order = {layer.name: i for i, layer in enumerate(layers)}
+
+    def consume(layer: ProjectedWeight, grad: Tensor) -> None:
+        stop()  # a fit takes minutes on a CPU: a preempted job stops between layers
+        progress.update(1)
+        # With data parallelism every rank fits to the mean of the ranks' samples, as to one larger batch.
+        grad = agreement.reduce_sampled_gradient(grad)
+        fit = fits.get(layer.name)
+        with _threads(_threads_for(grad, fitting.fit_threads)):
+            if fit is None:
+                if not initial:
+                    # Rank 0's figure decides, so every rank skips the same layers (and so issues the same
+                    # reductions afterwards).
+                    error = agreement.agree(reconstruction_error(layer.proj_out, layer.proj_in, grad))
+                    if math.isnan(error):
+                        return  # a zero or non-finite gradient: wait for a usable sample
+                    record.errors[layer.name] = error
+                    if error <= fitting.threshold:
+                        skipped.add(layer.name)
+                        return
+                    proj_out, proj_in = _redraw(layer, fitting.seed, step, order[layer.name])
+                else:
+                    proj_out, proj_in = layer.proj_out, layer.proj_in
+                fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
+                                                  fitting.fit)
+            if not initial:
+                # How much of the check's gradients the stale projectors keep: the carried Adam v is rescaled by how
+                # much more the new ones keep, so Adam's step size stays where it was.
+                old_pool.add(layer.name, layer.proj_out, layer.proj_in, grad)
+            before, after = fit.fit(grad, iters_per_sample)
+            held = sum(f.nbytes() for f in fits.values() if f.device == grad.device)
+            record.device_fit_state_bytes = max(record.device_fit_state_bytes, held)
+            park = _park_device(grad)
+            if park is not None:
+                # Until this layer's next sample, its fit state waits on the host: the device holds one layer's.
+                fit.to(park)
+        if not math.isnan(before):
+            if initial and fit.samples_seen == 1:
+                record.errors[layer.name] = before  # the norm-scaled random start, on the first usable gradient
+            # The error before fitting on a sample the fit has not seen yet is a held-out error.
+            record.fitted_errors[layer.name] = before if fit.samples_seen > 1 else after
+
+    # Fits take from seconds to minutes before the training bar moves: a bar of its own, when bars are shown.
+    progress = tqdm(total=fitting.num_samples * len(layers), desc="Projector fit", unit="layer", leave=False,
+                    disable=not show_progress)
+    fitted: dict[str, tuple[SparseProjector, SparseProjector]] = {}
+    measured = NormRatioPool()
+
+    def measure(layer: ProjectedWeight, grad: Tensor) -> None:
+        proj_out, proj_in = fitted[layer.name]
+        measured.add(layer.name, proj_out, proj_in, agreement.reduce_sampled_gradient(grad))
+
+    def active() -> list[ProjectedWeight]:
+        remaining = [layer for layer in layers if layer.name not in skipped]
+        progress.total = progress.n + (fitting.num_samples - source.used) * len(remaining)  # skipped: none
+        progress.refresh()
+        return remaining
+
+    try:
+        with sampling():
+            if source.run(fitting.num_samples, active, consume) == 0:
+                raise ValueError(source.no_gradients_error())
+            for name, fit in fits.items():
+                if fit.samples_seen > 0:  # where the gradients are: a fit's state may wait on the host
+                    device = layers[order[name]].proj_out.indices.device
+                    fitted[name] = tuple(projector.to(device) for projector in fit.projectors())  # type: ignore
+            if fitted and fitting.norm_samples:
+                # ρ of the new projectors on batches the fit never used (see lsp/norm_ratio.py).
+                measuring = [layer for layer in layers if layer.name in fitted]
+                source.run(fitting.norm_samples, lambda: measuring, measure)
+    finally:
+        progress.close()
+    for layer in layers:
+        if layer.name not in fitted:
+            continue
+        fit = fits[layer.name]
+        ratio = measured.ratio(layer.name)
+        if not ratio > 0:
+            # No batch was left for the measurement (a small dataloader, or norm_samples=0): the fit's own held-out
+            # figure, the last sample before fitting on it, one batch's worth.
+            ratio = fit.norm_ratio
+            record.norm_ratio_from_fit.append(layer.name)
+        old = old_pool.ratio(layer.name)
+        scale = (ratio / old) ** 2 if old > 0 else 1.0
+        proj_out, proj_in = fitted[layer.name]
+        # Every rank must hold the same projectors (the ranks' S are summed): rank 0's fit is installed.
+        proj_out, proj_in, ratio, scale = agreement.agree_projectors(proj_out, proj_in, ratio, scale)
+        optimizer.replace_projectors(layer, proj_out, proj_in, norm_ratio=ratio, second_moment_scale=scale)
+        record.norm_ratios[layer.name] = ratio
+        record.refit.append(layer.name)
+    record.seconds = time.perf_counter() - start
+    # The fit has its own figure (projector_refit/seconds); the next step's device time must not include it.
+    optimizer.restart_step_clock()
+    return record
+
+
+def _park_device(grad: Tensor) -> torch.device | None:
+    """Where a layer's fit state waits between its samples: the host, when the gradients are on an accelerator
+    (``None``: stay where it is)."""
+    return torch.device("cpu") if grad.device.type != "cpu" else None
+
+
+def _threads_for(grad: Tensor, fit_threads: int | None) -> int:
+    """Threads for one layer's fit products: ``fit_threads``, or one per 256K gradient elements."""
+    if grad.device.type != "cpu":
+        return torch.get_num_threads()  # the products run on the accelerator: the host setting is not theirs
+    if fit_threads is not None:
+        return fit_threads
+    return max(1, min(torch.get_num_threads(), grad.numel() // 2**18))
+
+
+def _redraw(layer: ProjectedWeight, seed: int, step: int, index: int) -> tuple[SparseProjector, SparseProjector]:
+    """Fresh collision-free indices for a refit, seeded by (seed, step, layer) so a resumed run redraws alike."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_007 + index)
+    device = layer.proj_out.indices.device
+    return tuple(  # type: ignore[return-value]
+        SparseProjector.random(p.dim_in, p.dim_out, p.nnz_per_column, generator=generator, device=device)
+        for p in (layer.proj_out, layer.proj_in)
+    )
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    # torch's intra-op thread count is process-wide: set for the fit's products only, then restored.
+    previous = torch.get_num_threads()
+    if count != previous:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
