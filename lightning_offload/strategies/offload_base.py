@@ -22,10 +22,10 @@ from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.projector_fitting import OneProcess
 from lightning_offload.engine.user_optimizer import validate_user_optimizer
-from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.strategies.embeddings_head import Placement, plan_placement
-from lightning_offload.strategies.projection import attach_projections, compressed_dim
+from lightning_offload.strategies.embeddings_head import Placement
+from lightning_offload.strategies.engine_setup import EngineSetup, Placements, build_engine
+from lightning_offload.strategies.projection import compressed_dim
 from lightning_offload.strategies.refit import ProjectorRefit
 from lightning_offload.strategies.report import OffloadFacts, StepFigures
 from lightning_offload.strategies.settings import OffloadSettings
@@ -75,18 +75,12 @@ class OffloadMixin(OneProcess):
         self.link_dtype = settings.link_dtype
         self.update_buffers = settings.update_buffers
         self.speculative = settings.speculative
-        projection, embeddings, head = settings.projection, settings.embeddings, settings.head
-        # Defaults chosen by measurement (docs/benchmarks.md, "Embeddings and head off the dense host path"): the
-        # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
-        # zero_offload, the ZeRO-Offload baseline, keeps everything dense.
-        default_embeddings = "sparse" if projection and self.sparse_embeddings_by_default else "host"
-        self._embeddings_by_default = embeddings is None  # a default gives way where it cannot apply (amsgrad)
-        embeddings = embeddings if embeddings is not None else default_embeddings
-        head = head if head is not None else "host"
-        self.embeddings = embeddings
-        self.head = head
+        self.placements = Placements.of(settings, self.sparse_embeddings_by_default)
+        self.embeddings = self.placements.embeddings
+        self.head = self.placements.head
         self.placement = Placement()
         self.offload_optimizer: OffloadOptimizer | None = None
+        self._engine: EngineSetup | None = None  # the engine and what its set-up changed on the model
 
     # ------------------------------------------------------------------------------------------------ precision
     @property
@@ -169,40 +163,12 @@ class OffloadMixin(OneProcess):
             rank_zero_info(f"{self.strategy_name}: {', '.join(readers)} may read or write the weights after each step, "
                            f"so each step's updates are applied before the step returns (as with pipelined=False) and "
                            f"the callbacks see that step's weights.")
-        trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
-        self.placement = plan_placement(self.lightning_module, trained, self.embeddings, self.head,
-                                        dense_reasons=self._rows_stepped_densely(user_optimizer))
-        for weight in self.placement.frozen:
-            weight.requires_grad_(False)  # no gradient is computed for it at all; restored at teardown
-        for message in self.placement.messages:
-            rank_zero_info(f"{self.strategy_name}: {message}")
         assert self.lightning_module is not None
-        layers = attach_projections(self.lightning_module, user_optimizer, self.settings, self.placement,
-                                    self.root_device) if self.projection else []
-        if self.projection and not layers:
-            rank_zero_warn(
-                f"strategy {self.strategy_name!r} found no layer to project: no trainable Linear/Conv1D has both dims "
-                f"≥ min_dim={self.min_dim} outside the output and task heads and exclude_modules. Every gradient "
-                f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules."
-            )
-        self.offload_optimizer = OffloadOptimizer(
-            user_optimizer,
-            layers,
-            self.root_device,
-            model=self.lightning_module,
-            pipelined=self.pipelined,
-            link_dtype=self.link_dtype,
-            on_nonfinite=self.on_nonfinite,
-            rounding_seed=self.seed,
-            update_buffers=self.update_buffers,
-            speculative=self.speculative,
-            keep_on_device=self.placement.device,
-            row_sparse=self.placement.row_sparse,
-            frozen=self.placement.frozen,
-            tied_projected=[m.weight for m in self.placement.projected_heads.values()
-                            if id(m.weight) in self.placement.tied_projected],
-            data_parallel=self._rank_shards(),
-        )
+        self._engine = build_engine(self.lightning_module, user_optimizer, self.settings, self.placements,
+                                    self.root_device, self.strategy_name, rank_zero_info, rank_zero_warn,
+                                    rank_shards=self._rank_shards())
+        self.placement = self._engine.placement
+        self.offload_optimizer = self._engine.optimizer
         self.optimizers = [self.offload_optimizer]
 
     def _rank_shards(self) -> RankShards | None:
@@ -254,22 +220,6 @@ class OffloadMixin(OneProcess):
         if self.offload_optimizer is not None:
             self.offload_optimizer.synchronize()
             self.offload_optimizer.settle_row_decay()
-
-    def _rows_stepped_densely(self, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-        """The parameters whose group the row-sparse embedding step cannot follow, with the reason: Adam's coupled L2
-        (it moves every row at every step), and ``amsgrad`` where ``embeddings="sparse"`` is only the default (asked
-        for explicitly, amsgrad is refused instead)."""
-        reasons = {}
-        for group in optimizer.param_groups:
-            reason = None
-            if group.get("weight_decay") and not is_decoupled(optimizer, group):
-                reason = ("uses Adam's coupled L2 (weight_decay of torch.optim.Adam), which moves every row at every "
-                          "step, so a row-sparse step could not be exact")
-            elif group.get("amsgrad") and self._embeddings_by_default:
-                reason = "uses amsgrad=True, which the default row-sparse step does not have"
-            if reason is not None:
-                reasons.update({id(p): reason for p in group["params"]})
-        return reasons
 
     def _runs_compiled_code(self) -> bool:
         """Whether the module's forward runs under torch.compile (the module compiled whole, which Lightning
@@ -362,12 +312,8 @@ class OffloadMixin(OneProcess):
     @override
     def teardown(self) -> None:
         # Give the user back plain modules: after fit, forward and autograd behave as without the strategy.
-        if self.offload_optimizer is not None:
-            self.offload_optimizer.close()
-            for layer in self.offload_optimizer.projected_layers:
-                layer.detach()
-        for weight in self.placement.frozen:
-            weight.requires_grad_(True)
+        if self._engine is not None:
+            self._engine.release()
         self.placement = Placement()
         super().teardown()
 

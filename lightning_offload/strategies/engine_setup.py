@@ -1,0 +1,147 @@
+"""The offload engine set up for a model and the user's Adam/AdamW from one :class:`OffloadSettings` value: where the
+embeddings and the output head train, which layers are projected, and the
+:class:`~lightning_offload.engine.optimizer.OffloadOptimizer` in place of the user's optimizer; and the model handed
+back as it was. Every face sets up through here (the Trainer strategies, Fabric's, a plain loop's
+:func:`~lightning_offload.faces.loop.offload`), so no face decides any of this on its own. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.slot import is_decoupled
+from lightning_offload.engine.user_optimizer import validate_user_optimizer
+from lightning_offload.strategies.embeddings_head import Placement, plan_placement
+from lightning_offload.strategies.projection import attach_projections
+from lightning_offload.strategies.settings import OffloadSettings
+
+
+@dataclass(frozen=True)
+class Placements:
+    """Where the embeddings and the output head train, with the strategy's defaults filled in.
+
+    Attributes:
+        embeddings: ``"host"``, ``"sparse"``, ``"device"`` or ``"frozen"``.
+        head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``.
+        embeddings_by_default: whether ``embeddings`` is the default (which gives way where it cannot apply:
+            ``amsgrad``), not the user's choice (which is refused there instead).
+    """
+
+    embeddings: str
+    head: str
+    embeddings_by_default: bool
+
+    @classmethod
+    def of(cls, settings: OffloadSettings, sparse_embeddings_by_default: bool = True) -> Placements:
+        """The placements ``settings`` ask for; ``sparse_embeddings_by_default`` is ``False`` where rows cannot be
+        stepped sparsely (data parallelism)."""
+        # Defaults chosen by measurement (docs/benchmarks.md, "Embeddings and head off the dense host path"): the
+        # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
+        # Without projection (zero_offload, the ZeRO-Offload baseline) everything stays dense.
+        default = "sparse" if settings.projection and sparse_embeddings_by_default else "host"
+        return cls(settings.embeddings if settings.embeddings is not None else default,
+                   settings.head if settings.head is not None else "host", settings.embeddings is None)
+
+
+@dataclass
+class EngineSetup:
+    """The engine in place of the user's optimizer, and what was changed on the model to put it there.
+
+    Attributes:
+        model: the model it trains.
+        optimizer: the engine.
+        placement: where embeddings and head train (frozen weights get their ``requires_grad`` back at release).
+    """
+
+    model: torch.nn.Module
+    optimizer: OffloadOptimizer
+    placement: Placement
+
+    def release(self) -> None:
+        """Finish what is pending and give the model back as it was: plain modules, frozen weights trainable again,
+        no hooks, the worker stopped (idempotent)."""
+        self.optimizer.close()
+        for layer in self.optimizer.projected_layers:
+            layer.detach()
+        for weight in self.placement.frozen:
+            weight.requires_grad_(True)
+        self.placement = Placement()
+
+
+def rows_stepped_densely(optimizer: Optimizer, embeddings_by_default: bool) -> dict[int, str]:
+    """The parameters whose group the row-sparse embedding step cannot follow, with the reason: Adam's coupled L2 (it
+    moves every row at every step), and ``amsgrad`` where ``embeddings="sparse"`` is only the default (asked for
+    explicitly, amsgrad is refused instead)."""
+    reasons = {}
+    for group in optimizer.param_groups:
+        reason = None
+        if group.get("weight_decay") and not is_decoupled(optimizer, group):
+            reason = ("uses Adam's coupled L2 (weight_decay of torch.optim.Adam), which moves every row at every "
+                      "step, so a row-sparse step could not be exact")
+        elif group.get("amsgrad") and embeddings_by_default:
+            reason = "uses amsgrad=True, which the default row-sparse step does not have"
+        if reason is not None:
+            reasons.update({id(p): reason for p in group["params"]})
+    return reasons
+
+
+def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadSettings, placements: Placements,
+                 device: torch.device, name: str, say: Callable[[str], None], warn: Callable[[str], None],
+                 rank_shards: RankShards | None = None,
+                 optimizer_class: type[OffloadOptimizer] = OffloadOptimizer) -> EngineSetup:
+    """Put the engine in place of ``user_optimizer`` for ``model`` (on ``device`` already).
+
+    Args:
+        model: the module whose parameters ``user_optimizer`` trains (a LightningModule or any module).
+        user_optimizer: the user's ``torch.optim.Adam``/``AdamW``; its ``param_groups`` are shared, never copied.
+        settings: the offload settings.
+        placements: where embeddings and head train.
+        device: the training device.
+        name: what the set-up is called in messages (the strategy's name).
+        say: where decisions go (the log).
+        warn: where warnings go.
+        rank_shards: the ranks the engine shares its work with. Default: ``None`` (one process).
+        optimizer_class: the engine's class (a face's subclass of it). Default: ``OffloadOptimizer``.
+
+    Raises:
+        ValueError: for an optimizer or a setting the engine cannot take (each names the value and the fix).
+    """
+    user_optimizer = validate_user_optimizer(user_optimizer)
+    trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
+    placement = plan_placement(model, trained, placements.embeddings, placements.head,
+                               dense_reasons=rows_stepped_densely(user_optimizer, placements.embeddings_by_default))
+    for weight in placement.frozen:
+        weight.requires_grad_(False)  # no gradient is computed for it at all; restored at release
+    for message in placement.messages:
+        say(f"{name}: {message}")
+    layers = attach_projections(model, user_optimizer, settings, placement, device) if settings.projection else []
+    if settings.projection and not layers:
+        warn(f"strategy {name!r} found no layer to project: no trainable Linear/Conv1D has both dims ≥ "
+             f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "
+             f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules.")
+    optimizer = optimizer_class(
+        user_optimizer,
+        layers,
+        device,
+        model=model,
+        pipelined=settings.pipelined,
+        link_dtype=settings.link_dtype,
+        on_nonfinite=settings.on_nonfinite,
+        rounding_seed=settings.seed,
+        update_buffers=settings.update_buffers,
+        speculative=settings.speculative,
+        keep_on_device=placement.device,
+        row_sparse=placement.row_sparse,
+        frozen=placement.frozen,
+        tied_projected=[m.weight for m in placement.projected_heads.values()
+                        if id(m.weight) in placement.tied_projected],
+        data_parallel=rank_shards,
+    )
+    return EngineSetup(model, optimizer, placement)
