@@ -1,12 +1,16 @@
 """lightning_offload: fine-tune language models on one commodity GPU by offloading optimizer work to the host.
 
 Importing the package registers the Lightning strategy names ``lsp_offload``, ``zero_offload``, ``meft_offload`` and
-the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``::
+the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``, and Fabric's ``lsp_offload``, ``zero_offload`` and
+``meft_offload``; a loop of one's own (or Hugging Face's ``Trainer``) takes :func:`offload`'s optimizer::
 
     import lightning_offload
     trainer = L.Trainer(strategy="lsp_offload")
+    fabric = L.Fabric(strategy="lsp_offload")
+    optimizer = lightning_offload.offload(model, torch.optim.AdamW(model.parameters()))
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_offload.engine.clipping import NonFiniteGradientError, NonFiniteStepWarning
@@ -29,15 +33,26 @@ from lightning_offload.strategies.plain_checkpoint import PlainConversion, to_pl
 from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
 from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
 from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.engine.projector_fitting import ProjectorFitting
+from lightning_offload.faces.loop import LoopOffloadOptimizer, offload
+from lightning_offload.faces.fabric import FabricMEFTOffload, FabricOffload, FabricZeroOffload
 
 register_strategies()
 # Here: these modules import strategy, not the reverse.
 for _strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy):
     _strategy.register_strategies(StrategyRegistry)
+for _fabric_strategy in (FabricOffload, FabricZeroOffload, FabricMEFTOffload):
+    _fabric_strategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __version__ = "0.1.0"
 __all__ = [
+    "FabricMEFTOffload",
+    "FabricOffload",
+    "FabricZeroOffload",
+    "LoopOffloadOptimizer",
     "OffloadSettings",
+    "ProjectorFitting",
+    "offload",
     "BlockRowAdam",
     "LSPOffloadDDPStrategy",
     "LSPOffloadStrategy",

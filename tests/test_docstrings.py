@@ -22,7 +22,7 @@ from lightning_offload.strategies.settings import PROJECTION_SETTINGS, OffloadSe
 
 # Lightning's own plumbing, filled in by the Trainer: documented as a group, not one by one.
 PLUMBING = {
-    "accelerator", "checkpoint_io", "precision_plugin", "parallel_devices", "cluster_environment",
+    "accelerator", "checkpoint_io", "precision_plugin", "precision", "parallel_devices", "cluster_environment",
     "process_group_backend", "timeout", "start_method", "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper",
     "model_averaging_period",
 }
@@ -30,9 +30,10 @@ STRATEGIES = [lo.LSPOffloadStrategy, lo.ZeroOffloadStrategy, lo.LSPOffloadDDPStr
               lo.MEFTOffloadStrategy]
 # These set projection=False themselves and take none of the projection settings.
 NO_PROJECTION = {lo.ZeroOffloadStrategy, lo.ZeroOffloadDDPStrategy, lo.MEFTOffloadStrategy}
-DATACLASSES = [OffloadSettings, lo.MEFTConfig, lo.FitSettings, lo.RowAdamSettings, lo.RefitRecord]
-CLASSES = [lo.ProjectorRefit, lo.SparseProjector, lo.BlockRowAdam, lo.OffloadOptimizer, lo.MEFTAdapter]
-FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector]
+DATACLASSES = [OffloadSettings, lo.MEFTConfig, lo.FitSettings, lo.RowAdamSettings, lo.RefitRecord, lo.ProjectorFitting]
+CLASSES = [lo.ProjectorRefit, lo.SparseProjector, lo.BlockRowAdam, lo.OffloadOptimizer, lo.MEFTAdapter,
+           lo.FabricOffload, lo.FabricMEFTOffload]
+FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector, lo.offload]
 PUBLIC = STRATEGIES + DATACLASSES + CLASSES + FUNCTIONS
 
 _SECTION = re.compile(r"(Args|Arguments|Attributes):")

@@ -13,8 +13,8 @@ from pathlib import Path
 import lightning_offload
 
 PACKAGE = Path(lightning_offload.__file__).parent
-LAYERS = {"lsp": 0, "engine": 1, "strategies": 2, "meft": 3, "cli": 4, "tasks": 4, "reporting": 4, "models": 4,
-          "data": 4}
+LAYERS = {"lsp": 0, "engine": 1, "strategies": 2, "meft": 3, "faces": 4, "cli": 5, "tasks": 5, "reporting": 5,
+          "models": 5, "data": 5}
 
 
 def _module_name(path: Path) -> str:
@@ -187,3 +187,22 @@ def test_one_row_adam_drives_the_fused_kernel() -> None:
     found = {str(p.relative_to(PACKAGE)): _fused_kernel_calls(p) for p in PACKAGE.rglob("*.py")}
     found = {path: calls for path, calls in found.items() if calls}
     assert list(found) == ["engine/block_row_adam.py"], f"fused Adam kernels called outside the row Adam: {found}"
+
+
+def _calls(path: Path) -> set[str]:
+    """The bare names of every function called in ``path``."""
+    return {ast.unparse(node.func).rsplit(".", 1)[-1] for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call)}
+
+
+def test_every_face_sets_up_through_one_function_and_builds_no_engine_part() -> None:
+    # The Trainer strategies, Fabric's strategies and a plain loop share the engine (issue 30): each is set-up and
+    # hooks only, so each builds the engine through build_engine, and nothing in a face builds a part of it.
+    faces = [PACKAGE / "strategies" / "offload_base.py", PACKAGE / "faces" / "fabric.py", PACKAGE / "faces" / "loop.py"]
+    assert all("build_engine" in _calls(path) for path in faces)
+    parts = {"OffloadOptimizer", "StepOrchestrator", "HostWorker", "GradientNorms", "GradientRouting", "Speculation",
+             "LayerFit", "build_slots", "attach_projections", "plan_placement"}
+    built = {str(p.relative_to(PACKAGE)): sorted(_calls(p) & parts)
+             for p in [*(PACKAGE / "faces").rglob("*.py"), *(PACKAGE / "strategies").glob("offload*.py"),
+                       PACKAGE / "strategies" / "ddp.py", PACKAGE / "strategies" / "refit.py"]}
+    assert not {path: names for path, names in built.items() if names}

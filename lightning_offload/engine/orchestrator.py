@@ -89,7 +89,18 @@ class StepOrchestrator:
             self.routing.collecting = False
 
     def send_gradient(self, slot: Slot) -> None:
-        """``slot``'s gradient is final: it crosses now, and during backward its host step may start at once."""
+        """``slot``'s gradient is final: it crosses now, and during backward its host step may start at once.
+
+        Raises:
+            RuntimeError: when it was sent as final already in this step (it changed after it crossed: a loop of one's
+                own told the engine a micro-batch was the last when more followed).
+        """
+        if slot.is_sent(self.round):
+            raise RuntimeError(
+                f"The gradient of {slot.name} was final twice before one optimizer step: it crossed to the host after "
+                f"the micro-batch the loop declared the last, and changed after. With lightning_offload.offload or "
+                f"Fabric's offload strategies, set accumulation_steps to the loop's micro-batches per optimizer step "
+                f"(Hugging Face: gradient_accumulation_steps), or None to send gradients at the step.")
         slot.send(self.round, self.figures.timeline)
         if self.routing.collecting and self.speculation.enabled:
             self.speculation.start(slot, self.round, self.figures.timeline)

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -85,24 +85,43 @@ class OneProcess:
 
 @dataclass(frozen=True)
 class ProjectorFitting:
-    """How a fit runs (the Args of :class:`~lightning_offload.strategies.refit.ProjectorRefit` say what each does).
+    """How a fit runs (the Args of :class:`~lightning_offload.strategies.refit.ProjectorRefit`, which builds one,
+    say more of what each does).
 
     Attributes:
-        threshold: refit a layer whose error on a fresh gradient exceeds it. Default: ``0.9``.
+        threshold: refit a layer whose error ``‖AᵀA G BᵀB − G‖/‖G‖`` on a fresh gradient exceeds it. Default: ``0.9``.
         num_samples: gradients sampled per fit. Default: ``4``.
-        norm_samples: further batches on which the new projectors' ``ρ`` is measured. Default: ``8``.
-        fit: the per-layer optimisation's settings. Default: ``FitSettings()``.
+        norm_samples: further batches on which the new projectors' ``ρ = ‖S‖/‖G‖`` is measured. Default: ``8``.
+        max_iters: Adam iterations per layer per fit, spread over the samples. Default: ``32``.
+        target_error: a layer stops fitting once its error on the current sample is at most this. Default: ``0.1``.
+        lr: Adam learning rate on the projector values. Default: ``0.05``.
+        l2: L2 penalty on the projector values. Default: ``1e-4``.
         fit_threads: torch threads for the fit's products on the CPU. Default: ``None`` (one per 256K gradient
             elements, at most the run's count).
         seed: seeds the indices redrawn at refits. Default: ``0``.
+
+    Example::
+
+        from lightning_offload import ProjectorFitting, offload
+
+        fitting = ProjectorFitting(num_samples=2, norm_samples=4, threshold=0.8)
+        opt = offload(model, torch.optim.AdamW(model.parameters()), fitting=fitting, refit_every=200)
     """
 
     threshold: float = 0.9
     num_samples: int = 4
     norm_samples: int = 8
-    fit: FitSettings = field(default_factory=FitSettings)
+    max_iters: int = 32
+    target_error: float = 0.1
+    lr: float = 0.05
+    l2: float = 1e-4
     fit_threads: int | None = None
     seed: int = 0
+
+    @property
+    def fit(self) -> FitSettings:
+        """The per-layer optimisation's settings."""
+        return FitSettings(max_iters=self.max_iters, target_error=self.target_error, lr=self.lr, l2=self.l2)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_samples, int) or self.num_samples < 1:

@@ -67,7 +67,8 @@ class EngineSetup:
     def release(self) -> None:
         """Finish what is pending and give the model back as it was: plain modules, frozen weights trainable again,
         no hooks, the worker stopped (idempotent)."""
-        self.optimizer.close()
+        # The engine's own close (a face's optimizer closes through this release: its close is not called back).
+        OffloadOptimizer.close(self.optimizer)
         for layer in self.optimizer.projected_layers:
             layer.detach()
         for weight in self.placement.frozen:

@@ -41,6 +41,37 @@ _PRECISION_ADVICE = {
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
+def check_precision(strategy_name: str, plugin: Any, plain: type, half: tuple[type, ...]) -> None:
+    """Refuse a precision plugin the offload cannot train under (Lightning's and Fabric's plugins alike: ``plain`` is
+    the framework's fp32 plugin, ``half`` its bf16/fp16 ones).
+
+    Raises:
+        ValueError: naming the precision and what to use instead.
+    """
+    name = str(getattr(plugin, "precision", "32-true"))
+    supported = type(plugin) is plain or (isinstance(plugin, half) and name in _SUPPORTED_PRECISION)
+    if not supported or name not in _SUPPORTED_PRECISION:
+        advice = _PRECISION_ADVICE.get(
+            name, f"Use one of {', '.join(_SUPPORTED_PRECISION)} (the host Adam and its state are fp32).")
+        raise ValueError(f"strategy {strategy_name!r} does not support precision={name!r}: {advice}")
+
+
+def save_whole(path: _PATH, write: Callable[[_PATH], None]) -> None:
+    """``write(target)`` a checkpoint to ``path`` beside it first, then renamed: an interrupted save never leaves a
+    half-written checkpoint (remote paths, ``"://"``, are written directly)."""
+    if "://" in str(path):
+        write(path)
+        return
+    partial = f"{path}.partial"
+    try:
+        write(partial)
+        if os.path.exists(partial):  # a rank that writes nothing (not rank 0) has nothing to rename
+            os.replace(partial, str(path))
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
 class OffloadMixin(OneProcess):
     """The offload machinery of the ``lsp_offload``/``zero_offload`` strategies, shared by their single-device and
     data-parallel forms: settings, projection, the :class:`OffloadOptimizer` that replaces the user's Adam, clipping,
@@ -93,15 +124,7 @@ class OffloadMixin(OneProcess):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # The accelerator connector replaces the plugin after __init__, so validation must live in this setter.
         if plugin is not None:
-            name = str(getattr(plugin, "precision", "32-true"))
-            supported = type(plugin) is Precision or (
-                isinstance(plugin, (HalfPrecision, MixedPrecision)) and name in _SUPPORTED_PRECISION
-            )
-            if not supported or name not in _SUPPORTED_PRECISION:
-                advice = _PRECISION_ADVICE.get(
-                    name, f"Use one of {', '.join(_SUPPORTED_PRECISION)} (the host Adam and its state are fp32)."
-                )
-                raise ValueError(f"strategy {self.strategy_name!r} does not support precision={name!r}: {advice}")
+            check_precision(self.strategy_name, plugin, Precision, (HalfPrecision, MixedPrecision))
             # Clipping must see the compressed gradients too, which the plugin's parameter-based clipping cannot.
             plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
             plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
@@ -296,18 +319,8 @@ class OffloadMixin(OneProcess):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if not self.is_global_zero:
             return  # rank 0 writes the checkpoint; Lightning's base saves on rank 0 only as well
-        path = str(filepath)
-        if "://" in path:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        # Write beside the target, then rename: an interrupted save never leaves a half-written checkpoint.
-        partial = f"{path}.partial"
-        try:
-            super().save_checkpoint(checkpoint, partial, storage_options)
-            os.replace(partial, path)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
+        save_whole(filepath, lambda target: super(OffloadMixin, self).save_checkpoint(checkpoint, target,
+                                                                                      storage_options))
 
     @override
     def teardown(self) -> None:

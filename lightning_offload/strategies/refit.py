@@ -24,7 +24,6 @@ from typing_extensions import override
 
 from lightning_offload.engine.projector_fitting import ProjectorFitting, fit_projectors
 from lightning_offload.engine.refit_record import RefitRecord
-from lightning_offload.lsp.fit import FitSettings
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.strategies.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
 
@@ -120,7 +119,7 @@ class ProjectorRefit(Callback):
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an int ≥ 0 (0 turns refits off).")
         # The fit itself, and the validation of its settings, is the engine's (any loop's): engine/projector_fitting.py.
         self.fitting = ProjectorFitting(threshold=float(threshold), num_samples=num_samples, norm_samples=norm_samples,
-                                        fit=FitSettings(max_iters=max_iters, target_error=target_error, lr=lr, l2=l2),
+                                        max_iters=max_iters, target_error=target_error, lr=lr, l2=l2,
                                         fit_threads=fit_threads, seed=seed)
         self.every_n_steps = every_n_steps
         self.threshold = float(threshold)

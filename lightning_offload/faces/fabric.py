@@ -1,0 +1,224 @@
+"""The offload strategies for Lightning Fabric: ``Fabric(strategy="lsp_offload")`` (and ``"zero_offload"``,
+``"meft_offload"``), registered in Fabric's strategy registry by ``import lightning_offload``.
+
+Set-up and hooks only: ``fabric.setup(model, optimizer)`` puts the engine in place of the user's Adam/AdamW through the
+same set-up as the Trainer strategies (:mod:`lightning_offload.strategies.engine_setup`) and hands back the loop's
+optimizer (:class:`~lightning_offload.faces.loop.LoopOffloadOptimizer`); ``fabric.clip_gradients`` clips through the
+engine (projected gradients never fill ``param.grad``); ``fabric.save`` applies pending updates before reading the
+weights, and ``fabric.load`` restores the weights before the optimizer, whose fp32 masters are refreshed from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies import SingleDeviceStrategy
+from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_offload.engine.projector_fitting import ProjectorFitting
+from lightning_offload.engine.user_optimizer import row_adam_settings
+from lightning_offload.faces.loop import LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
+from lightning_offload.strategies.engine_setup import Placements, build_engine
+from lightning_offload.strategies.offload_base import check_precision, save_whole
+
+class FabricOffload(SingleDeviceStrategy):
+    """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host.
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU).
+        max_grad_norm: clip every step to this global norm unless ``fabric.clip_gradients`` was called for it.
+            Default: ``None``.
+        accumulation_steps: training forwards per optimizer step (see :func:`~lightning_offload.faces.loop.offload`).
+            Default: ``1``.
+        fitting: how projector fits run (``optimizer.fit_projectors``). Default: ``None`` (the seed's defaults).
+        refit_every: steps between refit checks. Default: ``500``.
+        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
+        settings: the offload settings of the Trainer strategy of the same name (the README's settings table).
+            Default: none (its defaults).
+
+    Registered as ``Fabric(strategy="lsp_offload")``; pass an instance for settings. Call ``optimizer.close()`` when
+    done (it applies what is pending and gives the model back).
+
+    Example::
+
+        fabric = L.Fabric(strategy=FabricOffload(rank=0.25, max_grad_norm=1.0, accumulation_steps=4))
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        optimizer.fit_projectors(loader, lambda model, batch: model(**batch).loss)  # learned projectors
+        fabric.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()
+        optimizer.close()
+    """
+
+    strategy_name = "lsp_offload"
+    forced: dict[str, Any] = {}
+
+    def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
+                 accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
+                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision: Precision | None = None, **settings: Any) -> None:
+        self.settings = offload_settings(self.strategy_name, self.forced, settings)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(torch.device(device), accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision=precision)
+        self.loop = loop_settings(self.settings, max_grad_norm, accumulation_steps, refit_every, fitting)
+        self.offload_optimizer: LoopOffloadOptimizer | None = None
+
+    # ------------------------------------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric's connector sets the plugin after __init__: checked here (bf16 or fp32 only, as for the Trainer).
+        if precision is not None:
+            check_precision(self.strategy_name, precision, Precision, (HalfPrecision, MixedPrecision))
+        self._precision = precision
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    @override
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Any = None) -> tuple[torch.nn.Module, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(f"strategy {self.strategy_name!r} takes over exactly one Adam/AdamW optimizer, got "
+                             f"{len(optimizers)}. Pass a single optimizer; use param groups for different "
+                             f"hyper-parameters.")
+        module = self.setup_module(module)
+        setup = build_engine(module, optimizers[0], self.settings, Placements.of(self.settings), self.root_device,
+                             self.strategy_name, rank_zero_info, rank_zero_warn, optimizer_class=LoopOffloadOptimizer)
+        optimizer = setup.optimizer
+        assert isinstance(optimizer, LoopOffloadOptimizer)
+        optimizer.configure_loop(setup, self.settings, self.loop, self.strategy_name)
+        self._after_engine(module, optimizer)
+        self.offload_optimizer = optimizer
+        return module, [optimizer], scheduler
+
+    def _after_engine(self, module: torch.nn.Module, optimizer: LoopOffloadOptimizer) -> None:
+        """What a strategy adds to the engine once it is built (MEFT's adapter rows)."""
+
+    # ------------------------------------------------------------------------------------------------ clipping
+    @override
+    def clip_gradients_norm(self, module: torch.nn.Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        if norm_type != 2.0:
+            raise ValueError(f"strategy {self.strategy_name!r} clips by the global 2-norm; got norm_type={norm_type}.")
+        norm = _engine(optimizer).clip_grad_norm_(float(max_norm))
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(f"The total norm of the gradients is {float(norm)}: non-finite, so clipping by it "
+                               f"is undefined. Pass error_if_nonfinite=False to let the step be skipped instead.")
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: torch.nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        _engine(optimizer).clip_grad_value_(float(clip_val))
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        if self.offload_optimizer is not None:
+            # The weights read next must hold every update already stepped on the host, and the decay rows owe.
+            self.offload_optimizer.synchronize()
+            self.offload_optimizer.settle_row_decay()
+        save_whole(path, lambda target: super(FabricOffload, self).save_checkpoint(target, state, storage_options,
+                                                                                  filter))
+
+    @override
+    def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if isinstance(state, dict):
+            # Modules first: the engine refreshes its fp32 masters from the restored weights.
+            state = dict(sorted(state.items(), key=lambda item: not isinstance(item[1], torch.nn.Module)))
+        return super().load_checkpoint(path, state, strict, weights_only)
+
+    @override
+    def teardown(self) -> None:
+        if self.offload_optimizer is not None:
+            self.offload_optimizer.close()
+            self.offload_optimizer = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+class FabricZeroOffload(FabricOffload):
+    """Fabric's single-device strategy with dense gradients to a host Adam (ZeRO-Offload style).
+
+    ``Fabric(strategy="zero_offload")``; the arguments of :class:`FabricOffload` but the projection settings.
+    """
+
+    strategy_name = "zero_offload"
+    forced = {"projection": False}
+
+
+class FabricMEFTOffload(FabricOffload):
+    """Fabric's single-device strategy for MEFT adapters whose rows and Adam state live on the host.
+
+    ``Fabric(strategy="meft_offload")``, after :func:`~lightning_offload.meft.injection.inject_meft` on the model;
+    the optimizer is the user's Adam/AdamW over the trainable parameters (the routers), whose first group also sets
+    the rows' hyper-parameters unless ``lr``/``weight_decay`` do. ``optimizer.close()`` finishes the last row updates
+    and hands the adapters back.
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU).
+        lr: the rows' own learning rate. Default: ``None`` (the first param group's).
+        weight_decay: the rows' own decoupled weight decay. Default: ``None`` (the first param group's).
+        key_lr_scale: the keys' learning rate relative to the values'. Default: ``1.0``.
+        row_block: rows per block of the row Adam. Default: ``None`` (one expert's neurons).
+        max_grad_norm: as for :class:`FabricOffload`, over routers and rows. Default: ``None``.
+        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
+        fitting: refused (nothing is projected). Default: ``None``.
+        refit_every: refused unless left at its default (nothing is projected). Default: ``500``.
+        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
+        kwargs: the other settings of :class:`FabricOffload` (the projection settings do not apply). Default: none.
+
+    Example::
+
+        inject_meft(model, MEFTConfig(num_neurons=4096))  # freezes the base model
+        fabric = L.Fabric(strategy="meft_offload")
+        routers = [p for p in model.parameters() if p.requires_grad]
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(routers, lr=1e-3))
+    """
+
+    strategy_name = "meft_offload"
+    forced = {"projection": False}
+
+    def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
+                 weight_decay: float | None = None, key_lr_scale: float = 1.0, row_block: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.row_settings = AdapterRowSettings(lr, weight_decay, key_lr_scale, row_block)
+        self.attached: AttachedAdapters | None = None
+
+    @override
+    def _after_engine(self, module: torch.nn.Module, optimizer: LoopOffloadOptimizer) -> None:
+        rows = self.row_settings
+        self.attached = AttachedAdapters.attach(
+            module, optimizer,
+            lambda: row_adam_settings(optimizer.wrapped, optimizer.param_groups[0], rows.lr, rows.weight_decay),
+            rows, pin=self.root_device.type == "cuda")
+        # Closing the optimizer finishes the adapters' last row updates and hands them back first.
+        optimizer.loop.on_close.append(lambda attached=self.attached: attached.release(finish=True))
+
+
+def _engine(optimizer: Any) -> LoopOffloadOptimizer:
+    # Fabric hands the strategy the optimizer inside its wrapper; the wrapper itself only when called directly.
+    inner = optimizer if isinstance(optimizer, LoopOffloadOptimizer) else getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(inner, LoopOffloadOptimizer):
+        raise TypeError(f"Expected the strategy's offload optimizer, got {type(inner).__name__}.")
+    return inner

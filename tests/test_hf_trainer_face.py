@@ -1,0 +1,63 @@
+"""The loop face under Hugging Face's ``Trainer``: ``optimizers=(opt, scheduler)`` with ``opt`` from
+``lightning_offload.offload`` trains, and where lossless (``zero_offload``, signed-permutation projectors) equals the
+``Trainer`` with plain AdamW on a separate model, including gradient accumulation and clipping
+(``max_grad_norm`` moved from ``TrainingArguments`` to the offload, as docs/loops.md says)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from lightning_offload import offload, signed_permutation_projector
+from tiny_modules import params_of, tiny_hf_model, token_data
+
+transformers = pytest.importorskip("transformers")
+
+LOSSLESS = dict(strategy="lsp_offload", rank=1.0, density=1, min_dim=16, projectors="random",
+                projector_factory=signed_permutation_projector, embeddings="host")
+
+
+class Tokens(Dataset):
+    """The tests' token sequences as the dicts a Hugging Face causal LM takes."""
+
+    def __init__(self) -> None:
+        self.ids = torch.cat([ids for (ids,) in token_data(n=24, batch_size=4)])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def _fit(model: torch.nn.Module, tmp_path: Path, max_grad_norm: float,
+         optimizer: torch.optim.Optimizer) -> Any:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_grad_norm=max_grad_norm, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, scheduler))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("setting", ["zero_offload", "lossless_lsp_offload"])
+def test_the_trainer_with_the_loop_optimizer_equals_the_trainer_with_adamw(setting: str, tmp_path: Path) -> None:
+    reference = tiny_hf_model("llama")
+    _fit(reference, tmp_path / "plain", 0.3, torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.01))
+    model = tiny_hf_model("llama")
+    settings = dict(strategy="zero_offload") if setting == "zero_offload" else LOSSLESS
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), max_grad_norm=0.3,
+                        accumulation_steps=2, **settings)
+    trainer = _fit(model, tmp_path / "offload", 0.0, optimizer)
+    assert optimizer.steps_taken == 3
+    optimizer.close()
+    got, want = params_of(model), params_of(reference)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
+    assert trainer.state.global_step == 3
