@@ -61,3 +61,36 @@ def test_the_trainer_with_the_loop_optimizer_equals_the_trainer_with_adamw(setti
     for name in want:
         torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
     assert trainer.state.global_step == 3
+
+
+def test_checkpoints_hold_each_saved_step_s_weights_and_learned_projectors_are_fitted(tmp_path: Path) -> None:
+    """Pipelined, a step's updates wait for the next forward; the callback settles them before the Trainer saves,
+    so checkpoint-2 holds step 2's weights: those of the plain AdamW Trainer's checkpoint-2 (lossless projectors)."""
+    from lightning_offload.faces.hf import OffloadCallback
+
+    def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, callbacks: list) -> None:
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=3, per_device_train_batch_size=4, max_grad_norm=0.0, use_cpu=True,
+            report_to=[], save_strategy="steps", save_steps=2, save_only_model=True, seed=0, data_seed=0,
+            disable_tqdm=True)
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, None),
+                             callbacks=callbacks).train()
+
+    reference = tiny_hf_model("llama")
+    run(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3), tmp_path / "plain", [])
+    model = tiny_hf_model("llama")
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=3e-3), **LOSSLESS)
+    run(model, optimizer, tmp_path / "offload", [OffloadCallback(optimizer)])
+    optimizer.close()
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "offload" / "checkpoint-2" / "model.safetensors")
+    want = load_file(tmp_path / "plain" / "checkpoint-2" / "model.safetensors")
+    for name in want:
+        torch.testing.assert_close(saved[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
+
+    learned = tiny_hf_model("llama")
+    fitted = offload(learned, torch.optim.AdamW(learned.parameters(), lr=3e-3), rank=0.5, min_dim=16, refit_every=2)
+    run(learned, fitted, tmp_path / "learned", [OffloadCallback(fitted)])
+    fitted.close()
+    assert [record.initial for record in fitted.fits] == [True, False]  # fitted first, checked at step 2

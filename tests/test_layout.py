@@ -1,7 +1,7 @@
 """The package's layers, as the README's Layout states them: each module imports only its own layer and those below.
 
 lsp (projectors and projected layers) < engine (the offload optimizer; no Lightning) < strategies (the engine in a
-Trainer) < meft < the product (cli, tasks, reporting, models, data). Imports inside functions count too: a cycle
+Trainer) < meft < faces (the engine in other loops) < the product (cli, tasks, reporting, models, data). Imports inside functions count too: a cycle
 hidden in a local import is still a cycle.
 """
 

@@ -132,7 +132,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         step (see :meth:`OffloadOptimizer.step`)."""
         loop = self.loop
         self.routing.collecting, loop.forwards = False, 0  # the next step's micro-batches count afresh
-        if loop.wants_fit and loop.last_fit_step < 0 and not loop.warned_unfitted:
+        if self.needs_first_fit and not loop.warned_unfitted:
             loop.warned_unfitted = True
             warnings.warn(f"{loop.name}: projectors='learned' but fit_projectors() was not called before the first "
                           f"step, so the projectors are still their random draw. Call opt.fit_projectors(batches, "
@@ -143,7 +143,19 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         super().step()
         return loss
 
+    def settle(self) -> None:
+        """Apply every pending update, and the decay untouched row-sparse embedding rows owe: the model's weights are
+        then AdamW's (but for those rows' momentum drift). Call before reading or saving the weights outside a
+        forward (with ``pipelined=True`` a step's updates otherwise wait for each module's next forward)."""
+        self.synchronize()
+        self.settle_row_decay()
+
     # ------------------------------------------------------------------------------------------ projector fits
+    @property
+    def needs_first_fit(self) -> bool:
+        """Whether learned projectors are still their random draw (no fit yet, none restored by a resume)."""
+        return self.loop.wants_fit and self.loop.last_fit_step < 0
+
     @property
     def refit_due(self) -> bool:
         """Whether ``refit_every`` steps have passed since the latest fit (always ``False`` with ``refit_every=0``
