@@ -1,8 +1,8 @@
 """lightning_offload: fine-tune language models on one commodity GPU by offloading optimizer work to the host.
 
 Importing the package registers the Lightning strategy names ``lsp_offload``, ``zero_offload``, ``meft_offload`` and
-the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``, and Fabric's ``lsp_offload``, ``zero_offload`` and
-``meft_offload``; a loop of one's own (or Hugging Face's ``Trainer``) takes :func:`offload`'s optimizer::
+the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``, for the Trainer and for Fabric (and Fabric's
+``meft_offload``); a loop of one's own (or Hugging Face's ``Trainer``) takes :func:`offload`'s optimizer::
 
     import lightning_offload
     trainer = L.Trainer(strategy="lsp_offload")
@@ -35,20 +35,23 @@ from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffload
 from lightning_offload.strategies.settings import OffloadSettings
 from lightning_offload.engine.projector_fitting import ProjectorFitting
 from lightning_offload.faces.loop import LoopOffloadOptimizer, offload
-from lightning_offload.faces.fabric import FabricMEFTOffload, FabricOffload, FabricZeroOffload
+from lightning_offload.faces.fabric import (
+    FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
 
 register_strategies()
 # Here: these modules import strategy, not the reverse.
 for _strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy):
     _strategy.register_strategies(StrategyRegistry)
-for _fabric_strategy in (FabricOffload, FabricZeroOffload, FabricMEFTOffload):
+for _fabric_strategy in (FabricOffload, FabricZeroOffload, FabricMEFTOffload, FabricOffloadDDP, FabricZeroOffloadDDP):
     _fabric_strategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __version__ = "0.1.0"
 __all__ = [
     "FabricMEFTOffload",
     "FabricOffload",
+    "FabricOffloadDDP",
     "FabricZeroOffload",
+    "FabricZeroOffloadDDP",
     "LoopOffloadOptimizer",
     "OffloadSettings",
     "ProjectorFitting",

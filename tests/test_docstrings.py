@@ -32,7 +32,7 @@ STRATEGIES = [lo.LSPOffloadStrategy, lo.ZeroOffloadStrategy, lo.LSPOffloadDDPStr
 NO_PROJECTION = {lo.ZeroOffloadStrategy, lo.ZeroOffloadDDPStrategy, lo.MEFTOffloadStrategy}
 DATACLASSES = [OffloadSettings, lo.MEFTConfig, lo.FitSettings, lo.RowAdamSettings, lo.RefitRecord, lo.ProjectorFitting]
 CLASSES = [lo.ProjectorRefit, lo.SparseProjector, lo.BlockRowAdam, lo.OffloadOptimizer, lo.MEFTAdapter,
-           lo.FabricOffload, lo.FabricMEFTOffload]
+           lo.FabricOffload, lo.FabricMEFTOffload, lo.FabricOffloadDDP]
 FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector, lo.offload]
 PUBLIC = STRATEGIES + DATACLASSES + CLASSES + FUNCTIONS
 

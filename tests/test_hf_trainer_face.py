@@ -94,3 +94,28 @@ def test_checkpoints_hold_each_saved_step_s_weights_and_learned_projectors_are_f
     run(learned, fitted, tmp_path / "learned", [OffloadCallback(fitted)])
     fitted.close()
     assert [record.initial for record in fitted.fits] == [True, False]  # fitted first, checked at step 2
+
+
+def test_learned_projectors_resume_bit_for_bit_from_a_trainer_checkpoint(tmp_path: Path) -> None:
+    """A Trainer run resumed from checkpoint-2 (weights, the loop optimizer's state, scheduler, RNG) ends where the
+    run that wrote it ends, bit for bit, with learned projectors fitted and refitted by OffloadCallback."""
+    from lightning_offload.faces.hf import OffloadCallback
+
+    def run(out: Path, resume: Path | None) -> dict[str, torch.Tensor]:
+        model = tiny_hf_model("llama")
+        optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), rank=0.5,
+                            min_dim=16, refit_every=2, max_grad_norm=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=4, per_device_train_batch_size=4, max_grad_norm=0.0, use_cpu=True,
+            report_to=[], save_strategy="steps", save_steps=2, seed=0, data_seed=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                       optimizers=(optimizer, scheduler), callbacks=[OffloadCallback(optimizer)])
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+        optimizer.close()
+        return params_of(model)
+
+    straight = run(tmp_path / "straight", None)
+    resumed = run(tmp_path / "resumed", tmp_path / "straight" / "checkpoint-2")
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name

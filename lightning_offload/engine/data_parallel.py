@@ -147,6 +147,10 @@ class RankShards:
         self._next_launch = self._next_finish = 0
         self.bytes_this_step = 0
 
+    def is_ready(self, key: Any) -> bool:
+        """Whether ``key``'s gradient was declared final in this step already."""
+        return self._by_key[id(key)].ready
+
     def ready(self, key: Any) -> None:
         """During backward: ``key``'s gradient is final. Launches every bucket that is now complete, in order, and
         finishes those whose reduction has completed."""

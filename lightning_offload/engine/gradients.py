@@ -14,6 +14,16 @@ from lightning_offload.engine.data_parallel import RankShards, ReducedTensor
 from lightning_offload.engine.slot import Slot
 
 
+def final_twice_error(name: str) -> RuntimeError:
+    """The error for a gradient declared final twice before one step: it crossed (or was reduced) after the
+    micro-batch a loop declared the last, and changed after."""
+    return RuntimeError(
+        f"The gradient of {name} was final twice before one optimizer step: it crossed to the host (or between "
+        f"ranks) after the micro-batch the loop declared the last, and changed after. With lightning_offload.offload "
+        f"or Fabric's offload strategies, set accumulation_steps to the loop's micro-batches per optimizer step "
+        f"(Hugging Face: gradient_accumulation_steps), or None to send gradients at the step.")
+
+
 class GradientRouting:
     """Hooks that route gradients to the slots and updates back to the modules.
 
@@ -126,6 +136,8 @@ class GradientRouting:
         if self.ranks is None:
             self._send(slot)
         elif id(slot) not in self._late_reduced:
+            if self.ranks.is_ready(slot):
+                raise final_twice_error(slot.name)
             self.ranks.ready(slot)
 
     def remove(self) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_offload.engine.clipping import (
     GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
 from lightning_offload.engine.device_adam import DeviceAdam
-from lightning_offload.engine.gradients import GradientRouting
+from lightning_offload.engine.gradients import GradientRouting, final_twice_error
 from lightning_offload.engine.projected_slot import UpdatePrefetch
 from lightning_offload.engine.slot import Clip, Lanes, Slot, synced_hparams
 from lightning_offload.engine.speculation import Speculation
@@ -96,11 +96,7 @@ class StepOrchestrator:
                 own told the engine a micro-batch was the last when more followed).
         """
         if slot.is_sent(self.round):
-            raise RuntimeError(
-                f"The gradient of {slot.name} was final twice before one optimizer step: it crossed to the host after "
-                f"the micro-batch the loop declared the last, and changed after. With lightning_offload.offload or "
-                f"Fabric's offload strategies, set accumulation_steps to the loop's micro-batches per optimizer step "
-                f"(Hugging Face: gradient_accumulation_steps), or None to send gradients at the step.")
+            raise final_twice_error(slot.name)
         slot.send(self.round, self.figures.timeline)
         if self.routing.collecting and self.speculation.enabled:
             self.speculation.start(slot, self.round, self.figures.timeline)

@@ -1,5 +1,6 @@
 """The offload strategies for Lightning Fabric: ``Fabric(strategy="lsp_offload")`` (and ``"zero_offload"``,
-``"meft_offload"``), registered in Fabric's strategy registry by ``import lightning_offload``.
+``"meft_offload"``, and the data-parallel ``"lsp_offload_ddp"``, ``"zero_offload_ddp"``), registered in Fabric's
+strategy registry by ``import lightning_offload``.
 
 Set-up and hooks only: ``fabric.setup(model, optimizer)`` puts the engine in place of the user's Adam/AdamW through the
 same set-up as the Trainer strategies (:mod:`lightning_offload.strategies.engine_setup`) and hands back the loop's
@@ -11,66 +12,54 @@ weights, and ``fabric.load`` restores the weights before the optimizer, whose fp
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.strategies import SingleDeviceStrategy
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_offload.engine.projector_fitting import ProjectorFitting
-from lightning_offload.engine.user_optimizer import row_adam_settings
+from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
+from lightning_offload.engine.projector_fitting import OneProcess, ProjectorFitting
+from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks, row_adam_settings
+from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.faces.loop import LoopOffloadOptimizer, loop_settings, offload_settings
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.strategies.engine_setup import Placements, build_engine
+from lightning_offload.strategies.ddp import broadcast_projectors, broadcast_weights, bucket_bytes
 from lightning_offload.strategies.offload_base import check_precision, save_whole
 
-class FabricOffload(SingleDeviceStrategy):
-    """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host.
-
-    Args:
-        device: the training device. Default: ``None`` (CUDA when present, else CPU).
-        max_grad_norm: clip every step to this global norm unless ``fabric.clip_gradients`` was called for it.
-            Default: ``None``.
-        accumulation_steps: training forwards per optimizer step (see :func:`~lightning_offload.faces.loop.offload`).
-            Default: ``1``.
-        fitting: how projector fits run (``optimizer.fit_projectors``). Default: ``None`` (the seed's defaults).
-        refit_every: steps between refit checks. Default: ``500``.
-        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
-        settings: the offload settings of the Trainer strategy of the same name (the README's settings table).
-            Default: none (its defaults).
-
-    Registered as ``Fabric(strategy="lsp_offload")``; pass an instance for settings. Call ``optimizer.close()`` when
-    done (it applies what is pending and gives the model back).
-
-    Example::
-
-        fabric = L.Fabric(strategy=FabricOffload(rank=0.25, max_grad_norm=1.0, accumulation_steps=4))
-        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        optimizer.fit_projectors(loader, lambda model, batch: model(**batch).loss)  # learned projectors
-        fabric.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()
-        optimizer.close()
+class FabricOffloadMixin(OneProcess):
+    """What Fabric's offload strategies share, single-device and data-parallel: the engine in place of the user's
+    Adam/AdamW (set up through :func:`~lightning_offload.strategies.engine_setup.build_engine`, handed back as the loop
+    face's optimizer), precision checks, clipping through the engine, checkpoints, teardown. A strategy class mixes it
+    in before its Fabric base; a fit's agreement between ranks is one process's unless the DDP form overrides it.
     """
 
-    strategy_name = "lsp_offload"
+    strategy_name: str
     forced: dict[str, Any] = {}
+    #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
+    sparse_embeddings_by_default = True
 
-    def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
-                 accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
-                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
-                 precision: Precision | None = None, **settings: Any) -> None:
+    def _configure_offload(self, settings: dict[str, Any], max_grad_norm: float | None,
+                           accumulation_steps: int | None, fitting: ProjectorFitting | None, refit_every: int) -> None:
+        """Keep the settings, validated (the loop's with them); called by the constructors before their base's."""
         self.settings = offload_settings(self.strategy_name, self.forced, settings)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        super().__init__(torch.device(device), accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision=precision)
         self.loop = loop_settings(self.settings, max_grad_norm, accumulation_steps, refit_every, fitting)
         self.offload_optimizer: LoopOffloadOptimizer | None = None
+
+    def _rank_shards(self) -> RankShards | None:
+        """What the engine shares its work with: nothing on one device (the DDP forms override this)."""
+        return None
 
     # ------------------------------------------------------------------------------------------------ precision
     @property
@@ -95,11 +84,13 @@ class FabricOffload(SingleDeviceStrategy):
                              f"{len(optimizers)}. Pass a single optimizer; use param groups for different "
                              f"hyper-parameters.")
         module = self.setup_module(module)
-        setup = build_engine(module, optimizers[0], self.settings, Placements.of(self.settings), self.root_device,
-                             self.strategy_name, rank_zero_info, rank_zero_warn, optimizer_class=LoopOffloadOptimizer)
+        setup = build_engine(module, optimizers[0], self.settings,
+                             Placements.of(self.settings, self.sparse_embeddings_by_default), self.root_device,
+                             self.strategy_name, rank_zero_info, rank_zero_warn, rank_shards=self._rank_shards(),
+                             optimizer_class=LoopOffloadOptimizer)
         optimizer = setup.optimizer
         assert isinstance(optimizer, LoopOffloadOptimizer)
-        optimizer.configure_loop(setup, self.settings, self.loop, self.strategy_name)
+        optimizer.configure_loop(setup, self.settings, self.loop, self.strategy_name, agreement=self)
         self._after_engine(module, optimizer)
         self.offload_optimizer = optimizer
         return module, [optimizer], scheduler
@@ -131,8 +122,11 @@ class FabricOffload(SingleDeviceStrategy):
             # The weights read next must hold every update already stepped on the host, and the decay rows owe.
             self.offload_optimizer.synchronize()
             self.offload_optimizer.settle_row_decay()
-        save_whole(path, lambda target: super(FabricOffload, self).save_checkpoint(target, state, storage_options,
-                                                                                  filter))
+        base = super(FabricOffloadMixin, self)
+        if not self.is_global_zero:
+            base.save_checkpoint(path, state, storage_options, filter)  # its share of the state; rank 0 writes
+            return
+        save_whole(path, lambda target: base.save_checkpoint(target, state, storage_options, filter))
 
     @override
     def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True,
@@ -154,6 +148,47 @@ class FabricOffload(SingleDeviceStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+
+class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
+    """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host.
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU).
+        max_grad_norm: clip every step to this global norm unless ``fabric.clip_gradients`` was called for it.
+            Default: ``None``.
+        accumulation_steps: training forwards per optimizer step (see :func:`~lightning_offload.faces.loop.offload`).
+            Default: ``1``.
+        fitting: how projector fits run (``optimizer.fit_projectors``). Default: ``None`` (the seed's defaults).
+        refit_every: steps between refit checks. Default: ``500``.
+        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
+        settings: the offload settings of the Trainer strategy of the same name (the README's settings table).
+            Default: none (its defaults).
+
+    Registered as ``Fabric(strategy="lsp_offload")``; pass an instance for settings. Call ``optimizer.close()`` when
+    done (it applies what is pending and gives the model back).
+
+    Example::
+
+        fabric = L.Fabric(strategy=FabricOffload(rank=0.25, max_grad_norm=1.0, accumulation_steps=4))
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        optimizer.fit_projectors(loader, lambda model, batch: model(**batch).loss)  # learned projectors
+        fabric.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()
+        optimizer.close()
+    """
+
+    strategy_name = "lsp_offload"
+
+    def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
+                 accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
+                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision: Precision | None = None, **settings: Any) -> None:
+        self._configure_offload(settings, max_grad_norm, accumulation_steps, fitting, refit_every)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(torch.device(device), accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision=precision)
 
 
 class FabricZeroOffload(FabricOffload):
@@ -214,6 +249,90 @@ class FabricMEFTOffload(FabricOffload):
             rows, pin=self.root_device.type == "cuda")
         # Closing the optimizer finishes the adapters' last row updates and hands them back first.
         optimizer.loop.on_close.append(lambda attached=self.attached: attached.release(finish=True))
+
+
+class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
+    """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
+
+    As ``lsp_offload_ddp`` for the Trainer (:class:`~lightning_offload.strategies.ddp.LSPOffloadDDPStrategy`): the
+    model is not wrapped in ``DistributedDataParallel``; the engine reduces each gradient (compressed, for projected
+    weights) to the rank that owns its share of the host Adam, which steps it and broadcasts the update. Every rank
+    starts from rank 0's weights, and a projector fit is rank 0's on the mean of the ranks' samples.
+
+    Args:
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``.
+        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
+        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
+        fitting: as for :class:`FabricOffload`. Default: ``None``.
+        refit_every: as for :class:`FabricOffload`. Default: ``500``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
+            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
+        settings: the offload settings of ``lsp_offload_ddp`` (``embeddings="sparse"`` is single-device only).
+            Default: none (its defaults).
+
+    Example::
+
+        fabric = L.Fabric(devices=2, strategy=FabricOffloadDDP(accumulation_steps=2, max_grad_norm=1.0))
+        fabric.launch()
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        loader = fabric.setup_dataloaders(loader)  # each rank its share of every batch
+    """
+
+    strategy_name = "lsp_offload_ddp"
+    sparse_embeddings_by_default = False
+
+    def __init__(self, *, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20, max_grad_norm: float | None = None,
+                 accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
+                 accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision: Precision | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **settings: Any) -> None:
+        self._configure_offload(settings, max_grad_norm, accumulation_steps, fitting, refit_every)
+        if self.settings.embeddings == "sparse":
+            refuse_rows_across_ranks()
+        self.bucket_bytes = bucket_bytes(bucket_mb)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        # The engine reduces the gradients itself, during the last micro-batch's backward: Fabric's no_backward_sync
+        # (for DistributedDataParallel's own reductions) has nothing to hold back, and says so.
+        self._backward_sync_control = None
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        # Not wrapped in DistributedDataParallel: the engine reduces the gradients (compressed ones for projected
+        # weights, which never fill param.grad). The wrapper would also have made every rank start from rank 0's
+        # weights: done here.
+        broadcast_weights(module)
+        return module
+
+    @override
+    def _rank_shards(self) -> RankShards | None:
+        return RankShards(bucket_bytes=self.bucket_bytes)
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """Every rank fits to the mean of the ranks' samples."""
+        return self.all_reduce(grad, reduce_op="mean")
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value of a decision, on every rank."""
+        return self.broadcast(value, src=0)
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """Rank 0's fitted projectors, on every rank."""
+        return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
+
+
+class FabricZeroOffloadDDP(FabricOffloadDDP):
+    """Fabric's data-parallel strategy with dense gradients reduced to the rank that owns each tensor's host Adam.
+
+    ``Fabric(strategy="zero_offload_ddp")``; the arguments of :class:`FabricOffloadDDP` but the projection settings.
+    """
+
+    strategy_name = "zero_offload_ddp"
+    forced = {"projection": False}
 
 
 def _engine(optimizer: Any) -> LoopOffloadOptimizer:

@@ -23,7 +23,7 @@ import torch
 
 from lightning_offload.engine.batch_gradients import BatchGradients, LossFn
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.projector_fitting import ProjectorFitting, fit_projectors
+from lightning_offload.engine.projector_fitting import FitAgreement, OneProcess, ProjectorFitting, fit_projectors
 from lightning_offload.engine.refit_record import RefitRecord
 from lightning_offload.strategies.engine_setup import EngineSetup, Placements, build_engine
 from lightning_offload.strategies.settings import OffloadSettings
@@ -83,6 +83,8 @@ class LoopControl:
     forward_counter: Any = None
     #: Called first at close, newest first: what was attached to the engine after it was built (MEFT's adapters).
     on_close: list[Callable[[], None]] = field(default_factory=list)
+    #: How the ranks agree on a projector fit (one process: every value its own).
+    agreement: FitAgreement = field(default_factory=OneProcess)
 
 
 class LoopOffloadOptimizer(OffloadOptimizer):
@@ -96,10 +98,14 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     loop: LoopControl
 
-    def configure_loop(self, setup: EngineSetup, settings: OffloadSettings, loop: LoopSettings, name: str) -> None:
-        """Called once by the set-up that built it (:func:`offload`, the Fabric strategies)."""
+    def configure_loop(self, setup: EngineSetup, settings: OffloadSettings, loop: LoopSettings, name: str,
+                       agreement: FitAgreement | None = None) -> None:
+        """Called once by the set-up that built it (:func:`offload`, the Fabric strategies; ``agreement``: how the
+        ranks agree on a projector fit, one process's by default)."""
         wants_fit = settings.projection and settings.projectors == "learned" and bool(self.projected_layers)
         self.loop = LoopControl(setup, loop, name, wants_fit)
+        if agreement is not None:
+            self.loop.agreement = agreement
         if loop.accumulation_steps is not None:
             # The backward of the step's last micro-batch delivers final gradients: they may cross during it, as in
             # the Trainer strategies' closure. Its forward is how a loop of one's own says which backward that is.
@@ -189,7 +195,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         # The passes' forwards are no micro-batches of the loop's: its count is as it was after the fit.
         forwards, collecting = loop.forwards, self.routing.collecting
         try:
-            record = fit_projectors(loop.setup.optimizer, source, fitting, step, initial, show_progress=False,
+            record = fit_projectors(loop.setup.optimizer, source, fitting, step, initial, agreement=loop.agreement,
+                                    show_progress=False,
                                     sampling=lambda: _forked_rng(self.device, fitting.seed * 1_000_003 + step))
         finally:
             loop.forwards, self.routing.collecting = forwards, collecting

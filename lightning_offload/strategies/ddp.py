@@ -11,7 +11,7 @@ do not duplicate it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -32,6 +32,35 @@ from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.strategies.offload_base import OffloadMixin
 from lightning_offload.strategies.settings import OffloadSettings
+
+
+def bucket_bytes(bucket_mb: float) -> int:
+    """``bucket_mb`` MiB as bytes (at least one).
+
+    Raises:
+        ValueError: for a value that is not a positive number.
+    """
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be a positive number of MiB per gradient bucket, got {bucket_mb!r}.")
+    return max(1, int(bucket_mb * 2**20))
+
+
+@torch.no_grad()
+def broadcast_weights(module: torch.nn.Module) -> None:
+    """Every rank's parameters and buffers made rank 0's (what DistributedDataParallel's wrapper does at set-up)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+def broadcast_projectors(broadcast: Callable[[Any, int], Any], proj_out: SparseProjector, proj_in: SparseProjector,
+                         norm_ratio: float, second_moment_scale: float
+                         ) -> tuple[SparseProjector, SparseProjector, float, float]:
+    """Rank 0's fitted projectors and figures on every rank, through ``broadcast(obj, src)`` (a strategy's)."""
+    device = proj_out.indices.device
+    # Through the CPU: a pickled device tensor would be restored on rank 0's device number on every rank.
+    payload = (proj_out.to("cpu"), proj_in.to("cpu"), float(norm_ratio), float(second_moment_scale))
+    out, inp, ratio, scale = broadcast(payload, 0)
+    return out.to(device), inp.to(device), ratio, scale
 
 
 class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
@@ -132,9 +161,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be a positive number of MiB per gradient bucket, got {bucket_mb!r}.")
-        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.bucket_bytes = bucket_bytes(bucket_mb)
         self._configure_offload(settings)
         if self.embeddings == "sparse":
             refuse_rows_across_ranks()
@@ -151,9 +178,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         # projected weights, which never fill param.grad). DDP's wrapper would also make every rank start from
         # rank 0's weights; that is done here.
         assert self.model is not None
-        with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        broadcast_weights(self.model)
 
     @override
     def _rank_shards(self) -> RankShards | None:
@@ -171,11 +196,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     @override
     def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
                          second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
-        device = proj_out.indices.device
-        # Through the CPU: a pickled device tensor would be restored on rank 0's device number on every rank.
-        payload = (proj_out.to("cpu"), proj_in.to("cpu"), float(norm_ratio), float(second_moment_scale))
-        out, inp, ratio, scale = self.broadcast(payload, src=0)
-        return out.to(device), inp.to(device), ratio, scale
+        return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
 
 
 class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):

@@ -65,8 +65,7 @@ def save_whole(path: _PATH, write: Callable[[_PATH], None]) -> None:
     partial = f"{path}.partial"
     try:
         write(partial)
-        if os.path.exists(partial):  # a rank that writes nothing (not rank 0) has nothing to rename
-            os.replace(partial, str(path))
+        os.replace(partial, str(path))
     finally:
         if os.path.exists(partial):
             os.remove(partial)
