@@ -78,6 +78,11 @@ def _ranks_run(fabric: Fabric, kind: str) -> dict[str, Any]:
     optimizer.close()
     gathered = fabric.all_gather(fitted)
     owned_per_rank = fabric.all_gather(torch.tensor(owned)).tolist()
+    # A spawned process ends with os._exit, which skips Fabric's atexit handler that destroys the process group; a
+    # gloo group left to static destructors can abort the process at exit ("terminate called without an active
+    # exception"), so it is destroyed here.
+    fabric.barrier()
+    torch.distributed.destroy_process_group()
     return {"mismatches": _mismatches(params_of(model.module), _reference()) if kind != "learned" else [],
             "projectors_equal": bool(torch.equal(gathered[0], gathered[1])),
             "projectors_fitted": not torch.equal(drawn, fitted), "owned": owned_per_rank,
