@@ -36,7 +36,7 @@ from lightning_offload.faces.loop import LoopOffloadOptimizer, loop_settings, of
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.strategies.engine_setup import Placements, build_engine
 from lightning_offload.strategies.ddp import broadcast_projectors, broadcast_weights, bucket_bytes
-from lightning_offload.strategies.offload_base import check_precision, save_whole
+from lightning_offload.strategies.offload_base import as_offload_optimizer, check_precision, save_whole
 
 class FabricOffloadMixin(OneProcess):
     """What Fabric's offload strategies share, single-device and data-parallel: the engine in place of the user's
@@ -104,7 +104,7 @@ class FabricOffloadMixin(OneProcess):
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         if norm_type != 2.0:
             raise ValueError(f"strategy {self.strategy_name!r} clips by the global 2-norm; got norm_type={norm_type}.")
-        norm = _engine(optimizer).clip_grad_norm_(float(max_norm))
+        norm = as_offload_optimizer(optimizer).clip_grad_norm_(float(max_norm))
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of the gradients is {float(norm)}: non-finite, so clipping by it "
                                f"is undefined. Pass error_if_nonfinite=False to let the step be skipped instead.")
@@ -112,7 +112,7 @@ class FabricOffloadMixin(OneProcess):
 
     @override
     def clip_gradients_value(self, module: torch.nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        _engine(optimizer).clip_grad_value_(float(clip_val))
+        as_offload_optimizer(optimizer).clip_grad_value_(float(clip_val))
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     @override
@@ -120,8 +120,7 @@ class FabricOffloadMixin(OneProcess):
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         if self.offload_optimizer is not None:
             # The weights read next must hold every update already stepped on the host, and the decay rows owe.
-            self.offload_optimizer.synchronize()
-            self.offload_optimizer.settle_row_decay()
+            self.offload_optimizer.settle()
         base = super(FabricOffloadMixin, self)
         if not self.is_global_zero:
             base.save_checkpoint(path, state, storage_options, filter)  # its share of the state; rank 0 writes
@@ -333,11 +332,3 @@ class FabricZeroOffloadDDP(FabricOffloadDDP):
 
     strategy_name = "zero_offload_ddp"
     forced = {"projection": False}
-
-
-def _engine(optimizer: Any) -> LoopOffloadOptimizer:
-    # Fabric hands the strategy the optimizer inside its wrapper; the wrapper itself only when called directly.
-    inner = optimizer if isinstance(optimizer, LoopOffloadOptimizer) else getattr(optimizer, "_optimizer", optimizer)
-    if not isinstance(inner, LoopOffloadOptimizer):
-        raise TypeError(f"Expected the strategy's offload optimizer, got {type(inner).__name__}.")
-    return inner

@@ -130,10 +130,10 @@ class OffloadMixin(OneProcess):
         self._precision_plugin = plugin
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        _as_offload_optimizer(optimizer).clip_grad_norm_(clip_val)
+        as_offload_optimizer(optimizer).clip_grad_norm_(clip_val)
 
     def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        _as_offload_optimizer(optimizer).clip_grad_value_(clip_val)
+        as_offload_optimizer(optimizer).clip_grad_value_(clip_val)
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _add_refit_callback(self, trainer: pl.Trainer | None) -> None:
@@ -337,7 +337,8 @@ class OffloadMixin(OneProcess):
 
 
 
-def _as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:
+def as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:
+    """The engine inside a framework's optimizer wrapper (Lightning's and Fabric's keep it as ``_optimizer``)."""
     inner = getattr(optimizer, "_optimizer", optimizer)
     if not isinstance(inner, OffloadOptimizer):
         raise TypeError(f"Expected the strategy's OffloadOptimizer, got {type(inner).__name__}.")

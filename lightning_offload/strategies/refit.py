@@ -122,13 +122,7 @@ class ProjectorRefit(Callback):
                                         max_iters=max_iters, target_error=target_error, lr=lr, l2=l2,
                                         fit_threads=fit_threads, seed=seed)
         self.every_n_steps = every_n_steps
-        self.threshold = float(threshold)
-        self.num_samples = num_samples
-        self.norm_samples = norm_samples
-        self.settings = self.fitting.fit
         self.initial_fit = initial_fit
-        self.fit_threads = fit_threads
-        self.seed = seed
         self.loss_fn = loss_fn
         self.log = log
         self.history: list[RefitRecord] = []
@@ -136,6 +130,14 @@ class ProjectorRefit(Callback):
         self.fits_done = 0
         self._initial_fit_done = False
         self._last_checked_step = -1
+
+    # The fit's settings, read from the one value that holds them (kept as attributes of the callback for its users).
+    threshold = property(lambda self: self.fitting.threshold, doc="Refit a layer whose error exceeds this.")
+    num_samples = property(lambda self: self.fitting.num_samples, doc="Gradients sampled per fit.")
+    norm_samples = property(lambda self: self.fitting.norm_samples, doc="Batches on which ρ is measured.")
+    fit_threads = property(lambda self: self.fitting.fit_threads, doc="Threads of the fit's products on the CPU.")
+    seed = property(lambda self: self.fitting.seed, doc="Seeds batch sampling and the indices redrawn at refits.")
+    settings = property(lambda self: self.fitting.fit, doc="The per-layer optimisation's settings.")
 
     # -------------------------------------------------------------------------------------------------- hooks
     @override
