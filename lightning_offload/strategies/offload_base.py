@@ -21,7 +21,6 @@ from typing_extensions import override
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.projector_fitting import OneProcess
-from lightning_offload.engine.user_optimizer import validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.strategies.embeddings_head import Placement
 from lightning_offload.strategies.engine_setup import EngineSetup, Placements, build_engine
@@ -177,7 +176,6 @@ class OffloadMixin(OneProcess):
                 f"configure_optimizers returned {len(self.optimizers)}. Return a single optimizer; use param groups "
                 f"for different hyper-parameters."
             )
-        user_optimizer = validate_user_optimizer(self.optimizers[0])
         self._compiled_forward = self._runs_compiled_code()  # configure_model (where users compile) has run
         readers = weight_readers(trainer.callbacks) if self.pipelined else []
         self._settle_each_step = bool(readers)
@@ -186,7 +184,8 @@ class OffloadMixin(OneProcess):
                            f"so each step's updates are applied before the step returns (as with pipelined=False) and "
                            f"the callbacks see that step's weights.")
         assert self.lightning_module is not None
-        self._engine = build_engine(self.lightning_module, user_optimizer, self.settings, self.placements,
+        # build_engine validates the optimizer first (Adam/AdamW only), before it changes anything on the model.
+        self._engine = build_engine(self.lightning_module, self.optimizers[0], self.settings, self.placements,
                                     self.root_device, self.strategy_name, rank_zero_info, rank_zero_warn,
                                     rank_shards=self._rank_shards())
         self.placement = self._engine.placement
