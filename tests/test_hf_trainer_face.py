@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,11 @@ def test_checkpoints_hold_each_saved_step_s_weights_and_learned_projectors_are_f
     so checkpoint-2 holds step 2's weights: those of the plain AdamW Trainer's checkpoint-2 (lossless projectors)."""
     from lightning_offload.faces.hf import OffloadCallback
 
-    def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, callbacks: list) -> None:
+    def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, callbacks: list,
+            only_model: bool = True) -> None:
         args = transformers.TrainingArguments(
             output_dir=str(out), max_steps=3, per_device_train_batch_size=4, max_grad_norm=0.0, use_cpu=True,
-            report_to=[], save_strategy="steps", save_steps=2, save_only_model=True, seed=0, data_seed=0,
+            report_to=[], save_strategy="steps", save_steps=2, save_only_model=only_model, seed=0, data_seed=0,
             disable_tqdm=True)
         transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(optimizer, None),
                              callbacks=callbacks).train()
@@ -80,8 +82,15 @@ def test_checkpoints_hold_each_saved_step_s_weights_and_learned_projectors_are_f
     run(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3), tmp_path / "plain", [])
     model = tiny_hf_model("llama")
     optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=3e-3), **LOSSLESS)
-    run(model, optimizer, tmp_path / "offload", [OffloadCallback(optimizer)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*updates still pending")  # settled before the save: no warning
+        run(model, optimizer, tmp_path / "offload", [OffloadCallback(optimizer)], only_model=False)
     optimizer.close()
+    unsettled = tiny_hf_model("llama")
+    forgetful = offload(unsettled, torch.optim.AdamW(unsettled.parameters(), lr=3e-3), **LOSSLESS)
+    with pytest.warns(UserWarning, match="OffloadCallback"):  # the stale checkpoint is said, not silent
+        run(unsettled, forgetful, tmp_path / "forgetful", [], only_model=False)
+    forgetful.close()
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "offload" / "checkpoint-2" / "model.safetensors")

@@ -80,6 +80,7 @@ class LoopControl:
     last_fit_step: int = -1  # the step count at the latest fit (-1: none yet)
     forwards: int = 0  # training forwards since the last step
     warned_unfitted: bool = False
+    warned_unsettled_save: bool = False
     forward_counter: Any = None
     #: Called first at close, newest first: what was attached to the engine after it was built (MEFT's adapters).
     on_close: list[Callable[[], None]] = field(default_factory=list)
@@ -210,8 +211,20 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The engine's state (:meth:`OffloadOptimizer.state_dict`) and when the projectors were last fitted."""
-        return {**super().state_dict(), "loop": {"last_fit_step": self.loop.last_fit_step}}
+        """The engine's state (:meth:`OffloadOptimizer.state_dict`) and when the projectors were last fitted.
+
+        Warns once when the latest step's updates were still pending: a checkpoint that read the model's weights just
+        before (Hugging Face's ``Trainer`` saves the model, then the optimizer) holds the weights of the step before.
+        """
+        loop = self.loop
+        if not loop.warned_unsettled_save and any(slot.pending for slot in self.slots):
+            loop.warned_unsettled_save = True
+            warnings.warn(f"{loop.name}: state_dict() was called with the latest step's updates still pending (they "
+                          f"are applied before each module's next forward): model weights read since that step, e.g. "
+                          f"by a checkpoint saved just before, lack them. Call optimizer.settle() before reading or "
+                          f"saving the weights; under Hugging Face's Trainer add OffloadCallback(optimizer) to its "
+                          f"callbacks.", stacklevel=2)
+        return {**super().state_dict(), "loop": {"last_fit_step": loop.last_fit_step}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore :meth:`state_dict` output. Load the model's weights first: the fp32 masters are refreshed from
