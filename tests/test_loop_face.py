@@ -182,3 +182,37 @@ def test_close_gives_the_model_back() -> None:
         warnings.simplefilter("error")
         assert all(p.grad is not None for p in model.parameters())  # plain autograd again: every weight has .grad
     assert params_of(model).keys() == before.keys()
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_frozen_layer_left_in_the_optimizer_and_a_schedule_through_lr_0_equal_adamw(setting: str) -> None:
+    """Users' patterns in a loop: a layer frozen but left in the optimizer stays put, and a schedule that reaches
+    lr 0 mid-run (then rises again) steps as torch's AdamW does."""
+    batches = list(token_data(n=16, batch_size=4))
+    through_zero = [1.0, 0.0, 0.5, 1.0]
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: through_zero[min(step, 3)])
+        for batch in batches:
+            lm_loss(model, batch).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+    def frozen_model() -> torch.nn.Module:
+        model = tiny_hf_model("llama")
+        model.model.layers[0].requires_grad_(False)
+        return model
+
+    reference = frozen_model()
+    train(reference, torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01))
+    model = frozen_model()
+    start = params_of(model)
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01), **SETTINGS[setting])
+    train(model, optimizer)
+    optimizer.close()
+    got, want = params_of(model), params_of(reference)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
+        if name.startswith("model.layers.0."):
+            assert torch.equal(got[name], start[name]), name
