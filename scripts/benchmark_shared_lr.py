@@ -13,6 +13,11 @@ instead: ``Conv1D`` layers, a fused ``c_attn`` and a 4×-wide MLP (the LLaMA's i
 fine-tunes the pretrained SmolLM2-135M instead (LSP's use case; use its vocabulary and a fine-tuning rate such as
 ``--lr 1e-4``).
 
+``--pretrain-steps N`` is the continued-training regime: every method starts from the same model after N steps of
+AdamW on another data order. ``--exclude-modules`` (leave some layers unprojected), ``--refit-every`` (learned
+projectors refitted on a schedule) and ``--redraw-every`` (random ones redrawn) are the diagnostics behind the
+table in docs/benchmarks.md.
+
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json            # 2 seeds × 6 methods, ~12 min here
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json --report   # the table only
 """
@@ -31,7 +36,9 @@ import torch
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.data.bible import BibleLMDataModule
+from lightning_offload import ProjectorRefit
 from lightning_offload.lsp import linear
+from lightning_offload.lsp.projector import random_projector, signed_permutation_projector
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
@@ -41,10 +48,15 @@ from lightning_offload.tasks.causal_lm import CausalLMModule
 METHODS = {
     "adamw": None,
     "frozen": None,
+    # lsp_offload with every projector setting at its default (the kind, rank and density a user gets).
+    "default": ("default", None),
     "learned_r0.25": ("learned", 0.25),
     "random_r0.25": ("random", 0.25),
     "learned_r0.125": ("learned", 0.125),
     "random_r0.125": ("random", 0.125),
+    # Signed permutations at rank 1: lossless, so it must equal AdamW: a check that the protocol measures only
+    # what the projectors lose.
+    "lossless": ("lossless", 1.0),
 }
 
 
@@ -61,8 +73,9 @@ def eval_loss(module: CausalLMModule, loader: Any) -> float:
     return total / count
 
 
-def _plain_trainer(steps: int, strategy: Any = "auto") -> pl.Trainer:
+def _plain_trainer(steps: int, strategy: Any = "auto", callbacks: list[Any] | None = None) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                      callbacks=callbacks,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, precision="32-true")
 
@@ -76,6 +89,46 @@ def _scale_learned_updates(factor: float) -> None:
         return scale if scale == 1.0 else scale * factor
 
     linear.update_scale = scaled  # looked up by ProjectedWeight at each projector change
+
+
+_PRETRAINED: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+
+def _pretrained(model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The weights after ``--pretrain-steps`` of AdamW (lr 1e-3, 20 warm-up steps) on another data order (seed
+    1000 + seed): the start of the continued-training regime, made once per seed and shared by every method."""
+    key = (seed, args.pretrain_steps)
+    if key not in _PRETRAINED:
+        data = BibleLMDataModule(tokenizer, block_size=args.block_size, batch_size=args.batch_size,
+                                 max_val_blocks=args.eval_blocks, seed=1000 + seed)
+        data.prepare_data()
+        data.setup("fit")
+        pl.seed_everything(1000 + seed, workers=True, verbose=False)
+        module = CausalLMModule(model, lr=1e-3, weight_decay=0.0, warmup_steps=20)
+        _plain_trainer(args.pretrain_steps).fit(module, train_dataloaders=data.train_dataloader())
+        _PRETRAINED[key] = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    return _PRETRAINED[key]
+
+
+class RedrawRandomProjectors(pl.Callback):
+    """Fresh random projectors every ``every`` steps (subspace switching, as GaLore's refresh or Flora's resampling
+    do), the host Adam moments carried into the new subspace by the engine's rotation: a diagnostic of whether
+    the fixed subspace is what binds."""
+
+    def __init__(self, every: int, seed: int) -> None:
+        self.every, self.seed, self.last = every, seed, -1
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        step = trainer.global_step
+        if step and step % self.every == 0 and step != self.last:
+            self.last = step
+            optimizer = trainer.strategy.offload_optimizer
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            for layer in optimizer.projected_layers:
+                fresh = [random_projector(p.dim_in, p.dim_out, p.nnz_per_column, generator, p.indices.device)
+                         for p in (layer.proj_out, layer.proj_in)]
+                optimizer.replace_projectors(layer, *fresh)
 
 
 def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -95,17 +148,32 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     else:
         model = tiny_llama(vocab_size=len(data.tokenizer), hidden=args.hidden, layers=args.layers, heads=4,
                            intermediate=2 * args.hidden, seed=seed, max_positions=args.block_size)
+    if args.pretrain_steps:
+        model.load_state_dict(_pretrained(model, tokenizer, args, seed))
     pl.seed_everything(seed, workers=True, verbose=False)
     module = CausalLMModule(model, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup)
     strategy: Any = "auto"
+    callbacks: list[pl.Callback] = []
     if method == "frozen":
         for layer in select_projected_modules(module, min_dim=args.min_dim).values():
             layer.weight.requires_grad_(False)
     elif METHODS[method] is not None:
         kind, rank = METHODS[method]
-        strategy = LSPOffloadStrategy(rank=rank, density=args.density, min_dim=args.min_dim, projectors=kind,
-                                      seed=seed, log_telemetry=False)
-    trainer = _plain_trainer(args.steps, strategy)
+        common = {"min_dim": args.min_dim, "exclude_modules": args.exclude_modules, "seed": seed,
+                  "log_telemetry": False}
+        if kind == "default":
+            strategy = LSPOffloadStrategy(**common)
+            kind = strategy.projectors
+        elif kind == "lossless":
+            strategy = LSPOffloadStrategy(rank=rank, density=1, projectors="random",
+                                          projector_factory=signed_permutation_projector, **common)
+        else:
+            strategy = LSPOffloadStrategy(rank=rank, density=args.density, projectors=kind, **common)
+        if kind == "learned" and args.refit_every is not None:
+            callbacks.append(ProjectorRefit(every_n_steps=args.refit_every, threshold=args.refit_threshold))
+        if kind == "random" and args.redraw_every:
+            callbacks.append(RedrawRandomProjectors(args.redraw_every, seed))
+    trainer = _plain_trainer(args.steps, strategy, callbacks)
     before = eval_loss(module, data.val_dataloader())
     trainer.fit(module, train_dataloaders=data.train_dataloader())
     after = eval_loss(module, data.val_dataloader())
@@ -113,13 +181,14 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    """Markdown table: eval loss and share of AdamW's gain per seed, and the mean share."""
+    """Markdown table: eval loss and share of AdamW's gain per seed, the mean of those shares, and the share of the
+    seeds' mean losses (steadier where AdamW's gain over the frozen run is small and one seed moves a share a lot)."""
     by = {(r["method"], r["seed"]): r["eval_loss"] for r in results}
     seeds = sorted({r["seed"] for r in results})
-    lines = ["| method | " + " | ".join(f"seed {s}: eval loss (share)" for s in seeds) + " | mean share |",
-             "|---|" + "---|" * (len(seeds) + 1)]
+    lines = ["| method | " + " | ".join(f"seed {s}: eval loss (share)" for s in seeds)
+             + " | mean share | share of the mean losses |", "|---|" + "---|" * (len(seeds) + 2)]
     for method in METHODS:
-        cells, shares = [], []
+        cells, shares, used = [], [], []
         for seed in seeds:
             loss, frozen, adamw = by.get((method, seed)), by.get(("frozen", seed)), by.get(("adamw", seed))
             if loss is None or frozen is None or adamw is None:
@@ -127,9 +196,14 @@ def report(results: list[dict[str, Any]]) -> str:
                 continue
             share = (frozen - loss) / (frozen - adamw)
             shares.append(share)
+            used.append(seed)
             cells.append(f"{loss:.4f} ({share:.0%})")
-        mean = f"{sum(shares) / len(shares):.0%}" if shares else "—"
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean} |")
+        if not shares:
+            continue
+        mean = f"{sum(shares) / len(shares):.0%}"
+        means = {m: sum(by[(m, s)] for s in used) / len(used) for m in (method, "frozen", "adamw")}
+        of_means = f"{(means['frozen'] - means[method]) / (means['frozen'] - means['adamw']):.0%}"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean} | {of_means} |")
     return "\n".join(lines)
 
 
@@ -155,6 +229,17 @@ def main() -> None:
     parser.add_argument("--density", type=int, default=8)
     parser.add_argument("--learned-scale", type=float, default=1.0,
                         help="multiply learned projectors' update scale c by this (a diagnostic: is c the cause?)")
+    parser.add_argument("--pretrain-steps", type=int, default=0,
+                        help="continued training: every method starts from the model after this many AdamW steps "
+                             "(lr 1e-3) on another data order")
+    parser.add_argument("--exclude-modules", nargs="*", default=[],
+                        help="LSP methods: regular expressions of modules left unprojected (an ablation)")
+    parser.add_argument("--redraw-every", type=int, default=0,
+                        help="random projectors: redraw them every this many steps (0: never)")
+    parser.add_argument("--refit-every", type=int, default=None,
+                        help="learned projectors: ProjectorRefit(every_n_steps=this) instead of the default callback")
+    parser.add_argument("--refit-threshold", type=float, default=0.9,
+                        help="with --refit-every: refit layers whose error exceeds this (0: every layer)")
     args = parser.parse_args()
     if args.learned_scale != 1.0:
         _scale_learned_updates(args.learned_scale)
