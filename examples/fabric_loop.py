@@ -20,7 +20,8 @@ from progressions import VOCAB, lm_loss, progressions
 def main(steps: int = 40, accumulation: int = 2, accelerator: str = "auto") -> list[float]:
     """Trains ``steps`` optimizer steps, saving a checkpoint halfway; returns each step's loss."""
     fabric = L.Fabric(accelerator=accelerator, devices=1,
-                      strategy=FabricOffload(rank=0.5, min_dim=32, accumulation_steps=accumulation))
+                      strategy=FabricOffload(rank=0.5, min_dim=32, projectors="learned",
+                                             accumulation_steps=accumulation))
     model = tiny_llama(vocab_size=VOCAB, hidden=64, intermediate=128)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))
     loader = fabric.setup_dataloaders(progressions())

@@ -39,7 +39,7 @@ def main(steps: int = 40, accumulation: int = 2) -> list[float]:
     model = tiny_llama(vocab_size=VOCAB, hidden=64, intermediate=128)
     optimizer = lightning_offload.offload(
         model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), "lsp_offload",
-        rank=0.5, min_dim=32, refit_every=20,  # learned projectors, fitted and refitted by OffloadCallback
+        rank=0.5, min_dim=32, projectors="learned", refit_every=20,  # fitted and refitted by OffloadCallback
         max_grad_norm=1.0, accumulation_steps=accumulation)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
     args = transformers.TrainingArguments(

@@ -21,6 +21,7 @@ def main(steps: int = 40, accumulation: int = 2) -> list[float]:
     optimizer = lightning_offload.offload(
         model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), "lsp_offload",
         rank=0.5, min_dim=32,              # project every Linear with both dims ≥ 32, each side to half its size
+        projectors="learned",              # fitted to sampled gradients (the default, "random", is never fitted)
         max_grad_norm=1.0,                 # clipped by the global norm, projected gradients included
         accumulation_steps=accumulation,   # the last micro-batch's backward sends gradients as they are final
         refit_every=20)                    # refit_due turns True every 20 steps

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--rank", type=float, default=0.25)
     parser.add_argument("--density", type=int, default=8)
-    parser.add_argument("--projectors", choices=("learned", "random"), default="learned")
+    parser.add_argument("--projectors", choices=("learned", "random"), default="random")
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", default=None, help="write every run's measurements here as JSON")

@@ -34,9 +34,10 @@ def fit_seconds(fit_threads: int | None) -> float:
                         collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows]),
                                                  "labels": torch.stack([r[0] for r in rows])})
     refit = ProjectorRefit(fit_threads=fit_threads)
-    trainer = pl.Trainer(strategy=LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), accelerator="cpu",
-                         devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[refit])
+    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="learned")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[refit])
     trainer.fit(CausalLMModule(model, lr=1e-3), train_dataloaders=loader)
     return refit.history[0].seconds
 

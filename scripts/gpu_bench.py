@@ -234,11 +234,13 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     if method == "zero_offload":
         strategy = lightning_offload.ZeroOffloadStrategy(link_dtype="bf16")
     elif method == "lsp_offload":
-        strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]))
+        # Learned projectors (the default is random since 2026-12-02): the fit's device peak is one of the figures.
+        strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]),
+                                                        projectors="learned")
     elif method == "lsp_offload_dense_ends":
         # The previous default: embedding and head stepped densely on the host (what the defaults are compared to).
         strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]),
-                                                        embeddings="host", head="host")
+                                                        projectors="learned", embeddings="host", head="host")
     elif method == "deepspeed_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -248,7 +250,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     fit_peak = _fit_peak_probe(pl, cuda)
     callbacks: list[Any] = []
     if method.startswith("lsp_offload"):
-        # The strategy's default fit, named here so the probe after it sees the device peak the fit reached.
+        # The learned strategy's default fit, named here so the probe after it sees the device peak the fit reached.
         callbacks = [lightning_offload.ProjectorRefit(), fit_peak]
     trainer = pl.Trainer(
         strategy=strategy, accelerator="auto", devices=1, precision="bf16-true", max_steps=steps, logger=False,

@@ -71,11 +71,12 @@ def test_heldout_text_loss_is_reported_before_and_after(tmp_path: Path, env: dic
 
 def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict[str, str]) -> None:
     sweep = tmp_path / "sweep"
-    done = run_cli(["-m", "offload=lsp,zero,none", "logger=csv", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path, env)
+    done = run_cli(["-m", "offload=lsp_learned,zero,none", "logger=csv", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path,
+                   env)
     assert done.returncode == 0, done.stderr[-3000:]
 
     runs = find_runs([sweep])
-    assert sorted(run.label for run in runs) == ["offload=lsp", "offload=none", "offload=zero"]
+    assert sorted(run.label for run in runs) == ["offload=lsp_learned", "offload=none", "offload=zero"]
     for run in runs:
         summary = read_summary(run.path)
         assert summary is not None and summary["steps"] == 4 and summary["offload"] == run.label.split("=")[1]
@@ -85,7 +86,7 @@ def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict
     by_name = {run.label: read_summary(run.path) for run in runs}
     # Offloading moves bytes over the link, plain AdamW moves none; lsp moves fewer than zero.
     assert by_name["offload=none"]["link_bytes_to_host_per_step"] == 0
-    assert 0 < by_name["offload=lsp"]["link_bytes_to_host_per_step"] < by_name["offload=zero"][
+    assert 0 < by_name["offload=lsp_learned"]["link_bytes_to_host_per_step"] < by_name["offload=zero"][
         "link_bytes_to_host_per_step"]
 
     out = tmp_path / "plots"
@@ -93,16 +94,17 @@ def test_three_policy_multirun_produces_runs_that_plot(tmp_path: Path, env: dict
     written = sorted(p.name for p in out.glob("*.png"))
     assert written == ["eval_vs_step.png", "eval_vs_time.png", "link_bytes.png", "memory.png", "step_time.png"]
     table = (out / "summary.md").read_text().splitlines()
-    assert len(table) == 4 + 3 and all(f"| offload={name} | 4 |" in "\n".join(table) for name in ("lsp", "zero",
-                                                                                                  "none"))
+    assert len(table) == 4 + 3 and all(f"| offload={name} | 4 |" in "\n".join(table) for name in ("lsp_learned",
+                                                                                                  "zero", "none"))
     assert table[0] == "tiny-llama (h128, 2 layers) · bible_lm · 4 steps"  # what was run, as in every figure title
     for row in table[4:]:
         assert "| val/token_acc 0." in row  # a language model's metric column is filled
         assert row.endswith("| – |")  # no device peak on a CPU run
-    # The projector fit is shaded on the time axis: it spans the seconds the summary reports, before the first step.
+    # The projector fit (lsp_learned's) is shaded on the time axis: it spans the seconds the summary reports, before
+    # the first step.
     from lightning_offload.reporting.plots import _fit_span
 
-    (lsp,) = [run for run in runs if run.label == "offload=lsp"]
+    (lsp,) = [run for run in runs if run.label == "offload=lsp_learned"]
     start, end = _fit_span(lsp)
     assert end - start == pytest.approx(lsp.summary["projector_fit_seconds"], rel=1e-6) or start == 0.0
     assert all(_fit_span(run) is None for run in runs if run is not lsp)

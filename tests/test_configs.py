@@ -129,7 +129,8 @@ def test_data_instantiates_and_yields_batches(name: str, tmp_path: Path) -> None
 
 
 def test_offload_policies_instantiate(tmp_path: Path) -> None:
-    expected = {"lsp": (LSPOffloadStrategy, "full"), "zero": (ZeroOffloadStrategy, "full"), "none": (str, "full"),
+    expected = {"lsp": (LSPOffloadStrategy, "full"), "lsp_learned": (LSPOffloadStrategy, "full"),
+                "zero": (ZeroOffloadStrategy, "full"), "none": (str, "full"),
                 "galore": (str, "galore"), "lora": (str, "lora"), "meft": (MEFTOffloadStrategy, "meft"),
                 "dense_adapter": (str, "adapter")}
     for name in options("offload"):
@@ -137,10 +138,12 @@ def test_offload_policies_instantiate(tmp_path: Path) -> None:
         assert isinstance(policy, OffloadPolicy) and policy.name == name
         strategy_type, method = expected[name]
         assert isinstance(policy.strategy, strategy_type) and policy.method == method
+    # offload=lsp draws random projectors (the default) and adds no callback; lsp_learned is lsp with learned ones.
     lsp = instantiate(compose_cfg(["offload=lsp"], tmp_path).offload)
-    assert lsp.learns_projectors and len(lsp.callbacks()) == 1
-    random = instantiate(compose_cfg(["offload=lsp", "offload.strategy.projectors=random"], tmp_path).offload)
-    assert random.callbacks() == []
+    assert lsp.strategy.projectors == "random" and not lsp.learns_projectors and lsp.callbacks() == []
+    learned = instantiate(compose_cfg(["offload=lsp_learned"], tmp_path).offload)
+    assert learned.strategy.projectors == "learned" and learned.learns_projectors and len(learned.callbacks()) == 1
+    assert learned.strategy.rank == lsp.strategy.rank and learned.strategy.density == lsp.strategy.density
 
 
 @pytest.mark.parametrize("name", ["default", "cpu"])

@@ -105,7 +105,8 @@ def test_two_ranks_equal_one_process_of_adamw_at_the_whole_batch(kind: str) -> N
 
 
 def test_learned_projectors_are_rank_0_s_fit_on_every_rank() -> None:
-    ranks = _launch(FabricOffloadDDP(start_method="spawn", accumulation_steps=2, rank=0.5, density=2, min_dim=16),
+    ranks = _launch(FabricOffloadDDP(start_method="spawn", accumulation_steps=2, rank=0.5, density=2, min_dim=16,
+                                     projectors="learned"),
                     "learned")
     # Each rank sampled different batches: equal fits mean both installed rank 0's fit of the ranks' mean gradient.
     assert ranks["projectors_fitted"] and ranks["projectors_equal"]

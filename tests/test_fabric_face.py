@@ -64,7 +64,7 @@ def test_fabric_offload_equals_plain_fabric_adamw(strategy: str) -> None:
 def _learned(path: Path, steps: range, load: bool, save_at: int | None) -> dict[str, torch.Tensor]:
     batches = list(token_data(n=64, batch_size=4))
     fabric = Fabric(accelerator="cpu", devices=1,
-                    strategy=FabricOffload(rank=0.5, density=2, min_dim=16, accumulation_steps=2))
+                    strategy=FabricOffload(rank=0.5, density=2, min_dim=16, projectors="learned", accumulation_steps=2))
     model = tiny_hf_model("llama")
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01))
     if load:

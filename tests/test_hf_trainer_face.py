@@ -99,7 +99,8 @@ def test_checkpoints_hold_each_saved_step_s_weights_and_learned_projectors_are_f
         torch.testing.assert_close(saved[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
 
     learned = tiny_hf_model("llama")
-    fitted = offload(learned, torch.optim.AdamW(learned.parameters(), lr=3e-3), rank=0.5, min_dim=16, refit_every=2)
+    fitted = offload(learned, torch.optim.AdamW(learned.parameters(), lr=3e-3), rank=0.5, min_dim=16,
+                     projectors="learned", refit_every=2)
     run(learned, fitted, tmp_path / "learned", [OffloadCallback(fitted)])
     fitted.close()
     assert [record.initial for record in fitted.fits] == [True, False]  # fitted first, checked at step 2
@@ -113,7 +114,7 @@ def test_learned_projectors_resume_bit_for_bit_from_a_trainer_checkpoint(tmp_pat
     def run(out: Path, resume: Path | None) -> dict[str, torch.Tensor]:
         model = tiny_hf_model("llama")
         optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), rank=0.5,
-                            min_dim=16, refit_every=2, max_grad_norm=1.0)
+                            min_dim=16, projectors="learned", refit_every=2, max_grad_norm=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         args = transformers.TrainingArguments(
             output_dir=str(out), max_steps=4, per_device_train_batch_size=4, max_grad_norm=0.0, use_cpu=True,

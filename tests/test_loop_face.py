@@ -106,7 +106,7 @@ def _learned_run(steps: int, resume_from: dict[str, Any] | None = None) -> tuple
     batches = list(token_data(n=64, batch_size=4))
     model = tiny_hf_model("llama")
     optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01), rank=0.5, density=2,
-                        min_dim=16, refit_every=2, max_grad_norm=1.0)
+                        min_dim=16, projectors="learned", refit_every=2, max_grad_norm=1.0)
     start = 0
     if resume_from is not None:
         model.load_state_dict(resume_from["model"])
@@ -142,9 +142,26 @@ def test_learned_projectors_train_refit_and_resume_bit_for_bit() -> None:
 
 def test_unfitted_learned_projectors_are_said_at_the_first_step() -> None:
     model = tiny_hf_model("llama")
-    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), rank=0.5, min_dim=16)
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), rank=0.5, min_dim=16, projectors="learned")
     lm_loss(model, next(iter(token_data(n=4)))).backward()
     with pytest.warns(UserWarning, match="fit_projectors"):
+        optimizer.step()
+    optimizer.close()
+
+
+def test_random_projectors_the_default_are_never_fitted() -> None:
+    """Fitting them would make them learned ones behind the setting's back: refused, with the fix."""
+    model = tiny_hf_model("llama")
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), rank=0.5, min_dim=16)
+    drawn = {layer.name: layer.proj_in.values.clone() for layer in optimizer.projected_layers}
+    assert not optimizer.needs_first_fit and not optimizer.refit_due
+    with pytest.raises(ValueError, match=r"projectors='random' \(the default\), which are never fitted\. Pass "
+                                         r"projectors='learned' to offload\(\)"):
+        optimizer.fit_projectors(token_data(n=8), lm_loss)
+    assert all(torch.equal(layer.proj_in.values, drawn[layer.name]) for layer in optimizer.projected_layers)
+    lm_loss(model, next(iter(token_data(n=4)))).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "fit_projectors was not called" for projectors that are never fitted
         optimizer.step()
     optimizer.close()
 

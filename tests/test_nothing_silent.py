@@ -55,7 +55,7 @@ def test_nothing_to_project_is_warned():
 
 def test_the_default_refit_callback_is_announced(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16), max_steps=1).fit(
+        trainer(LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16), max_steps=1).fit(
             TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert any(r.getMessage().startswith("lsp_offload: projectors='learned' added ProjectorRefit(every_n_steps=500")
                for r in caplog.records)  # under the strategy's own name (lsp_offload_ddp says its own)
@@ -63,7 +63,7 @@ def test_the_default_refit_callback_is_announced(caplog):
 
 def test_no_announcement_when_the_user_brings_the_callback(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16), max_steps=1,
+        trainer(LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16), max_steps=1,
                 callbacks=[ProjectorRefit(every_n_steps=0)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert not any("added ProjectorRefit" in r.getMessage() for r in caplog.records)
 
@@ -72,7 +72,8 @@ def test_a_refit_that_cannot_reach_its_threshold_is_warned():
     refit = ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=2)
     with pytest.warns(UserWarning, match=r"ProjectorRefit at step 2: \d+ of \d+ refitted layers stay above "
                                          r"threshold=0.0.*refitted at every check"):
-        trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=3, callbacks=[refit]).fit(
+        trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=3,
+                callbacks=[refit]).fit(
             TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert torch.isfinite(torch.tensor(list(refit.history[-1].fitted_errors.values()))).all()
 
@@ -81,7 +82,8 @@ def test_an_initial_fit_that_ends_above_its_threshold_is_warned():
     refit = ProjectorRefit(every_n_steps=0, threshold=0.0, num_samples=2, max_iters=2)
     with pytest.warns(UserWarning, match=r"ProjectorRefit: the initial fit left \d+ of \d+ layers above "
                                          r"threshold=0.0 .* projectors='random'"):
-        trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1, callbacks=[refit]).fit(
+        trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=1,
+                callbacks=[refit]).fit(
             TinyCausalLM(tiny_hf_model("llama")), token_data())
 
 
@@ -98,7 +100,7 @@ def test_random_draws_leave_the_update_scale_exactly_one():
 
 
 def test_the_first_steps_device_time_does_not_include_the_projector_fit():
-    strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16)
     refit = ProjectorRefit(every_n_steps=0, num_samples=2, max_iters=16, target_error=0.0)
     module = TinyCausalLM(tiny_hf_model("llama"))
     first = {}
@@ -127,7 +129,7 @@ def test_more_than_one_device_is_refused_instead_of_silently_using_one(make):
 
 def test_the_projector_fit_says_what_it_does_and_shows_progress(caplog, capsys):
     module = TinyCausalLM(tiny_hf_model("llama"))
-    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16)
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16)
     refit = ProjectorRefit(num_samples=2, max_iters=4)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer(strategy, max_steps=1, callbacks=[refit], enable_progress_bar=True).fit(module, token_data())
@@ -142,7 +144,7 @@ def test_the_projector_fit_says_what_it_does_and_shows_progress(caplog, capsys):
 
 
 def test_no_fit_bar_without_progress_bars(capsys):
-    trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1,
+    trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=1,
             callbacks=[ProjectorRefit(num_samples=1, max_iters=2)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert "Projector fit" not in capsys.readouterr().err
 

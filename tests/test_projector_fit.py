@@ -262,7 +262,7 @@ def test_the_norm_ratio_pool_averages_each_gradients_kept_share():
 
 
 def test_the_refit_measures_the_norm_ratio_on_batches_the_fit_did_not_use():
-    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=0)
     refit = ProjectorRefit(num_samples=2, norm_samples=3)
     seen: dict[str, dict[str, float]] = {}
 
@@ -293,7 +293,8 @@ def test_the_refit_measures_the_norm_ratio_on_batches_the_fit_did_not_use():
 def test_a_refit_with_no_batch_left_to_measure_on_says_so():
     refit = ProjectorRefit(num_samples=2, norm_samples=2)
     module = TinyCausalLM(tiny_hf_model("llama"), lr=3e-3)
-    run = trainer(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), max_steps=1, callbacks=[refit])
+    run = trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=1,
+                  callbacks=[refit])
     with pytest.warns(UserWarning, match="no batch left after the fit's 2"):
         run.fit(module, token_data(n=8, batch_size=4))  # two batches: both go to the fit
     (record,) = refit.history
@@ -308,8 +309,8 @@ def _lm_fit(strategy, callbacks=(), max_steps=4, **kwargs):
     return module, run
 
 
-def test_learned_projectors_are_fitted_before_the_first_update_by_default():
-    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+def test_learned_projectors_are_fitted_before_the_first_update():
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=0)
     drawn = {}
 
     class Spy(ProjectorRefit):
@@ -333,15 +334,20 @@ def test_learned_projectors_are_fitted_before_the_first_update_by_default():
     assert statistics.fmean(record.fitted_errors.values()) < statistics.fmean(record.errors.values())
 
     # The same callback in a second fit (new projectors drawn) fits them again.
-    _lm_fit(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0), callbacks=[refit])
+    _lm_fit(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=0), callbacks=[refit])
     assert [r.initial for r in refit.history] == [True, True]
 
-    # Without a callback the strategy adds one with the default schedule; with projectors="random" it does not.
-    _, default_run = _lm_fit(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16))
-    (added,) = [cb for cb in default_run.callbacks if isinstance(cb, ProjectorRefit)]
+    # Without a callback the strategy adds one with the default schedule; with projectors="random", the default, it
+    # does not, and the projectors stay the seeded draw.
+    _, learned_run = _lm_fit(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16))
+    (added,) = [cb for cb in learned_run.callbacks if isinstance(cb, ProjectorRefit)]
     assert added.every_n_steps == 500 and added.history[0].initial
-    _, random_run = _lm_fit(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="random"))
-    assert not any(isinstance(cb, ProjectorRefit) for cb in random_run.callbacks)
+    default = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+    _, default_run = _lm_fit(default)
+    assert default.projectors == "random" and not any(isinstance(cb, ProjectorRefit) for cb in default_run.callbacks)
+    for layer in default.projected_layers.values():  # the draw's ±1/√r values (r = density = 2), never fitted
+        for projector in (layer.proj_out, layer.proj_in):
+            assert torch.equal(projector.values.abs(), torch.full_like(projector.values, 2 ** -0.5))
 
 
 def test_layers_under_the_threshold_are_skipped_and_others_refit_with_moments_on_the_host():
@@ -356,7 +362,7 @@ def test_layers_under_the_threshold_are_skipped_and_others_refit_with_moments_on
     def run(threshold):
         indices.clear()
         refit = Spy(every_n_steps=2, threshold=threshold, num_samples=2, max_iters=8)
-        strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=1)
+        strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=1)
         _lm_fit(strategy, callbacks=[refit], max_steps=3)
         return refit, strategy
 
@@ -384,7 +390,7 @@ def test_layers_under_the_threshold_are_skipped_and_others_refit_with_moments_on
 
 def test_refit_metrics_reach_the_loggers(tmp_path):
     refit = ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=1, max_iters=2)
-    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, log_telemetry=False)
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, log_telemetry=False)
     _lm_fit(strategy, callbacks=[refit], max_steps=3, logger=CSVLogger(tmp_path, name="run"))
     (metrics_file,) = tmp_path.glob("run/*/metrics.csv")
     rows = list(csv.DictReader(metrics_file.open()))
@@ -400,6 +406,14 @@ def test_refit_metrics_reach_the_loggers(tmp_path):
 def test_refit_errors_are_clear():
     with pytest.raises(ValueError, match="ProjectorRefit fits the projectors of strategy='lsp_offload'"):
         trainer(ZeroOffloadStrategy(), callbacks=[ProjectorRefit()]).fit(TinyClassifier(), classification_data())
+    # Random projectors (the default) are never fitted: a ProjectorRefit beside them would silently change their kind.
+    module = TinyClassifier()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(ValueError, match=r"projectors='random' \(the default\), which are never fitted\. Use "
+                                         r"LSPOffloadStrategy\(projectors='learned'\)"):
+        trainer(LSPOffloadStrategy(min_dim=16, rank=0.5, density=2), callbacks=[ProjectorRefit()]).fit(
+            module, classification_data())
+    assert all(torch.equal(before[n], p) for n, p in module.named_parameters())  # refused before any step
 
     class Manual(TinyClassifier):
         automatic_optimization = False
@@ -412,7 +426,8 @@ def test_refit_errors_are_clear():
             optimizer.zero_grad()
 
     with pytest.raises(ValueError, match="loss_fn=lambda module, batch"):
-        trainer(LSPOffloadStrategy(min_dim=16, rank=0.5, density=2)).fit(Manual(), classification_data())
+        trainer(LSPOffloadStrategy(projectors="learned", min_dim=16, rank=0.5, density=2)).fit(
+            Manual(), classification_data())
     with pytest.raises(ValueError, match="every_n_steps=-1"):
         ProjectorRefit(every_n_steps=-1)
     with pytest.raises(ValueError, match="projectors must be one of"):
@@ -455,7 +470,7 @@ def test_a_layer_fit_is_bit_identical_across_runs_with_threads(two_threads):
 @pytest.mark.parametrize("fit_threads", [None, 2], ids=["default-threads", "two-fit-threads"])
 def test_the_learned_fit_gives_identical_projectors_in_two_runs(two_threads, fit_threads):
     def fitted():
-        strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+        strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=0)
         torch.manual_seed(0)
         _lm_fit(strategy, callbacks=[ProjectorRefit(num_samples=2, max_iters=8, fit_threads=fit_threads)], max_steps=1)
         return {name: (layer.proj_out.values.clone(), layer.proj_in.values.clone())
@@ -469,7 +484,8 @@ def test_the_learned_fit_gives_identical_projectors_in_two_runs(two_threads, fit
 
 def test_fit_threads_are_restored_and_validated(two_threads):
     before = torch.get_num_threads()
-    _lm_fit(LSPOffloadStrategy(rank=0.25, density=2, min_dim=16), callbacks=[ProjectorRefit(fit_threads=1)],
+    _lm_fit(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16),
+            callbacks=[ProjectorRefit(fit_threads=1)],
             max_steps=1)
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="fit_threads=0 must be an int ≥ 1, or None"):
@@ -498,7 +514,7 @@ def test_a_fit_on_an_accelerator_holds_one_layers_fit_state_there_at_a_time(monk
     monkeypatch.setattr(fit_module.LayerFit, "fit", fit)
     monkeypatch.setattr(fit_module.LayerFit, "to", to)
     monkeypatch.setattr(projector_fitting, "_park_device", lambda grad: torch.device("cpu"))
-    strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=0)
     _lm_fit(strategy, callbacks=[ProjectorRefit(num_samples=3, max_iters=6)], max_steps=1)
     layers = len(strategy.projected_layers)
     assert layers > 1 and peak[0] == 1

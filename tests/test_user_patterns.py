@@ -170,7 +170,7 @@ def test_a_batch_the_projector_fit_draws_and_training_step_skips_is_replaced_by_
     from lightning_offload import LSPOffloadStrategy, ProjectorRefit
 
     refit = ProjectorRefit(num_samples=3, every_n_steps=0)
-    strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16)
+    strategy = LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16)
     module = SkipsEvenBatches()
     trainer(strategy, max_steps=2, callbacks=[refit]).fit(module, classification_data())
     (record,) = refit.history
@@ -197,7 +197,8 @@ def test_sigterm_during_the_projector_fit_stops_it_at_the_next_layer() -> None:
     refit = ProjectorRefit(num_samples=4, loss_fn=loss_then_sigterm)
     module = TinyClassifier()
     with pytest.raises(SIGTERMException):
-        trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16), max_steps=2, callbacks=[refit]).fit(
+        trainer(LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16), max_steps=2,
+                callbacks=[refit]).fit(
             module, classification_data())
     assert len(passes) == 1 and not refit.history and module.losses == []  # no second pass, no fit, no step
 

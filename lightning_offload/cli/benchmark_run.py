@@ -109,7 +109,8 @@ def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, proje
     """The offload policy of one compared method, as overrides.
 
     ``none``/``adamw`` is plain (fused) AdamW on the device; ``frozen`` trains everything but the layers
-    ``lsp_offload`` would project; ``lsp_offload``/``lsp_learned`` and ``lsp_random`` differ in the projectors;
+    ``lsp_offload`` would project; ``lsp_learned`` and ``lsp_random`` differ in the projectors, ``lsp_offload`` keeps
+    the package's default kind (random);
     ``galore`` and ``lora`` train those layers their own way, on the device.
 
     Raises:
@@ -128,7 +129,9 @@ def method_overrides(method: str, *, rank: float = 0.25, density: int = 8, proje
         return ["offload=none", "offload.method=frozen", *lr]
     if method == "zero_offload":
         return ["offload=zero", *pipeline, *lr]
-    if method in ("lsp_offload", "lsp_learned"):
+    if method == "lsp_offload":
+        return ["offload=lsp", *lsp, *lr]
+    if method == "lsp_learned":
         return ["offload=lsp", "offload.strategy.projectors=learned", *lsp, *lr]
     if method == "lsp_random":
         return ["offload=lsp", "offload.strategy.projectors=random", *lsp, *lr]

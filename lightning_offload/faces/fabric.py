@@ -170,7 +170,8 @@ class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
 
     Example::
 
-        fabric = L.Fabric(strategy=FabricOffload(rank=0.25, max_grad_norm=1.0, accumulation_steps=4))
+        fabric = L.Fabric(strategy=FabricOffload(rank=0.25, projectors="learned", max_grad_norm=1.0,
+                                                 accumulation_steps=4))
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         optimizer.fit_projectors(loader, lambda model, batch: model(**batch).loss)  # learned projectors
         fabric.backward(model(**batch).loss); optimizer.step(); optimizer.zero_grad()

@@ -186,8 +186,16 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
         Returns:
             What the fit did (also appended to :attr:`fits`).
+
+        Raises:
+            ValueError: for random projectors (``projectors="random"``, the default): they are never fitted, and
+                fitting them would silently make them another kind.
         """
         loop = self.loop
+        if self.projected_layers and not loop.wants_fit:
+            raise ValueError(f"{loop.name}: fit_projectors() fits learned projectors, but this optimizer was built "
+                             f"with projectors='random' (the default), which are never fitted. Pass "
+                             f"projectors='learned' to offload() (or to the Fabric strategy) to fit them.")
         step = self.steps_taken
         initial = loop.last_fit_step < 0
         fitting = loop.settings.fitting
@@ -326,7 +334,6 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
     Example::
 
         opt = lightning_offload.offload(model, torch.optim.AdamW(model.parameters(), lr=1e-4), max_grad_norm=1.0)
-        opt.fit_projectors(loader, lambda model, batch: model(**batch).loss)  # learned projectors: fit first
         for batch in loader:
             model(**batch).loss.backward()
             opt.step(); opt.zero_grad()

@@ -86,8 +86,8 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         target_modules: regular expressions of exactly the modules to project. Default: ``None`` (the ``min_dim``
             rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"learned"`` (fitted, then refitted on a schedule by a
-            :class:`~lightning_offload.strategies.refit.ProjectorRefit`) or ``"random"``. Default: ``"learned"``.
+        projectors: ``"random"`` (the seeded draw, never fitted) or ``"learned"`` (fitted, then refitted on a schedule
+            by a :class:`~lightning_offload.strategies.refit.ProjectorRefit`). Default: ``"random"``.
         projector_factory: draws each projector at set-up. Default: ``random_projector``.
         seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
@@ -137,7 +137,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         min_dim: int = 128,
         target_modules: Sequence[str] | None = None,
         exclude_modules: Sequence[str] = (),
-        projectors: str = "learned",
+        projectors: str = "random",
         projector_factory: ProjectorFactory = random_projector,
         seed: int = 0,
         on_nonfinite: NonFinitePolicy = "skip",

@@ -126,10 +126,12 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
             (heads included, when they match). Default: ``None`` (the ``min_dim`` rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"learned"`` fits the projector values to sampled gradients before the first update and refits
-            stale ones on a schedule (a :class:`~lightning_offload.strategies.refit.ProjectorRefit` with its defaults is
-            added unless the Trainer has one); ``"random"`` keeps the seeded draw, never fitted.
-            Default: ``"learned"``.
+        projectors: ``"random"`` keeps the seeded draw, never fitted; ``"learned"`` fits the projector values to
+            sampled gradients before the first update and refits stale ones on a schedule (a
+            :class:`~lightning_offload.strategies.refit.ProjectorRefit` with its defaults is added unless the Trainer
+            has one). At rank 0.25 random draws kept as much of AdamW's gain as learned ones or more in most measured
+            settings, at no fit cost; at rank 0.125 the measurements split, so try both there (docs/benchmarks.md,
+            "Projectors at the user's own learning rate"). Default: ``"random"``.
         projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
             ``random_projector`` (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
         seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
@@ -185,7 +187,7 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         min_dim: int = 128,
         target_modules: Sequence[str] | None = None,
         exclude_modules: Sequence[str] = (),
-        projectors: str = "learned",
+        projectors: str = "random",
         projector_factory: ProjectorFactory = random_projector,
         seed: int = 0,
         on_nonfinite: NonFinitePolicy = "skip",

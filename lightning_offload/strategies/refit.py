@@ -35,6 +35,7 @@ class ProjectedTraining(Protocol):
     import the strategies (which add this callback)."""
 
     projection: bool
+    projectors: str
     offload_optimizer: Any
 
     def synchronize(self) -> None:
@@ -79,16 +80,17 @@ class ProjectorRefit(Callback):
             ``training_step`` with logging muted; needs automatic optimization).
         log: send :meth:`RefitRecord.metrics` to the trainer's loggers after each fit. Default: ``True``.
 
-    ``strategy="lsp_offload"`` with ``projectors="learned"`` (its default) adds ``ProjectorRefit(seed=...)`` with
+    ``strategy="lsp_offload"`` with ``projectors="learned"`` adds ``ProjectorRefit(seed=...)`` with
     the strategy's seed when the Trainer has none; pass your own to change the schedule.
 
     Example::
 
         import lightning.pytorch as pl
-        from lightning_offload import ProjectorRefit
+        from lightning_offload import LSPOffloadStrategy, ProjectorRefit
 
         refit = ProjectorRefit(every_n_steps=200, threshold=0.8, num_samples=2)
-        trainer = pl.Trainer(strategy="lsp_offload", precision="bf16-mixed", callbacks=[refit])
+        trainer = pl.Trainer(strategy=LSPOffloadStrategy(projectors="learned"), precision="bf16-mixed",
+                             callbacks=[refit])
         trainer.fit(module)  # refit.history then holds a RefitRecord per fit or check
     """
 
@@ -153,6 +155,12 @@ class ProjectorRefit(Callback):
                 f"ProjectorRefit fits the projectors of strategy='lsp_offload', but this Trainer uses "
                 f"{type(strategy).__name__}{'' if getattr(strategy, 'projection', True) else ' (projection off)'}. "
                 f"Remove the callback or use strategy='lsp_offload'."
+            )
+        if strategy.projectors != "learned":
+            raise ValueError(
+                f"ProjectorRefit fits learned projectors, but this Trainer's {type(strategy).__name__} keeps "
+                f"projectors={strategy.projectors!r} (the default), which are never fitted. Use "
+                f"LSPOffloadStrategy(projectors='learned') (offload=lsp_learned on the CLI), or remove the callback."
             )
         if self.loss_fn is None and not pl_module.automatic_optimization:
             raise ValueError(

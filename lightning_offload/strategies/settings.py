@@ -37,7 +37,7 @@ class OffloadSettings:
         min_dim: both dims at least this are projected, by default. Default: ``128``.
         target_modules: regular expressions of exactly the modules to project. Default: ``None``.
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"learned"`` or ``"random"``. Default: ``"learned"``.
+        projectors: ``"random"`` or ``"learned"``. Default: ``"random"``.
         projector_factory: draws each projector at set-up. Default: ``random_projector``.
         seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` or ``"raise"``. Default: ``"skip"``.
@@ -65,7 +65,7 @@ class OffloadSettings:
     min_dim: int = 128
     target_modules: tuple[str, ...] | None = None
     exclude_modules: tuple[str, ...] = ()
-    projectors: str = "learned"
+    projectors: str = "random"
     projector_factory: ProjectorFactory = random_projector
     seed: int = 0
     on_nonfinite: Literal["skip", "raise"] = "skip"
