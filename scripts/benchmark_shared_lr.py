@@ -54,6 +54,10 @@ METHODS = {
     "random_r0.25": ("random", 0.25),
     "learned_r0.125": ("learned", 0.125),
     "random_r0.125": ("random", 0.125),
+    # Wider ranks: how the share grows as less is compressed (with --density 1, rank 1 is a random hash).
+    "learned_r0.5": ("learned", 0.5),
+    "random_r0.5": ("random", 0.5),
+    "random_r1.0": ("random", 1.0),
     # Signed permutations at rank 1: lossless, so it must equal AdamW: a check that the protocol measures only
     # what the projectors lose.
     "lossless": ("lossless", 1.0),
