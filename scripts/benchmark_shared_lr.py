@@ -35,10 +35,11 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
-from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload import ProjectorRefit
+from lightning_offload.data.bible import BibleLMDataModule
+from lightning_offload.engine.projector_fitting import redraw_projectors
 from lightning_offload.lsp import linear
-from lightning_offload.lsp.projector import random_projector, signed_permutation_projector
+from lightning_offload.lsp.projector import signed_permutation_projector
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
@@ -128,11 +129,8 @@ class RedrawRandomProjectors(pl.Callback):
         if step and step % self.every == 0 and step != self.last:
             self.last = step
             optimizer = trainer.strategy.offload_optimizer
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-            for layer in optimizer.projected_layers:
-                fresh = [random_projector(p.dim_in, p.dim_out, p.nnz_per_column, generator, p.indices.device)
-                         for p in (layer.proj_out, layer.proj_in)]
-                optimizer.replace_projectors(layer, *fresh)
+            for index, layer in enumerate(optimizer.projected_layers):
+                optimizer.replace_projectors(layer, *redraw_projectors(layer, self.seed, step, index))
 
 
 def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -211,7 +209,8 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults are the protocol's settings."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_shared_lr.json")
     parser.add_argument("--report", action="store_true", help="print the table of --out and exit")
@@ -244,7 +243,11 @@ def main() -> None:
                         help="learned projectors: ProjectorRefit(every_n_steps=this) instead of the default callback")
     parser.add_argument("--refit-threshold", type=float, default=0.9,
                         help="with --refit-every: refit layers whose error exceeds this (0: every layer)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.learned_scale != 1.0:
         _scale_learned_updates(args.learned_scale)
     results: list[dict[str, Any]] = []

@@ -12,7 +12,6 @@ projectors, the default before, 93%. The 95% bound therefore fails with the old 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import warnings
 from pathlib import Path
@@ -29,17 +28,9 @@ def _script():
     return module
 
 
-def _args(**overrides) -> argparse.Namespace:
-    settings = dict(arch="gpt2", tokenizer="bytes", hidden=128, layers=2, batch_size=4, block_size=64, eval_blocks=32,
-                    steps=300, lr=1e-3, warmup=20, weight_decay=0.0, min_dim=128, density=8, pretrain_steps=0,
-                    exclude_modules=[], refit_every=None, refit_threshold=0.9, redraw_every=0)
-    settings.update(overrides)
-    return argparse.Namespace(**settings)
-
-
 def test_the_default_projectors_keep_95_percent_of_adamws_gain_on_a_gpt2_shaped_model():
     script = _script()
-    args = _args()
+    args = script.build_parser().parse_args(["--arch", "gpt2", "--tokenizer", "bytes"])  # the protocol's defaults
     losses: dict[str, list[float]] = {"adamw": [], "frozen": [], "default": []}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on a CPU run

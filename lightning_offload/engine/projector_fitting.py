@@ -211,7 +211,7 @@ def fit_projectors(optimizer: OffloadOptimizer, source: GradientSource, fitting:
                     if error <= fitting.threshold:
                         skipped.add(layer.name)
                         return
-                    proj_out, proj_in = _redraw(layer, fitting.seed, step, order[layer.name])
+                    proj_out, proj_in = redraw_projectors(layer, fitting.seed, step, order[layer.name])
                 else:
                     proj_out, proj_in = layer.proj_out, layer.proj_in
                 fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
@@ -302,8 +302,10 @@ def _threads_for(grad: Tensor, fit_threads: int | None) -> int:
     return max(1, min(torch.get_num_threads(), grad.numel() // 2**18))
 
 
-def _redraw(layer: ProjectedWeight, seed: int, step: int, index: int) -> tuple[SparseProjector, SparseProjector]:
-    """Fresh collision-free indices for a refit, seeded by (seed, step, layer) so a resumed run redraws alike."""
+def redraw_projectors(layer: ProjectedWeight, seed: int, step: int,
+                      index: int) -> tuple[SparseProjector, SparseProjector]:
+    """Fresh random projectors of ``layer``'s shapes (collision-free indices, ``±1/√r`` values), seeded by
+    ``(seed, step, index)`` so a resumed run redraws alike: a refit's starting point, or a redraw of random ones."""
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_007 + index)
     device = layer.proj_out.indices.device
     return tuple(  # type: ignore[return-value]
