@@ -15,8 +15,9 @@ fine-tunes the pretrained SmolLM2-135M instead (LSP's use case; use its vocabula
 
 ``--pretrain-steps N`` is the continued-training regime: every method starts from the same model after N steps of
 AdamW on another data order. ``--exclude-modules`` (leave some layers unprojected), ``--refit-every`` (learned
-projectors refitted on a schedule) and ``--redraw-every`` (random ones redrawn) are the diagnostics behind the
-table in docs/benchmarks.md.
+projectors refitted on a schedule), ``--redraw-every`` (random ones redrawn; ``--redraw-moments``), ``--update-scale``
+(a step-size factor for the projected layers), ``--blocks`` (block-diagonal draws) and the method ``galore_r0.25``
+(GaLore at the same bytes) are the diagnostics behind the table in docs/benchmarks.md.
 
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json            # 2 seeds × 6 methods, ~12 min here
     python scripts/benchmark_shared_lr.py --out bench_shared_lr.json --report   # the table only
@@ -29,7 +30,7 @@ import json
 import math
 import os
 import platform
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -39,7 +40,7 @@ from lightning_offload import ProjectorRefit
 from lightning_offload.data.bible import BibleLMDataModule
 from lightning_offload.engine.projector_fitting import redraw_projectors
 from lightning_offload.lsp import linear
-from lightning_offload.lsp.projector import signed_permutation_projector
+from lightning_offload.lsp.projector import SparseProjector, signed_permutation_projector
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
@@ -62,6 +63,9 @@ METHODS = {
     # Signed permutations at rank 1: lossless, so it must equal AdamW: a check that the protocol measures only
     # what the projectors lose.
     "lossless": ("lossless", 1.0),
+    # GaLore (galore-torch) at the bytes of rank 0.25: its rank·max(o, i) equals LSP's d_o·d_i on layers whose smaller
+    # side is the hidden size; a reference for what another compressed-gradient method keeps at one shared rate.
+    "galore_r0.25": ("galore", 0.25),
 }
 
 
@@ -85,13 +89,14 @@ def _plain_trainer(steps: int, strategy: Any = "auto", callbacks: list[Any] | No
                       num_sanity_val_steps=0, limit_val_batches=0, precision="32-true")
 
 
-def _scale_learned_updates(factor: float) -> None:
-    """Multiply the update scale ``c`` of learned projectors by ``factor`` (random draws keep ``c = 1``)."""
+def _scale_updates(factor: float, learned_only: bool) -> None:
+    """Multiply the update scale ``c`` by ``factor``: of learned projectors only (random draws keep ``c = 1``), or
+    of every projected layer (a learning-rate factor for the projected layers alone)."""
     rule = linear.update_scale
 
     def scaled(proj_out: Any, proj_in: Any) -> float:
         scale = rule(proj_out, proj_in)
-        return scale if scale == 1.0 else scale * factor
+        return scale if learned_only and scale == 1.0 else scale * factor
 
     linear.update_scale = scaled  # looked up by ProjectedWeight at each projector change
 
@@ -115,13 +120,36 @@ def _pretrained(model: torch.nn.Module, tokenizer: Any, args: argparse.Namespace
     return _PRETRAINED[key]
 
 
+def block_diagonal_projector(blocks: int) -> Callable[..., SparseProjector]:
+    """A projector factory whose random draws are block-diagonal: ``blocks`` equal blocks of a dimension (for the
+    attention projections of ``--hidden 128`` with 4 heads, 4 blocks are the heads) each compress into their own block
+    of rows, so no compressed coordinate mixes rows or columns of two blocks. Values ``±1/√r``, ``r`` the density or
+    the block's compressed size if smaller (``c = 1`` either way)."""
+
+    def draw(dim_in: int, dim_out: int, density: int, generator: torch.Generator,
+             device: torch.device) -> SparseProjector:
+        if dim_in % blocks or dim_out % blocks:
+            raise ValueError(f"--blocks {blocks} must divide both {dim_in} and its compressed size {dim_out}.")
+        block_in, block_out = dim_in // blocks, dim_out // blocks
+        nnz = min(density, block_out)
+        # The top-r of i.i.d. uniform scores within the column's block: distinct rows, uniformly drawn.
+        indices = torch.cat([torch.rand(block_in, block_out, generator=generator).topk(nnz, dim=1).indices
+                             + b * block_out for b in range(blocks)]).sort(dim=1).values
+        signs = torch.randint(0, 2, (dim_in, nnz), generator=generator).float().mul_(2).sub_(1)
+        return SparseProjector(indices.to(device), (signs / nnz**0.5).to(device), dim_out)
+
+    return draw
+
+
 class RedrawRandomProjectors(pl.Callback):
     """Fresh random projectors every ``every`` steps (subspace switching, as GaLore's refresh or Flora's resampling
     do), the host Adam moments carried into the new subspace by the engine's rotation: a diagnostic of whether
-    the fixed subspace is what binds."""
+    the fixed subspace is what binds. ``moments="reset-momentum"`` then zeroes the carried first moment (between two
+    independent random subspaces the rotated momentum is a random mixture, not a direction of the new one) and keeps
+    the rotated second moment and the step count."""
 
-    def __init__(self, every: int, seed: int) -> None:
-        self.every, self.seed, self.last = every, seed, -1
+    def __init__(self, every: int, seed: int, moments: str = "rotate") -> None:
+        self.every, self.seed, self.moments, self.last = every, seed, moments, -1
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -131,6 +159,10 @@ class RedrawRandomProjectors(pl.Callback):
             optimizer = trainer.strategy.offload_optimizer
             for index, layer in enumerate(optimizer.projected_layers):
                 optimizer.replace_projectors(layer, *redraw_projectors(layer, self.seed, step, index))
+                if self.moments == "reset-momentum":
+                    slot = next(s for s in optimizer.slots if s.layer is layer)
+                    if slot.adam_state():
+                        slot.adam_state()["exp_avg"].zero_()
 
 
 def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -156,7 +188,14 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     module = CausalLMModule(model, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup)
     strategy: Any = "auto"
     callbacks: list[pl.Callback] = []
-    if method == "frozen":
+    if method.startswith("galore"):
+        from lightning_offload.cli.baselines import galore_optimizer
+
+        galore_rank = max(1, round((576 if args.arch == "smollm2" else args.hidden) * METHODS[method][1] ** 2))
+        module.optimizer_factory = lambda model: galore_optimizer(
+            model, lr=args.lr, rank=galore_rank, update_proj_gap=args.galore_gap, scale=args.galore_scale,
+            weight_decay=args.weight_decay, min_dim=args.min_dim)
+    elif method == "frozen":
         for layer in select_projected_modules(module, min_dim=args.min_dim).values():
             layer.weight.requires_grad_(False)
     elif METHODS[method] is not None:
@@ -170,11 +209,13 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             strategy = LSPOffloadStrategy(rank=rank, density=1, projectors="random",
                                           projector_factory=signed_permutation_projector, **common)
         else:
+            if args.blocks:
+                common["projector_factory"] = block_diagonal_projector(args.blocks)
             strategy = LSPOffloadStrategy(rank=rank, density=args.density, projectors=kind, **common)
         if kind == "learned" and args.refit_every is not None:
             callbacks.append(ProjectorRefit(every_n_steps=args.refit_every, threshold=args.refit_threshold))
         if kind == "random" and args.redraw_every:
-            callbacks.append(RedrawRandomProjectors(args.redraw_every, seed))
+            callbacks.append(RedrawRandomProjectors(args.redraw_every, seed, args.redraw_moments))
     trainer = _plain_trainer(args.steps, strategy, callbacks)
     before = eval_loss(module, data.val_dataloader())
     trainer.fit(module, train_dataloaders=data.train_dataloader())
@@ -239,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LSP methods: regular expressions of modules left unprojected (an ablation)")
     parser.add_argument("--redraw-every", type=int, default=0,
                         help="random projectors: redraw them every this many steps (0: never)")
+    parser.add_argument("--redraw-moments", choices=["rotate", "reset-momentum"], default="rotate",
+                        help="with --redraw-every: carry both moments by the engine's rotation, or zero the first")
+    parser.add_argument("--update-scale", type=float, default=1.0,
+                        help="multiply every projected layer's update scale c by this: a learning-rate factor for "
+                             "the projected layers alone (a diagnostic: is the step size what binds?)")
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="random/learned methods: block-diagonal random draws with this many blocks per side "
+                             "(0: the default draw); 4 aligns the attention projections' blocks with 4 heads")
+    parser.add_argument("--galore-scale", type=float, default=1.0,
+                        help="galore methods: GaLore's update scale (1: its update has Adam's size at the shared "
+                             "rate; its authors' 0.25 goes with a raised rate)")
+    parser.add_argument("--galore-gap", type=int, default=200, help="galore methods: steps between GaLore's SVDs")
     parser.add_argument("--refit-every", type=int, default=None,
                         help="learned projectors: ProjectorRefit(every_n_steps=this) instead of the default callback")
     parser.add_argument("--refit-threshold", type=float, default=0.9,
@@ -249,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     if args.learned_scale != 1.0:
-        _scale_learned_updates(args.learned_scale)
+        _scale_updates(args.learned_scale, learned_only=True)
+    if args.update_scale != 1.0:
+        _scale_updates(args.update_scale, learned_only=False)
     results: list[dict[str, Any]] = []
     if os.path.exists(args.out):
         with open(args.out) as f:

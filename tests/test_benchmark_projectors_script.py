@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_projectors.py"
 
@@ -85,3 +86,83 @@ def test_shared_lr_script_reports_shares_per_seed_and_their_mean():
     # Per seed 90% and 100%, their mean 95%; the mean losses (frozen 3.75, AdamW 3.0, learned 3.05) give 93%.
     assert "3.1000 (90%)" in learned and "3.0000 (100%)" in learned and learned.endswith("| 95% | 93% |")
     assert "random_r0.25" not in table  # a method without runs has no row
+
+
+def _shared_lr_script():
+    spec = importlib.util.spec_from_file_location("benchmark_shared_lr", SCRIPT.parent / "benchmark_shared_lr.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_block_diagonal_draws_mix_coordinates_only_within_their_block():
+    from lightning_offload.lsp.linear import update_scale
+
+    draw = _shared_lr_script().block_diagonal_projector(4)
+    projector = draw(128, 32, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+    column_block = torch.arange(128).unsqueeze(1) // 32
+    assert torch.equal(projector.indices.long() // 8, column_block.expand(128, 8))  # rows 8b…8b+7 for block b
+    assert torch.allclose(projector.values.abs(), torch.full((128, 8), 8**-0.5))
+    assert update_scale(projector, projector) == 1.0  # the draws keep the user's step size, as the default's do
+    narrow = draw(128, 8, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert narrow.nnz_per_column == 2  # a block of 2 compressed rows takes both
+    with pytest.raises(ValueError, match="--blocks 4 must divide"):
+        draw(130, 32, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+
+
+def test_update_scale_option_scales_random_layers_only_when_not_learned_only(monkeypatch):
+    from lightning_offload.lsp import linear
+    from lightning_offload.lsp.projector import SparseProjector
+
+    bench = _shared_lr_script()
+    monkeypatch.setattr(linear, "update_scale", linear.update_scale)  # restored after the test
+    draw = SparseProjector.random(64, 16, 4, generator=torch.Generator().manual_seed(0))
+    bench._scale_updates(2.0, learned_only=True)
+    assert linear.update_scale(draw, draw) == 1.0  # a random draw's c = 1 is left alone
+    bench._scale_updates(1.5, learned_only=False)
+    assert linear.update_scale(draw, draw) == 1.5
+
+
+@pytest.mark.parametrize("moments", ["rotate", "reset-momentum"])
+def test_redraw_carries_or_resets_the_first_moment(moments):
+    import lightning_offload
+
+    bench = _shared_lr_script()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128))
+    optimizer = lightning_offload.offload(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for _ in range(2):
+        model(torch.randn(8, 128)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.settle()
+    layer = optimizer.projected_layers[0]
+    before = layer.proj_out.indices.clone()
+    trainer = argparse.Namespace(global_step=2, strategy=argparse.Namespace(offload_optimizer=optimizer))
+    bench.RedrawRandomProjectors(every=2, seed=0, moments=moments).on_train_batch_start(trainer, None, None, 0)
+    state = next(s for s in optimizer.slots if s.layer is layer).adam_state()
+    assert not torch.equal(layer.proj_out.indices, before)  # a fresh draw
+    assert (state["exp_avg"].abs().sum() == 0) == (moments == "reset-momentum")
+    assert state["exp_avg_sq"].abs().sum() > 0  # the second moment is carried either way
+    assert int(state["step"]) == 2
+    optimizer.close()
+
+
+def test_galore_method_trains_at_the_bytes_of_rank_one_quarter(monkeypatch):
+    from lightning_offload.cli import baselines
+
+    bench = _shared_lr_script()
+    ranks = []
+    real = baselines.galore_optimizer
+
+    def recording(model, **kwargs):
+        ranks.append(kwargs["rank"])
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(baselines, "galore_optimizer", recording)
+    args = bench.build_parser().parse_args(["--tokenizer", "bytes", "--steps", "3", "--warmup", "1",
+                                            "--eval-blocks", "2", "--layers", "1"])
+    result = bench.run("galore_r0.25", args, seed=0)
+    # rank·max(o, i) = (o/4)·(i/4) on layers whose smaller side is the hidden size 128: rank 8.
+    assert ranks == [8]
+    assert result["eval_loss"] < result["eval_loss_before"]
