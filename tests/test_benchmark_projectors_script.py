@@ -1,20 +1,18 @@
 """The projector benchmark's bookkeeping: equal-state sizes and the share of AdamW's gain over the frozen run."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_projectors.py"
+from scripts_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("benchmark_projectors", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_projectors")
+
+
+def _shared_lr_script():
+    return load_script("benchmark_shared_lr")
 
 
 def test_galore_rank_matches_the_lsp_state_on_square_and_mlp_layers():
@@ -75,9 +73,7 @@ def test_shared_rate_protocol_runs_every_method_at_the_users_rate(monkeypatch, t
 
 
 def test_shared_lr_script_reports_shares_per_seed_and_their_mean():
-    spec = importlib.util.spec_from_file_location("benchmark_shared_lr", SCRIPT.parent / "benchmark_shared_lr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _shared_lr_script()
     runs = [{"method": m, "seed": s, "eval_loss": loss} for m, s, loss in [
         ("adamw", 0, 3.0), ("frozen", 0, 4.0), ("learned_r0.25", 0, 3.1),
         ("adamw", 1, 3.0), ("frozen", 1, 3.5), ("learned_r0.25", 1, 3.0)]]
@@ -86,13 +82,6 @@ def test_shared_lr_script_reports_shares_per_seed_and_their_mean():
     # Per seed 90% and 100%, their mean 95%; the mean losses (frozen 3.75, AdamW 3.0, learned 3.05) give 93%.
     assert "3.1000 (90%)" in learned and "3.0000 (100%)" in learned and learned.endswith("| 95% | 93% |")
     assert "random_r0.25" not in table  # a method without runs has no row
-
-
-def _shared_lr_script():
-    spec = importlib.util.spec_from_file_location("benchmark_shared_lr", SCRIPT.parent / "benchmark_shared_lr.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_block_diagonal_draws_mix_coordinates_only_within_their_block():

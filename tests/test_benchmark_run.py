@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from scripts_loader import load_script
 
 from lightning_offload.cli.benchmark_run import METHODS, method_overrides, recipe_overrides, run_benchmark
 
@@ -61,13 +62,7 @@ def test_the_overrides_are_the_command_lines():
     ("benchmark_pipeline.py", ["--steps", "2", "--repeats", "1", "--strategies", "zero_offload"]),
 ])
 def test_benchmark_scripts_run_on_a_tiny_model(tmp_path, monkeypatch, capsys, script, args):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / script
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(script.removesuffix(".py"))
     monkeypatch.setattr("sys.argv", [script, "--model", "tiny_llama", "--precision", "32-true", *args,
                                      "--out", str(tmp_path / "out.json")])
     module.main()

@@ -10,18 +10,12 @@ fewer fresh batches is itself noisy (one batch's ratio ranges 0.8–1.25×), hen
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark_clip_norm.py"
+from scripts_loader import load_script
 
 
 @pytest.mark.parametrize("projectors", ["learned", "random"])
 def test_the_clipping_norm_estimate_is_within_three_percent_on_fresh_batches(projectors: str) -> None:
-    spec = importlib.util.spec_from_file_location("benchmark_clip_norm", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("benchmark_clip_norm")
     result = script.main(["--model", "small_llama", "--projectors", projectors, "--batches", "64"])
     assert 0.97 <= result["global_median"] <= 1.03, result

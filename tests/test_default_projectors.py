@@ -12,24 +12,15 @@ projectors, the default before, 93%. The 95% bound therefore fails with the old 
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
 
+from scripts_loader import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_shared_lr.py"
 SEEDS = (0, 1, 2, 3)
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("benchmark_shared_lr", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_default_projectors_keep_95_percent_of_adamws_gain_on_a_gpt2_shaped_model():
-    script = _script()
+    script = load_script("benchmark_shared_lr")
     args = script.build_parser().parse_args(["--arch", "gpt2", "--tokenizer", "bytes"])  # the protocol's defaults
     losses: dict[str, list[float]] = {"adamw": [], "frozen": [], "default": []}
     with warnings.catch_warnings():

@@ -1,15 +1,10 @@
 """The prepared GPU benchmark runs end to end (tiny shape; on the CPU here, on the GPU when there is one)."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+from scripts_loader import load_script
 
 
 def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    gpu_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_bench)
+    gpu_bench = load_script("gpu_bench")
     report = gpu_bench.main(["--smoke", "--out", str(tmp_path / "report.json")])
     by_method = {entry["method"]: entry for entry in report["methods"]}
     for method in ("native", "lora_device", "zero_offload", "lsp_offload"):
@@ -49,9 +44,7 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
 
 
 def test_multi_gpu_benchmark_script_runs_on_two_cpu_processes(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_bench_ddp", SCRIPT.parent / "gpu_bench_ddp.py")
-    gpu_bench_ddp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_bench_ddp)
+    gpu_bench_ddp = load_script("gpu_bench_ddp")
     report = gpu_bench_ddp.main(["--smoke", "--out", str(tmp_path / "report.json")])
     by_method = {entry["method"]: entry for entry in report["methods"]}
     assert set(by_method) == {"ddp", "zero_offload_ddp", "lsp_offload_ddp"}

@@ -1,0 +1,17 @@
+"""Loads a file of ``scripts/`` as a module, so tests can call a benchmark's own functions (scripts/ is no package)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """The module of ``scripts/<name>.py``, executed afresh (module-level patches of one test stay in its copy)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
