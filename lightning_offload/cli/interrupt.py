@@ -4,6 +4,11 @@ Lightning's own answer to Ctrl-C is a ``KeyboardInterrupt`` wherever the main th
 or while the host worker holds half an update), then ``sys.exit(1)``: no checkpoint and no summary. The command line
 adds this callback and runs the fit inside :meth:`StopOnInterrupt.catching_ctrl_c`; a second Ctrl-C still aborts at
 once, as users expect.
+
+The stop is prompt: Lightning runs a whole validation whenever ``trainer.should_stop`` is set (its fit loop treats it
+as early stopping, which wants a final score), minutes on a CPU; this callback turns the fit's validation off at the
+stop, so the run ends seconds after the checkpoint. A Ctrl-C during a validation lets that validation finish (cut
+short, its metrics would be logged, recorded and monitored as if complete) and stops right after it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ log = logging.getLogger(__name__)
 class StopOnInterrupt(pl.Callback):
     """On the first SIGINT of a fit, stops at the next optimizer-step boundary with a checkpoint saved there.
 
+    The boundary is the end of the step in progress, or the end of the validation in progress when the validation
+    follows a completed optimizer step. No validation runs after the stop.
+
     Args:
         checkpoint_path: where the checkpoint is written (``<run dir>/checkpoints/last.ckpt``, which a resumed run
             recognises as its own directory).
@@ -45,6 +53,10 @@ class StopOnInterrupt(pl.Callback):
         self.checkpoint: Path | None = None
         self._previous_handler: Any = signal.default_int_handler
         self._last_step: int | None = None
+        # Whether the latest training batch completed an optimizer step: a validation after it sits on a boundary.
+        self._step_ended = False
+        # The fit's ``limit_val_batches``, put back at teardown after the stop has set it to 0.
+        self._limit_val_batches: int | float | None = None
 
     def _request(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
@@ -77,9 +89,29 @@ class StopOnInterrupt(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
+        self._step_ended = trainer.global_step != self._last_step
+        if not self._step_ended:
             return  # mid-accumulation: the step in progress has more micro-batches to come
         self._last_step = trainer.global_step
+        self._stop_if_requested(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A Ctrl-C during one of the fit's validations: stop now rather than after another step (and, before, another
+        # validation). Only where the validation follows a completed optimizer step (with accumulation, a validation
+        # can fall between the micro-batches of one: stopping there would lose their gradients), and only when the
+        # fit goes on after it: when it ends here anyway, the run is complete and not interrupted.
+        if (trainer.sanity_checking or trainer.state.fn != "fit" or self.stopped_at_step is not None
+                or not self._step_ended or _fit_ends_after_this_batch(trainer)):
+            return
+        self._stop_if_requested(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._limit_val_batches is not None:
+            # The trainer validates again if asked to (`trainer.validate`, a multi-device run's final evaluation).
+            trainer.limit_val_batches, self._limit_val_batches = self._limit_val_batches, None
+
+    def _stop_if_requested(self, trainer: pl.Trainer) -> None:
+        """At an optimizer-step boundary: after a Ctrl-C, saves the checkpoint and stops the fit without validating."""
         requested = self.requested
         if trainer.world_size > 1:
             # Every rank got the terminal's SIGINT, but not necessarily within the same step: all stop at the step
@@ -91,5 +123,23 @@ class StopOnInterrupt(pl.Callback):
         trainer.save_checkpoint(self.checkpoint_path)
         self.checkpoint, self.stopped_at_step = self.checkpoint_path, trainer.global_step
         trainer.should_stop = True
+        # Lightning's fit loop validates once more when `should_stop` is set (early stopping's final score): a whole
+        # validation set, minutes on a CPU, before the run can end. With no validation batches the loop skips it (and
+        # a scheduled one due at this very step, which the resumed run does not redo either: Lightning takes a
+        # checkpoint from the end of a step as followed by its validation); a ModelCheckpoint that would have waited
+        # for it saves at once.
+        self._limit_val_batches = trainer.limit_val_batches
+        trainer.limit_val_batches = 0
         log.warning("Interrupted: stopped after step %d; checkpoint saved to %s.", trainer.global_step,
                     self.checkpoint_path)
+
+
+def _fit_ends_after_this_batch(trainer: pl.Trainer) -> bool:
+    """Whether the fit ends after the training batch just run anyway: ``max_steps`` reached, or the last epoch's
+    last batch."""
+    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        return True
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_ends = epoch_loop.batch_progress.is_last_batch or epoch_loop.batch_idx + 1 >= trainer.num_training_batches
+    last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+    return epoch_ends and last_epoch

@@ -262,7 +262,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     if last is not None and last["step"] == trainer.global_step:
         after = {k: v for k, v in last.items() if k.startswith("val/")}
     elif interrupted:
-        after = {}  # Lightning's own validation at the stop did not run (none configured): a stop is not delayed
+        # Stopped by Ctrl-C at a step without a validation: no evaluation delays the stop (minutes on a CPU); the
+        # resumed run evaluates on its schedule and at its end.
+        after = {}
     else:
         after = _evaluate(cfg, module, datamodule, trainer)
         recorder.record_validation(step=trainer.global_step, metrics=after)
@@ -282,6 +284,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         summary.update({"heldout_task": getattr(heldout, "task", None) or type(heldout).__name__,
                         "heldout_loss_before": heldout_before, "heldout_loss_after": heldout_after})
     write_summary(run_dir, summary)
+    if interrupted:
+        # Into the run's log file too (the summary below goes to the terminal only).
+        log.warning("Resume with: %s", summary["resume_command"])
     print("\n" + format_summary(summary))
     scalars = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
     for logger in loggers:
