@@ -1,9 +1,10 @@
 """The engine's one row Adam (``BlockRowAdam``): its two paths (in place by blocks, gathered rows) are one optimizer,
-its owed decay can be settled before the weights are read, and state written by the embedding's former row Adam
-resumes bit for bit."""
+the decay idle rows owe is AdamW's under any schedule and can be read before it is paid, and state written by the
+embedding's former row Adam resumes bit for bit."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
@@ -38,33 +39,48 @@ def test_in_place_and_gathered_steps_are_one_optimizer() -> None:
         torch.testing.assert_close(mixed.moments()[index], gathered.moments()[index], rtol=1e-5, atol=1e-9)
 
 
-def test_settled_decay_equals_adamw_on_untouched_blocks_and_is_not_applied_twice() -> None:
-    """Blocks of two rows, the second matrix at half the learning rate: after settle_decay an untouched block equals
-    dense AdamW's, and when it is stepped next it is not decayed again."""
+# Warm-up from 0, a peak, a decay through 0 and a restart: no two steps owe decay at the same rate.
+SCHEDULE = [0.0, 5e-3, 1e-2, 8e-3, 3e-3, 0.0, 0.0, 4e-3, 1e-2]
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["in-place blocks", "gathered rows"])
+def test_decay_owed_under_a_schedule_through_lr_zero_equals_adamw(gathered: bool) -> None:
+    """Blocks idle through a warm-up, a decay to lr 0 and a restart owe AdamW's product of ``1 − lr_t·λ`` over the
+    steps they missed: read at any step (without paying it), and paid when next stepped (at lr 0 too)."""
     generator = torch.Generator().manual_seed(1)
-    starts = [torch.randn(4, 3, generator=generator) for _ in range(2)]
-    adam = BlockRowAdam([s.clone() for s in starts], 2, lr_scales=[1.0, 0.5])
+    rows, block_rows = (6, 1) if gathered else (8, 2)
+    matrices = 1 if gathered else 2
+    scales = [1.0] if gathered else [1.0, 0.5]
+    starts = [torch.randn(rows, 3, generator=generator) for _ in range(matrices)]
+    adam = BlockRowAdam([s.clone() for s in starts], block_rows, lr_scales=scales)
     dense = [torch.nn.Parameter(s.clone()) for s in starts]
-    reference = torch.optim.AdamW([{"params": [dense[0]]}, {"params": [dense[1]], "lr": SETTINGS.lr * 0.5}],
-                                  lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps,
-                                  weight_decay=SETTINGS.weight_decay)
-    for step in range(5):
-        blocks = torch.tensor([0] if step < 3 else [0, 1])  # block 1 (rows 2, 3) untouched for three steps
-        grads = [torch.zeros(4, 3) for _ in range(2)]
+    groups = [{"params": [param], "lr_scale": scale} for param, scale in zip(dense, scales)]
+    reference = torch.optim.AdamW(groups, betas=SETTINGS.betas, eps=SETTINGS.eps, weight_decay=SETTINGS.weight_decay)
+    for step, lr in enumerate(SCHEDULE):
+        # Rows 0-1 every step; the rest from step 6 on (lr 0, with decay owed), never idle after (no momentum drift).
+        touched = torch.arange(2) if step < 6 else torch.arange(rows)
+        grads = [torch.zeros(rows, 3) for _ in range(matrices)]
         for grad in grads:
-            grad[: 2 * blocks.numel()] = torch.randn(2 * blocks.numel(), 3, generator=generator)
-        for param, grad in zip(dense, grads):
+            grad[touched] = torch.randn(touched.numel(), 3, generator=generator)
+        for group, param, grad in zip(reference.param_groups, dense, grads):
+            group["lr"] = lr * group["lr_scale"]
             param.grad = grad.clone()
         reference.step()
-        adam.step(blocks, [g.clone() for g in grads], SETTINGS)
-        if step == 2:
-            rows = adam.settle_decay(SETTINGS.lr, SETTINGS.weight_decay)
-            assert rows.tolist() == [2, 3]
-            for matrix, param in zip(adam.params, dense):
-                torch.testing.assert_close(matrix[2:], param.detach()[2:], rtol=1e-6, atol=1e-7)
-                assert not torch.equal(matrix[2:], starts[0][2:])
+        settings = RowAdamSettings(lr=lr, betas=SETTINGS.betas, eps=SETTINGS.eps, weight_decay=SETTINGS.weight_decay)
+        if gathered:
+            adam.step_rows(touched, grads[0][touched].clone(), settings)
+        else:
+            adam.step(adam.blocks_of(torch.isin(torch.arange(rows), touched)), [g.clone() for g in grads], settings)
+        before = [matrix.clone() for matrix in adam.params]
+        owing, values = adam.decayed_rows()
+        assert all(torch.equal(a, b) for a, b in zip(before, adam.params))  # a read pays nothing
+        for value, param in zip(values, dense):
+            torch.testing.assert_close(value, param.detach()[owing], rtol=1e-6, atol=1e-7)
+        if 1 <= step < 6:
+            assert owing.tolist() == list(range(2, rows))  # idle rows owe decay, at lr 0 too
     for matrix, param in zip(adam.params, dense):
         torch.testing.assert_close(matrix, param.detach(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(adam.params[0][2:], starts[0][2:])
 
 
 def test_state_of_the_former_embedding_row_adam_resumes_bit_for_bit() -> None:

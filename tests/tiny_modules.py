@@ -160,3 +160,16 @@ class ProjectedUpdateRMS(pl.Callback):
         deltas = [layer.weight.detach() - old for layer, old in zip(self.strategy.projected_layers.values(),
                                                                   self.before)]
         self.rms.append(float(torch.cat([d.reshape(-1) for d in deltas]).square().mean().sqrt()))
+
+
+class TokenDicts(torch.utils.data.Dataset):
+    """The tests' token sequences (:func:`token_data`) as the dicts a Hugging Face causal LM and its Trainer take."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.ids = torch.cat([ids for (ids,) in token_data(n=n, batch_size=4)])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}

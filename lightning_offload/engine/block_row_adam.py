@@ -19,24 +19,20 @@ Semantics, against dense AdamW over the whole matrix:
 * **One step count for the matrix**, so bias corrections are dense AdamW's at every step.
 * **Blocks skipped for ``g`` steps catch up** when next touched: their moments are ``β₁^g`` and ``β₂^g`` times what
   they were (what ``g`` zero-gradient steps of dense Adam do to them) and, with decoupled weight decay, their weights
-  ``(1 − lr·λ)^g`` times (at the current ``lr``). What is not reproduced is the drift of a skipped block's weights by
-  its decaying momentum over the gap: it stays where it was.
+  ``Π (1 − lr_t·λ)`` times over the steps ``t`` they missed, at each step's own learning rate, exact under any
+  schedule (:class:`~lightning_offload.engine.row_decay.DecayLedger`). What is not reproduced is the drift of a
+  skipped block's weights by its decaying momentum over the gap: it stays where it was.
 * Coupled L2 (``Adam(weight_decay=...)``) is added by the kernel to the stepped blocks' gradients only.
 * Norm clipping is part of the kernel's gradient scale (the gradient divided by ``1/c``, within an ulp of multiplying
   by ``c``); value clipping clamps the stepped slices first.
 
-In place, the catch-up costs no pass over the moments: each block keeps two scales, the true moments being ``s₁·m`` and ``s₂·v``
-of the stored ones. A gap only multiplies the scales by ``β₁^g`` and ``β₂^g``, and a step of the kernel with per-block
-hyper-parameters (its ``β₁``, learning rate, ``ε``, weight decay and gradient scale, solved in float64 from the scales)
-gives exactly the true Adam step in the stored representation, with ``β₂`` unchanged and the gradient scaled by
-``1/√s₂``, so the stored second moment stays at the gradient's scale. A block that was never skipped has scales of 1
-and is stepped with the user's hyper-parameters unchanged, bit for bit torch's fused kernel; a block whose ``s₂``
-decays below :data:`RENORMALIZE_BELOW` (thousands of skipped steps) has its moments rescaled once and its scales reset.
-A gathered step multiplies the gathered moments by their catch-up factors instead (exactly 1 for a row stepped at the
-previous step), so a row stepped at every step gets dense fused Adam's arithmetic bit for bit, and its scales are 1.
+In place, the catch-up costs no pass over the moments: each block keeps two moment scales
+(:mod:`~lightning_offload.engine.row_adam_kernel` says how one kernel step folds them in). A gathered step multiplies the
+gathered moments by their catch-up factors instead (exactly 1 for a row stepped at the previous step), so a row stepped
+at every step gets dense fused Adam's arithmetic bit for bit, and its scales are 1.
 
-Decoupled decay a row owes can also be applied before anything reads the weights (:meth:`BlockRowAdam.settle_decay`):
-the weights are then AdamW's but for the momentum drift above.
+What a row owes can be read without paying it (:meth:`BlockRowAdam.decayed_rows`), for a copy of the weights that is
+AdamW's but for the momentum drift above; the training that follows is the same, bit for bit, whether or not it was.
 """
 
 from __future__ import annotations
@@ -46,7 +42,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload.engine.row_adam_kernel import Clip, RowAdamSettings, RowWorkspace, scaled_kernel_calls
+from lightning_offload.engine.row_adam_kernel import (
+    Clip, RowAdamSettings, RowWorkspace, new_first_scales, scaled_kernel_calls)
+from lightning_offload.engine.row_adam_state import upgrade_row_adam_state
+from lightning_offload.engine.row_decay import DecayLedger
 
 __all__ = ["RENORMALIZE_BELOW", "BlockRowAdam", "Clip", "RowAdamSettings"]
 
@@ -100,9 +99,13 @@ class BlockRowAdam:
         # Per block, the true first and second moments are these times the stored ones (see the module docstring).
         self.scale1 = torch.ones(rows // block_rows, dtype=torch.float64)
         self.scale2 = torch.ones(rows // block_rows, dtype=torch.float64)
-        # The step through which each block's decoupled decay has been applied: its last step, or later where
-        # settle_decay applied what it owed before the weights were read (its next step must not apply it again).
+        # The step through which each block's decoupled decay has been paid: its last step (checkpoints of earlier
+        # releases, which paid decay when the weights were read, may hold later ones).
         self.decayed_step = torch.zeros(rows // block_rows, dtype=torch.int64)
+        # How much decay each block owes, at the learning rates of the steps it missed.
+        self.decay = DecayLedger(rows // block_rows, self.lr_scales)
+        # Loaded state from before the ledger: each block's steps owed, priced at the next step's rate (None: none).
+        self._legacy_gaps: Tensor | None = None
         # The step count the fused kernel reads (one tensor handed for every slice: the kernel only reads it).
         self._step = torch.zeros((), dtype=torch.float32)
         # Each block of every matrix and moment as a view, made at the first in-place step (an embedding stepped by
@@ -182,11 +185,11 @@ class BlockRowAdam:
         """
         if len(grads) != len(self.params):
             raise ValueError(f"Expected {len(self.params)} gradient accumulators, got {len(grads)}.")
-        self.step_count += 1
-        self._betas = settings.betas
+        self._begin_step(settings)
         ranges = self.row_ranges(blocks)
         if not ranges:
-            return []  # a step whose batch touched no row (all padding): only the count advances
+            self._end_step(settings)
+            return []  # a step whose batch touched no row (all padding): the count and the decay owed advance
         params, exp_avgs, exp_avg_sqs = self._views()
         grad_blocks = [self._by_block(g) for g in grads]
         block_list = blocks.tolist()
@@ -196,14 +199,14 @@ class BlockRowAdam:
                 piece.clamp_(-clip[1], clip[1])
         coefficient = clip[1] if clip is not None and clip[0] == "norm" else 1.0
         scale1, scale2 = self._decayed_scales(blocks, settings.betas)
-        new_scale1 = self._new_first_scales(scale1, scale2, settings.betas[0])
-        decay_gaps = (self.step_count - 1 - self.decayed_step[blocks]).tolist()
+        new_scale1 = new_first_scales(scale1, scale2, settings.betas[0])
         scales = scale1.tolist(), scale2.tolist(), new_scale1.tolist()
         self._step.fill_(self.step_count)
         kernel = torch._fused_adamw_ if settings.decoupled else torch._fused_adam_
         for lr_scale in dict.fromkeys(self.lr_scales):  # matrices sharing a learning rate share the kernel calls
             matrices = [i for i, s in enumerate(self.lr_scales) if s == lr_scale]
-            calls = scaled_kernel_calls(block_list, decay_gaps, *scales, settings, settings.lr * lr_scale,
+            lr = settings.lr * lr_scale
+            calls = scaled_kernel_calls(block_list, self._owed_decay(matrices, blocks, lr), *scales, settings, lr,
                                         self.step_count)
             for (hyper, moment_scale), members in calls.items():
                 pairs = [(i, block) for i in matrices for block in members]
@@ -220,9 +223,28 @@ class BlockRowAdam:
         if zero_grads:
             torch._foreach_zero_(grad_slices)
         self.last_step[blocks] = self.step_count
-        self.decayed_step[blocks] = self.step_count
+        self._end_step(settings, blocks)
         self._rows_touched = blocks.numel() * self.block_rows
         return ranges
+
+    def _begin_step(self, settings: RowAdamSettings) -> None:
+        self.step_count += 1
+        self._betas = settings.betas
+        if self._legacy_gaps is not None:
+            self._legacy_gaps = self.decay.adopt_gaps(self._legacy_gaps, settings)
+
+    def _end_step(self, settings: RowAdamSettings, stepped: Tensor | None = None) -> None:
+        """This step's decay joins what idle blocks owe; ``stepped`` blocks (their kernel applied it) owe nothing."""
+        self.decay.advance(settings.lr, settings.weight_decay, settings.decoupled)
+        if stepped is not None and settings.lr:  # at lr 0 nothing was paid (see _owed_decay)
+            self.decay.paid(stepped)
+            self.decayed_step.index_fill_(0, stepped, self.step_count)
+
+    def _owed_decay(self, matrices: list[int], blocks: Tensor, lr: float) -> list[float]:
+        """Per block, the decay ``matrices`` (sharing a learning rate, hence a decay history) owe for the steps before
+        this one, for the kernel to fold into this step's. At lr 0 the kernel steps nothing and folds nothing: the
+        blocks keep owing it, and a later step pays (AdamW moves no weight at lr 0)."""
+        return self.decay.owed(matrices[0], blocks).tolist() if lr else [1.0] * blocks.numel()
 
     def _views(self) -> tuple[list[tuple[Tensor, ...]], ...]:
         """Per matrix, its blocks, its first moment's and its second moment's, as views (made once)."""
@@ -250,13 +272,13 @@ class BlockRowAdam:
             raise ValueError(f"step_rows steps scattered rows of one matrix of one-row blocks; this one has "
                              f"{len(self.params)} matrices of blocks of {self.block_rows} rows: use step().")
         count = rows.numel()
-        self.step_count += 1
-        self._betas = settings.betas
+        self._begin_step(settings)
         self._rows_touched = count
         param, exp_avg_all, exp_avg_sq_all = self.params[0], self.exp_avg[0], self.exp_avg_sq[0]
         if count == 0:
-            return param[:0]  # a step whose batch touched no row (all padding): only the count advances
-        weight, exp_avg, exp_avg_sq, factor1, factor2, decay, gaps, last = self._workspace.views(count)
+            self._end_step(settings)
+            return param[:0]  # a step whose batch touched no row (all padding): the count and the decay owed advance
+        weight, exp_avg, exp_avg_sq, factor1, factor2, decay, gaps, last, owed = self._workspace.views(count)
         beta1, beta2 = settings.betas
         torch.index_select(param, 0, rows, out=weight)
         torch.index_select(exp_avg_all, 0, rows, out=exp_avg)
@@ -274,10 +296,10 @@ class BlockRowAdam:
             self.scale1[rows], self.scale2[rows] = 1.0, 1.0
             self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
         lr = settings.lr * self.lr_scales[0]
-        if settings.weight_decay and settings.decoupled:
-            torch.index_select(self.decayed_step, 0, rows, out=last)
-            gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)  # the decay it still owes
-            weight.mul_(torch.pow(1.0 - lr * settings.weight_decay, gaps, out=decay))
+        if self.decay.active and lr:  # at lr 0 the rows keep owing it (nothing moves)
+            # The decay each row still owes for the steps it missed, at their own learning rates (exactly 1 for a row
+            # stepped or settled at the previous step); the kernel applies this step's.
+            weight.mul_(decay.copy_(self.decay.owed(0, rows, out=owed).unsqueeze(1)))
         # Then torch's own fused Adam/AdamW kernel on the gathered rows, at the matrix's step count (one pass;
         # coupled L2 and maximize as torch.optim.Adam applies them).
         self._step.fill_(self.step_count)
@@ -288,25 +310,20 @@ class BlockRowAdam:
         exp_avg_all.index_copy_(0, rows, exp_avg)
         exp_avg_sq_all.index_copy_(0, rows, exp_avg_sq)
         self.last_step.index_fill_(0, rows, self.step_count)
-        self.decayed_step.index_fill_(0, rows, self.step_count)
+        self._end_step(settings, rows)
         return weight
 
     @torch.no_grad()
-    def settle_decay(self, lr: float, weight_decay: float) -> Tensor:
-        """Applies to every matrix the decoupled decay each block owes for the steps it missed (at ``lr`` times the
-        matrix's scale, as the catch-up of its next step would), so the weights read now are AdamW's but for momentum
-        drift. Returns the rows it changed (their next step then owes nothing for these steps)."""
-        owing = torch.nonzero(self.decayed_step < self.step_count).squeeze(1)
-        if owing.numel() == 0 or not weight_decay or not lr:
-            self.decayed_step.fill_(self.step_count)
-            return owing[:0]
-        missed = (self.step_count - self.decayed_step[owing]).to(torch.float32).unsqueeze(1)
+    def decayed_rows(self) -> tuple[Tensor, list[Tensor]]:
+        """The rows that owe decoupled decay for steps they missed, and each matrix's values of them with it paid (at
+        each missed step's own learning rate): AdamW's weights but for momentum drift. Copies: the matrices and the
+        ledger stay as they are, so reading them changes no later step (their next step pays it)."""
+        owing = (self.decay.marks[0] != self.decay.totals[0]).nonzero().squeeze(1) if self.decay.active else \
+            self.last_step[:0]
         rows = owing if self.block_rows == 1 else self.blocks_mask(owing).nonzero().squeeze(1)
-        missed = missed.repeat_interleave(self.block_rows, dim=0)
-        for matrix, lr_scale in zip(self.params, self.lr_scales):
-            matrix.index_copy_(0, rows, matrix[rows] * torch.pow(1.0 - lr * lr_scale * weight_decay, missed))
-        self.decayed_step.fill_(self.step_count)
-        return rows
+        factors = [self.decay.owed(index, owing).float().repeat_interleave(self.block_rows).unsqueeze(1)
+                   for index in range(len(self.params))]
+        return rows, [matrix[rows] * factor for matrix, factor in zip(self.params, factors)]
 
     @property
     def rows_touched(self) -> int:
@@ -316,7 +333,7 @@ class BlockRowAdam:
     def state_tensors(self) -> list[Tensor]:
         """Every host tensor this optimizer holds beside the matrices (for memory accounting)."""
         return [*self.exp_avg, *self.exp_avg_sq, self.last_step, self.decayed_step, self.scale1, self.scale2,
-                *self._workspace.tensors]
+                self.decay.marks, *self._workspace.tensors]
 
     def _decayed_scales(self, blocks: Tensor, betas: tuple[float, float]) -> tuple[Tensor, Tensor]:
         """``blocks``' moment scales decayed over their gaps, to just before this step (float64).
@@ -340,42 +357,21 @@ class BlockRowAdam:
             scale2 = torch.where(small, 1.0, scale2)
         return scale1, scale2
 
-    @staticmethod
-    def _new_first_scales(scale1: Tensor, scale2: Tensor, beta1: float) -> Tensor:
-        # The gradient enters the stored moments divided by c = √s2 (so the stored second moment keeps β₂); the
-        # first moment's scale after the step is then β₁·s1 + (1 − β₁)·c. Exactly 1 for blocks never skipped.
-        exact = (scale1 == 1.0) & (scale2 == 1.0)
-        return torch.where(exact, 1.0, beta1 * scale1 + (1.0 - beta1) * scale2.sqrt())
-
     def state_dict(self) -> dict[str, Any]:
-        """Stored moments and their per-block scales, the step count and each block's last step and last decay
-        (host tensors, shared, not copied)."""
+        """Stored moments and their per-block scales, the step count, each block's last step and last decay, and the
+        decay ledger (host tensors, shared, not copied)."""
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "scale1": self.scale1, "scale2": self.scale2,
                 "step": self.step_count, "last_step": self.last_step, "decayed_step": self.decayed_step,
-                "block_rows": self.block_rows, "betas": self._betas}
+                "decay": self.decay.state_dict(), "block_rows": self.block_rows, "betas": self._betas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` in place.
-
-        State written by the row-sparse embedding's former ``HostRowAdam`` (one matrix, true moments, a last step per
-        row) loads as the one-row blocks it is.
+        """Restore :meth:`state_dict` in place (or state of earlier releases:
+        :func:`~lightning_offload.engine.row_adam_state.upgrade_row_adam_state`).
 
         Raises:
-            ValueError: For state of another layout: per-row step counts (the lazy row Adam this replaced) or
-                another block size.
+            ValueError: For state of another layout or shape.
         """
-        if torch.is_tensor(state.get("exp_avg")):
-            ones = torch.ones(state["last_step"].shape, dtype=torch.float64)
-            state = {**state, "exp_avg": [state["exp_avg"]], "exp_avg_sq": [state["exp_avg_sq"]], "scale1": ones,
-                     "scale2": ones, "block_rows": 1, "betas": self._betas}
-        if "steps" in state and "last_step" not in state:
-            raise ValueError("This MEFT checkpoint holds per-row Adam step counts, written by lightning_offload's "
-                             "earlier lazy row Adam; its state does not carry over to the block Adam (one step count, "
-                             "moments caught up over gaps). Resume it with the release that wrote it, or load only "
-                             "the model's weights (its state_dict) and start the optimizer afresh.")
-        if int(state["block_rows"]) != self.block_rows:
-            raise ValueError(f"This MEFT checkpoint steps blocks of {state['block_rows']} rows, the strategy "
-                             f"{self.block_rows}: resume with meft_offload(row_block={state['block_rows']}).")
+        state = upgrade_row_adam_state(state, self.block_rows, self._betas)
         for name in ("exp_avg", "exp_avg_sq"):
             for dst, src in zip(getattr(self, name), state[name]):
                 if tuple(src.shape) != tuple(dst.shape):
@@ -383,10 +379,16 @@ class BlockRowAdam:
                                      f"{tuple(dst.shape)}: resume with the same model and adapter configuration.")
                 dst.copy_(src)
         self.last_step.copy_(state["last_step"])
-        # State from before settle_decay existed: every block's decay was applied through its last step.
-        self.decayed_step.copy_(state.get("decayed_step", state["last_step"]))
+        self.decayed_step.copy_(state["decayed_step"])
         self.scale1.copy_(state["scale1"])
         self.scale2.copy_(state["scale2"])
         self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
         self.step_count = int(state["step"])
         self._betas = tuple(state["betas"])
+        self.decay = DecayLedger(self.num_blocks, self.lr_scales)
+        self._legacy_gaps = None
+        if "decay" in state:
+            self.decay.load_state_dict(state["decay"])
+        else:  # what each block owed was kept as a count of steps: priced at the next step's rate, as it was
+            gaps = self.step_count - self.decayed_step
+            self._legacy_gaps = gaps if bool(gaps.any()) else None

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.gradient_edits import GradientEdits
 from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.slot import Clip, Slot
 
@@ -44,6 +45,9 @@ class GradientNorms:
         self.present: dict[int, bool] = {}
         #: Row gradients summed on the host (MEFT's adapter rows): their norm joins the device gradients' norm.
         self.rows: RowGradients | None = None
+        #: The in-place edits of ``param.grad`` after backward, and the norms backward left (one process only: between
+        #: ranks the reduction itself writes the gradients back).
+        self.edits: GradientEdits | None = None
 
     @torch.no_grad()
     def global_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
@@ -58,19 +62,25 @@ class GradientNorms:
         return norm
 
     def _device_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
-        grads, ratios = [], []
+        grads, ratios, known = [], [], []
         for slot in slots:
             grad = slot.gradient()
             if grad is not None:
                 grads.append(grad)
                 ratios.append(slot.norm_ratio)
+                # Measured when backward left it (as it crossed), if unchanged since: not measured twice.
+                known.append(self.edits.norm(slot) if self.edits is not None else None)
         for param in device_params:
             if param.grad is not None:
                 grads.append(param.grad)
                 ratios.append(1.0)
+                known.append(None)
         if not grads:
             return torch.zeros((), device=self.device)
-        norms = torch.stack([n.float().to(self.device) for n in torch._foreach_norm(grads)])
+        # One foreach kernel for every norm not known yet (the same kernel measured the known ones: same bits).
+        unknown = [grad for grad, norm in zip(grads, known) if norm is None]
+        measured = iter(torch._foreach_norm(unknown) if unknown else ())
+        norms = torch.stack([(norm if norm is not None else next(measured)).float().to(self.device) for norm in known])
         if any(ratio != 1.0 for ratio in ratios):
             norms = norms / torch.tensor(ratios, device=self.device)
         return torch.linalg.vector_norm(norms)

@@ -17,6 +17,7 @@ class DenseSlot(HostAdamSlot):
     """A parameter stepped densely on the host; its new value replaces the device tensor's."""
 
     keeps_master = True
+    gradient_is_param_grad = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  owner: int = 0) -> None:
@@ -26,6 +27,7 @@ class DenseSlot(HostAdamSlot):
         # A low-precision parameter's value crosses in its own dtype (bf16: 2 bytes per element, not the master's 4).
         host_update = pinned_zeros(param.shape, lanes.pin, param.dtype) if param.dtype != master.dtype else None
         super().__init__(name, param, group, lanes, decoupled, master, adam, host_update, owner)
+        self.watch_weights()
 
     def prepare(self, step: StepTelemetry) -> None:
         step.bytes_device_to_host += self.host_grad.numel() * self.host_grad.element_size()

@@ -29,8 +29,7 @@ def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], devi
     """
     host_adam = {slot.name: slot.host_state() for slot in slots if slot.owned}
     # fp32 params equal their masters (restored with the model); lower-precision ones don't.
-    dense_masters = {slot.name: slot.master_state() for slot in slots
-                     if slot.owned and slot.keeps_master and slot.param.dtype != torch.float32}
+    dense_masters = {slot.name: slot.master_state() for slot in slots if slot.owned and slot.master_in_checkpoint()}
     if ranks is not None:
         # The host state is sharded: rank 0 (which writes the checkpoint) gathers every rank's share, so the
         # checkpoint is the same as one process's and resumes on any number of ranks.

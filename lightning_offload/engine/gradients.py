@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.data_parallel import RankShards, ReducedTensor
+from lightning_offload.engine.gradient_edits import GradientEdits
+from lightning_offload.engine.module_reads import conceal, expose
 from lightning_offload.engine.slot import Slot
 
 
@@ -35,18 +37,24 @@ class GradientRouting:
         tied: ids of projected weights also used outside their module: their updates are applied inside the step.
         send: called with a slot whose final gradient should cross now.
         finish: called with a slot whose update a module's forward is about to need.
+        edits: told of every gradient backward leaves in a ``param.grad`` (``None``: nothing watches them).
     """
 
     def __init__(self, slots: Sequence[Slot], model: torch.nn.Module | None, ranks: RankShards | None,
                  device_params: Sequence[Tensor], tied: set[int], send: Callable[[Slot], None],
-                 finish: Callable[[Slot], None]) -> None:
+                 finish: Callable[[Slot], None], edits: GradientEdits | None = None) -> None:
         self.ranks = ranks
         self._send = send
         self._finish = finish
+        self._edits = edits
         # On during the closure's backward (the last micro-batch's): gradients are final and may be sent at once.
         self.collecting = False
+        # Whether gradients cross only at the step (a loop with accumulation_steps=None): any backward may be the last,
+        # so each one's gradient norms are measured (the step compares them with what it finds).
+        self.measure_every_backward = False
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[Slot]] = {}
+        self._modules: list[torch.nn.Module] = []  # those with slots, in model order
         self._layers = [slot.layer for slot in slots if slot.layer is not None]
         slots = [slot for slot in slots if slot.routed]
         for slot in slots:
@@ -77,6 +85,7 @@ class GradientRouting:
             owned = [by_param[id(p)] for p in module._parameters.values() if p is not None and id(p) in by_param]
             if owned:
                 self._slots_by_module[id(module)] = owned
+                self._modules.append(module)
                 self._hooks.append(module.register_forward_pre_hook(self._before_forward))
                 served.update(id(slot) for slot in owned)
         return [slot for slot in slots if id(slot) not in served]
@@ -99,9 +108,32 @@ class GradientRouting:
             self._send(key)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        owed = conceal(module)  # its own dict back first: applying the update reads the weights through it
+        training = torch.is_grad_enabled()
         for slot in self._slots_by_module.get(id(module), ()):
             if slot.pending:
                 self._finish(slot)
+            if training:
+                slot.unsettle()  # training sees the weights as if nothing had read them (their next step pays decay)
+            elif owed:
+                slot.settle()  # an evaluation forward computes with AdamW's weights: the decay idle rows owe shown
+
+    def expose(self) -> None:
+        """After a step or a settle: reads of the weights through a module that owes anything settle it first
+        (:mod:`~lightning_offload.engine.module_reads`); a module that owes nothing has its plain dict (a compiled
+        forward finds the same type every step, and nothing to trace). Nothing once the model was handed back."""
+        for module in self._modules if self._hooks else ():
+            if any(slot.pending or slot.owes_settle() for slot in self._slots_by_module[id(module)]):
+                expose(module, self._settle_module)
+            else:
+                conceal(module)
+
+    def _settle_module(self, module: torch.nn.Module) -> None:
+        """Apply what ``module``'s weights owe: its pending updates, and the decay its idle rows owe."""
+        for slot in self._slots_by_module[id(module)]:
+            if slot.pending:
+                self._finish(slot)
+            slot.settle()
 
     def _dense_gradient_of_projected(self, slot: Slot) -> None:
         layer = slot.layer
@@ -131,6 +163,8 @@ class GradientRouting:
     def _gradient_ready(self, slot: Slot) -> None:
         # Called from autograd during backward: on the last micro-batch, start this gradient's trip at once (with
         # data parallelism, first its reduction to the owner rank, which sends it on once that completes).
+        if self._edits is not None and slot.gradient_is_param_grad:
+            self._edits.backward_wrote(slot, measure=self.collecting or self.measure_every_backward)
         if not self.collecting:
             return
         if self.ranks is None:
@@ -141,9 +175,11 @@ class GradientRouting:
             self.ranks.ready(slot)
 
     def remove(self) -> None:
-        """Remove every hook (idempotent)."""
+        """Remove every hook, and give every module its own parameter dict back (idempotent)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for module in self._modules:
+            conceal(module)
         for layer in self._layers:
             layer.on_grad_ready = None

@@ -26,6 +26,7 @@ from lightning_offload.engine.clipping import GradientNorms, NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
+from lightning_offload.engine.gradient_edits import GradientEdits
 from lightning_offload.engine.gradients import GradientRouting
 from lightning_offload.engine.pipeline import HostWorker, UpdateRing
 from lightning_offload.engine.block_row_adam import RowAdamSettings
@@ -151,6 +152,8 @@ class OffloadOptimizer(Optimizer):
                 if id(p) in on_device]
         self.device_adam: DeviceAdam | None = DeviceAdam(kept) if kept else None
         self.norms = GradientNorms(self.device, self.ranks)
+        if self.ranks is None:
+            self.norms.edits = GradientEdits(self.slots)
         # On the CPU the "device" and the host share the cores: host work started during backward only competes
         # with it (and the state copies cost extra), so speculation is for accelerators.
         self.speculation = Speculation(speculative if speculative is not None else self.device.type != "cpu",
@@ -163,7 +166,7 @@ class OffloadOptimizer(Optimizer):
         self.orchestrator.send = lambda slot: self._send_gradient(slot)
         self.routing = GradientRouting(self.slots, model, self.ranks, self.orchestrator.device_params,
                                        {id(p) for p in tied_projected}, self.orchestrator.send,
-                                       self.orchestrator.finish)
+                                       self.orchestrator.finish, self.norms.edits)
         self.orchestrator.routing = self.routing
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
@@ -172,6 +175,8 @@ class OffloadOptimizer(Optimizer):
             self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
         self.telemetry.host_state_bytes = self.host_state_bytes()
         self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
+        self.telemetry.data_parallel = self.ranks is not None
+        self.closed = False
 
     # ----------------------------------------------------------------------------------------------- the parts
     @property
@@ -212,6 +217,10 @@ class OffloadOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor
         (:class:`~lightning_offload.engine.orchestrator.StepOrchestrator`)."""
+        if self.closed:
+            raise RuntimeError("step() on a closed offload optimizer: close() handed the model back and stopped its "
+                               "host worker, so nothing would be trained. Build a new one (lightning_offload.offload(...)"
+                               " or the strategy's set-up) to train on.")
         loss = self.orchestrator.collect(closure) if closure is not None else None
         check_still_frozen(self._frozen_at_setup)
         self.orchestrator.decide_and_launch(self.grad_norm, self.wrapped)
@@ -236,6 +245,7 @@ class OffloadOptimizer(Optimizer):
         checkpoints, the end of fit, a callback), after :meth:`synchronize`."""
         for slot in self.slots:
             slot.settle()
+        self.routing.expose()  # settled modules give back their plain dicts
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear dense gradients (via the user's optimizer) and the ``S`` accumulators."""
@@ -244,10 +254,12 @@ class OffloadOptimizer(Optimizer):
             layer.zero_grad()
 
     def close(self) -> None:
-        """Apply what is pending, then remove hooks and stop the worker (idempotent)."""
+        """Apply what is pending, then remove hooks and stop the worker (idempotent); a later :meth:`step` is refused."""
+        self.closed = True
         try:
             if self.lanes.worker._thread.is_alive():
                 self.synchronize()
+                self.settle_row_decay()  # the weights handed back are AdamW's
         finally:
             self.routing.remove()
             self.lanes.worker.close()

@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_offload.engine.clipping import (
     GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
 from lightning_offload.engine.device_adam import DeviceAdam
+from lightning_offload.engine.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.gradients import GradientRouting, final_twice_error
 from lightning_offload.engine.projected_slot import UpdatePrefetch
 from lightning_offload.engine.slot import Clip, Lanes, Slot, synced_hparams
@@ -60,6 +61,8 @@ class StepOrchestrator:
         self.prefetch = UpdatePrefetch(slots, lanes)
         self.round = 0  # counts launched steps: tells gradients sent for this step from stale ones
         self.last_step_skipped = False
+        self.warned_resent = False  # said once: gradients edited after they crossed cross again
+        self._finishing: set[int] = set()  # slots whose update is being applied right now
         # Set by the optimizer once its hooks exist: they say whether the closure's backward is running, and
         # route each final gradient to `send` (looked up on the optimizer at each call, so a wrapper set there sees
         # every send).
@@ -113,12 +116,15 @@ class StepOrchestrator:
         self.synchronize()
         self.figures.backward_ended()
         clip, norm = self.norms.take()
+        edited = self.norms.edits.find() if self.norms.edits is not None else []
         if norm is None:
             norm = grad_norm()
         self.last_step_skipped = not bool(torch.isfinite(norm))
         if self.last_step_skipped:
-            self._skip(norm)
+            self._skip(norm)  # nothing steps: whatever edited the gradients changes nothing
             return
+        if edited:
+            self._take_edits(edited)
         step = self.speculation.take_step()
         for layer in self.projected_layers:
             if layer.grad_buffer is not None:
@@ -145,7 +151,30 @@ class StepOrchestrator:
             self.finish(slot)
         if not self.pipelined:
             self.synchronize()
+        self.routing.expose()  # reads through the modules until their next forwards settle first
         self.figures.restart_clock()
+
+    def _take_edits(self, edited: list[Slot]) -> None:
+        """A user's in-place edit of gradients after backward (their own ``clip_grad_norm_``) takes effect exactly, or
+        the step is refused (:mod:`~lightning_offload.engine.gradient_edits`).
+
+        Raises:
+            RuntimeError: when some of the step's gradients are no ``param.grad`` the edit could see.
+        """
+        unseen = [what for what, present in (
+            ("the projected weights' compressed gradients", any(layer.has_grad for layer in self.projected_layers)),
+            ("the MEFT adapters' host rows", self.norms.rows is not None)) if present]
+        if unseen:
+            self.abandon()  # nothing of this step may stay in the host state
+            raise edited_gradients_error(edited, " and ".join(unseen))
+        # Every gradient of the step is a param.grad: the edit saw the true global norm. Those that crossed already
+        # cross again at their launch.
+        resent = [slot for slot in edited if slot.is_sent(self.round)]
+        for slot in resent:
+            slot.sent_round = -1
+        if resent and not self.warned_resent:
+            self.warned_resent = True
+            warnings.warn(resent_warning(resent), stacklevel=4)
 
     def _launch(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry) -> None:
         """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner."""
@@ -159,6 +188,9 @@ class StepOrchestrator:
         if not has_grad:
             speculation.undo(slot, self.round)  # its gradient was dropped after it was sent (never in Lightning)
             return
+        if slot.weights_written():  # loaded weights, say: the master steps from them, not from what it held
+            speculation.undo(slot, self.round)  # a step begun during backward stepped the master it held
+            slot.adopt_written_weights()
         settings = slot.settings()
         confirmed = speculation.holds(slot, self.round, clip, settings)
         if not slot.is_sent(self.round):
@@ -180,16 +212,20 @@ class StepOrchestrator:
 
     def finish(self, slot: Slot) -> None:
         """Main thread: wait for a slot's update and apply it on the device."""
-        if not slot.pending:
-            return
-        start = time.perf_counter()
-        if slot.owned:
-            self.lanes.worker.wait(slot.job)
-        slot.finish(start)
-        if slot.owned:
-            self.prefetch.after(slot)
-        slot.pending = False
-        slot.job = None
+        if not slot.pending or id(slot) in self._finishing:
+            return  # nothing pending, or being applied (applying it read the weights through the module: no twice)
+        self._finishing.add(id(slot))
+        try:
+            start = time.perf_counter()
+            if slot.owned:
+                self.lanes.worker.wait(slot.job)
+            slot.finish(start)
+            if slot.owned:
+                self.prefetch.after(slot)
+            slot.pending = False
+            slot.job = None
+        finally:
+            self._finishing.discard(id(slot))
 
     def synchronize(self) -> None:
         """Apply every pending update now, and complete the launched step's figures."""
@@ -197,6 +233,8 @@ class StepOrchestrator:
             self.finish(slot)
         self.lanes.worker.check()
         self.figures.complete(self.sizes)
+        if self.routing is not None:
+            self.routing.expose()  # the modules settled give back their plain dicts
 
     def abandon(self) -> None:
         """Forget a step that will not be taken: its speculative host steps and its reductions."""

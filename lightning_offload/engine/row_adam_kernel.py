@@ -5,6 +5,14 @@ the workspace a gathered step of scattered rows reads into.
 The solver is pure arithmetic over Python floats (solved in float64): a block whose stored moments ``M``, ``W`` stand
 for true moments ``m = s1·M`` and ``v = s2·W`` is stepped by the kernel with hyper-parameters chosen so that the true
 Adam step results, the stored second moment staying at the gradient's scale.
+
+Each block keeps two scales, the true moments being ``s₁·m`` and ``s₂·v`` of the stored ones. A gap only multiplies the
+scales by ``β₁^g`` and ``β₂^g``, and a step of the kernel with per-block hyper-parameters (its ``β₁``, learning rate,
+``ε``, weight decay and gradient scale, solved in float64 from the scales) gives exactly the true Adam step in the
+stored representation, with ``β₂`` unchanged and the gradient scaled by ``1/√s₂``, so the stored second moment stays at
+the gradient's scale. A block that was never skipped has scales of 1 and is stepped with the user's hyper-parameters
+unchanged, bit for bit torch's fused kernel; a block whose ``s₂`` decays below ``RENORMALIZE_BELOW`` (thousands of
+skipped steps) has its moments rescaled once and its scales reset.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ class RowAdamSettings:
     maximize: bool = False
 
 
-def scaled_kernel_calls(blocks: list[int], decay_gaps: list[float], scale1: list[float], scale2: list[float],
+def scaled_kernel_calls(blocks: list[int], owed: list[float], scale1: list[float], scale2: list[float],
                         new_scale1: list[float], settings: RowAdamSettings, lr: float,
                         step_count: int) -> dict[tuple[KernelHyper, float], list[int]]:
     """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), the blocks they
@@ -60,12 +68,13 @@ def scaled_kernel_calls(blocks: list[int], decay_gaps: list[float], scale1: list
     With ``m = s1·M`` and ``v = s2·W`` stored as ``M`` and ``W``, Adam's true step ``m' = β₁m + (1−β₁)g``,
     ``v' = β₂v + (1−β₂)g²``, ``p' = d·p − lr·(m'/b₁)/(√(v'/b₂) + ε)`` is the kernel's step on ``M, W`` with gradient
     ``g/c``, ``β₁' = β₁s1/s1'``, ``β₂``, ``ε' = ε/c`` and ``lr' = lr·s1'·(1 − β₁'^t)/(b₁·c)``. Decoupled decay owed
-    over ``decay_gaps`` steps folds into the kernel's decay. Blocks never skipped get the user's hyper-parameters
+    for the steps a block missed folds into the kernel's decay. Blocks never skipped get the user's hyper-parameters
     unchanged.
 
     Args:
         blocks: the blocks stepped.
-        decay_gaps: per block, the steps of decoupled decay it owes before this one.
+        owed: per block, the factor of decoupled decay it owes for the steps before this one (1: none; at lr 0 the
+            caller applies it, since the kernel then steps nothing).
         scale1, scale2: per block, its moment scales decayed to just before this step.
         new_scale1: per block, its first-moment scale after this step.
         settings: the step's hyper-parameters.
@@ -75,7 +84,7 @@ def scaled_kernel_calls(blocks: list[int], decay_gaps: list[float], scale1: list
     beta1, beta2 = settings.betas
     bias1 = 1.0 - beta1**step_count
     calls: dict[tuple[KernelHyper, float], list[int]] = {}
-    for block, gap, s1, s2, s1_new in zip(blocks, decay_gaps, scale1, scale2, new_scale1):
+    for block, owe, s1, s2, s1_new in zip(blocks, owed, scale1, scale2, new_scale1):
         if s1 == 1.0 and s2 == 1.0:
             kernel_beta1, kernel_lr, kernel_eps, c = beta1, lr, settings.eps, 1.0
         else:
@@ -84,10 +93,10 @@ def scaled_kernel_calls(blocks: list[int], decay_gaps: list[float], scale1: list
             kernel_lr = lr * s1_new * (1.0 - kernel_beta1**step_count) / (bias1 * c)
             kernel_eps = settings.eps / c
         decay = settings.weight_decay
-        if decay and settings.decoupled and (gap or kernel_lr != lr):
-            # g + 1 steps of decay at once; at lr 0 (a schedule passing through it) the kernel steps nothing and
-            # nothing decays, so there is nothing to fold in (and no lr to divide by).
-            decay = (1.0 - (1.0 - lr * decay)**(gap + 1)) / kernel_lr if kernel_lr else 0.0
+        if settings.decoupled and (owe != 1.0 or (decay and kernel_lr != lr)):
+            # What is owed and this step's decay at once; at lr 0 (a schedule passing through it) the kernel steps
+            # nothing and this step decays nothing (what is owed was applied by the caller, with no lr to divide by).
+            decay = (1.0 - owe * (1.0 - lr * decay)) / kernel_lr if kernel_lr else 0.0
         elif decay and not settings.decoupled:
             decay = decay / c  # Adam's L2 joins the gradient after the kernel divided it by c
         hyper = (("lr", kernel_lr), ("beta1", kernel_beta1), ("beta2", beta2), ("weight_decay", decay),
@@ -96,9 +105,19 @@ def scaled_kernel_calls(blocks: list[int], decay_gaps: list[float], scale1: list
     return calls
 
 
+def new_first_scales(scale1: Tensor, scale2: Tensor, beta1: float) -> Tensor:
+    """Per block, the first moment's stored scale after a step from decayed scales ``scale1``, ``scale2`` (float64).
+
+    The gradient enters the stored moments divided by ``c = √s2`` (so the stored second moment keeps ``β₂``); the first
+    moment's scale after the step is then ``β₁·s1 + (1 − β₁)·c``: exactly 1 for blocks never skipped.
+    """
+    exact = (scale1 == 1.0) & (scale2 == 1.0)
+    return torch.where(exact, 1.0, beta1 * scale1 + (1.0 - beta1) * scale2.sqrt())
+
+
 class RowWorkspace:
-    """fp32 buffers a gathered step reads the touched rows into: the weight, both moments, three per-row factors, the
-    gaps and the rows' last steps. Kept at the most rows a step has touched so far (grown by doubling, never shrunk),
+    """Buffers a gathered step reads the touched rows into: the weight, both moments, three per-row factors, the gaps,
+    the rows' last steps and the decay they owe. Kept at the most rows a step has touched so far (grown by doubling, never shrunk),
     so a step allocates only when it touches more rows than every step before it.
 
     Args:
@@ -112,8 +131,8 @@ class RowWorkspace:
         self.tensors: list[Tensor] = []
 
     def views(self, count: int) -> tuple[Tensor, ...]:
-        """``count`` rows of: weight, first moment, second moment, factor 1, factor 2, decay, gaps (all fp32) and
-        last steps (int64)."""
+        """``count`` rows of: weight, first moment, second moment, factor 1, factor 2, decay, gaps (all fp32), last
+        steps (int64) and the decay owed (float64)."""
         if count > self.capacity:
             self.capacity = min(max(count, 2 * self.capacity), self.height)
             # Dtypes spelled out: this may run on a worker thread while the main thread's forward has changed
@@ -121,5 +140,6 @@ class RowWorkspace:
             fp32 = torch.float32
             self.tensors = ([torch.empty(self.capacity, self.width, dtype=fp32) for _ in range(3)]
                             + [torch.empty(self.capacity, 1, dtype=fp32) for _ in range(4)]
-                            + [torch.empty(self.capacity, dtype=torch.int64)])
+                            + [torch.empty(self.capacity, dtype=torch.int64),
+                               torch.empty(self.capacity, dtype=torch.float64)])
         return tuple(t[:count] for t in self.tensors)

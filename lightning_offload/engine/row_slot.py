@@ -16,6 +16,10 @@ from lightning_offload.engine.slot import Clip, JobSettings, Lanes, Slot, clip_,
 from lightning_offload.engine.telemetry import StepTelemetry
 
 
+#: ``RowSlot.shown_rows`` for "every row may differ from the master" (weights restored from a checkpoint).
+_EVERY_ROW = torch.zeros(0, dtype=torch.int64)
+
+
 class RowSlot(Slot):
     """An embedding matrix stepped row by row on the host.
 
@@ -26,6 +30,7 @@ class RowSlot(Slot):
     """
 
     keeps_master = True
+    gradient_is_param_grad = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool) -> None:
         if param.ndim != 2:
@@ -38,6 +43,7 @@ class RowSlot(Slot):
         pin = lanes.pin
         self.host_param = pinned_zeros(param.shape, False)
         self.host_param.copy_(param.detach())
+        self.watch_weights()
         self.adam = None
         self.row_adam = BlockRowAdam([self.host_param], block_rows=1)
         self.host_grad = pinned_zeros(param.shape, pin, lanes.link_dtype)
@@ -46,6 +52,9 @@ class RowSlot(Slot):
         # On the CPU an fp32 embedding's rows are read straight from the row Adam's workspace.
         self.host_update = pinned_zeros(param.shape, pin, param.dtype) if pin or param.dtype != torch.float32 else None
         self.host_grad_fp32 = torch.zeros(param.shape) if lanes.link_dtype != torch.float32 else None
+        # Rows whose device values show decay the master has not paid (settle), put back before a training forward.
+        self.shown_rows: Tensor | None = None
+        self.shown_step = -1  # the step count at the latest settle
         # The step in flight: how many rows, their indices on the device, their new values on the host and the device.
         self.row_count = 0
         self.rows_on_device: Tensor | None = None
@@ -117,14 +126,54 @@ class RowSlot(Slot):
 
     @torch.no_grad()
     def settle(self) -> None:
-        """Apply the decoupled weight decay the untouched rows owe (their next step would apply it), on the host
-        master and the device weight."""
-        if not self.decoupled:
+        """Show the decay idle rows owe: their device rows become the master's with it paid (AdamW's weights but for
+        momentum drift), for whatever reads the weights now. The master and the decay ledger stay as they are (each
+        row's next step pays it), and the next training forward puts the master's rows back first
+        (:meth:`unsettle`), so training is the same, bit for bit, whether or not anything read the weights."""
+        if not self.owes_settle():
             return
-        rows = self.row_adam.settle_decay(self.group["lr"], self.group.get("weight_decay", 0.0))
+        rows, (values,) = self.row_adam.decayed_rows()
         if rows.numel():
-            on_device = rows.to(self.param.device)
-            self.param.data.index_copy_(0, on_device, self.host_param[rows].to(self.param.device, self.param.dtype))
+            self.param.data.index_copy_(0, rows.to(self.param.device), values.to(self.param.device, self.param.dtype))
+            self.shown_rows = rows if self.shown_rows is None or self.shown_rows is _EVERY_ROW else \
+                torch.cat([self.shown_rows, rows]).unique()
+        self.shown_step = self.row_adam.step_count
+
+    @torch.no_grad()
+    def unsettle(self) -> None:
+        """Before a training forward: rows shown with their decay paid get the master's values back, as training
+        without the read would have them."""
+        rows, self.shown_rows, self.shown_step = self.shown_rows, None, -1
+        if rows is _EVERY_ROW:
+            self.param.data.copy_(self.host_param)
+        elif rows is not None:
+            self.param.data.index_copy_(0, rows.to(self.param.device),
+                                        self.host_param[rows].to(self.param.device, self.param.dtype))
+
+    def owes_settle(self) -> bool:
+        # Some idle rows may owe decay that the device does not show yet.
+        return self.decoupled and self.row_adam.decay.active and self.shown_step != self.row_adam.step_count
+
+    def master_in_checkpoint(self) -> bool:
+        # The device rows may show decay the master has not paid yet: the master is kept as it is.
+        return super().master_in_checkpoint() or (self.decoupled and self.row_adam.decay.active)
+
+    def load_master(self, master: Tensor | None) -> None:
+        super().load_master(master)
+        if master is not None:
+            self.shown_rows, self.shown_step = _EVERY_ROW, -1  # the restored weights may show decay: master first
+
+    def weights_match_master(self) -> bool:
+        # The master's value, or the master's with the decay idle rows owe shown (weights saved after a settle).
+        if super().weights_match_master():
+            return True
+        rows, (values,) = self.row_adam.decayed_rows()
+        shown = self.host_param.clone().index_copy_(0, rows, values)
+        return torch.equal(self.param.detach(), shown.to(self.param.device, self.param.dtype))
+
+    def adopted_weights(self) -> None:
+        self.row_adam.decay.paid()  # new weights owe no decay of steps taken before them
+        self.shown_rows, self.shown_step = None, -1
 
     def state_tensors(self) -> list[Tensor]:
         tensors = [t for t in (self.host_param, self.host_grad, self.host_update, self.host_grad_fp32) if t is not None]

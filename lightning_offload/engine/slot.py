@@ -123,6 +123,8 @@ class Slot:
     keeps_master = False
     #: Whether the engine's hooks route its gradient and apply its update (else its owner's own hooks do).
     routed = True
+    #: Whether its gradient is its parameter's ``.grad`` (which a user's own clipping call can edit in place).
+    gradient_is_param_grad = False
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  owner: int = 0, owned: bool = True) -> None:
@@ -215,6 +217,14 @@ class Slot:
         """Bring the parameter up to date with what its host state owes it before anything reads it (most kinds:
         nothing is owed)."""
 
+    def owes_settle(self) -> bool:
+        """Whether :meth:`settle` may have something to apply (most kinds: never)."""
+        return False
+
+    def unsettle(self) -> None:
+        """Before a training forward: undo what :meth:`settle` showed that training must not see (most kinds:
+        nothing)."""
+
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> list[Tensor]:
         """Every tensor of optimizer state this slot keeps (host moments, masters, staging buffers)."""
@@ -227,6 +237,10 @@ class Slot:
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state` output."""
 
+    def master_in_checkpoint(self) -> bool:
+        """Whether a checkpoint keeps the fp32 master: where the parameter is narrower (an fp32 one equals it)."""
+        return self.keeps_master and self.param.dtype != torch.float32
+
     def master_state(self) -> Tensor:
         """A copy of the fp32 master (a checkpoint keeps it where the parameter is narrower: an fp32 one equals it)."""
         return self.host_param.clone()
@@ -234,6 +248,38 @@ class Slot:
     def load_master(self, master: Tensor | None) -> None:
         """Restore the master from a checkpoint, or from the restored parameter where none was kept."""
         self.host_param.copy_(master if master is not None else self.param.detach())
+        self.watch_weights()
+
+    def watch_weights(self) -> None:
+        """Remember the parameter's version counter as the master's: the engine writes the parameter through
+        ``.data``, which leaves it, and anyone else's in-place write (``model.load_state_dict``, a ``copy_`` under
+        ``no_grad``) moves it."""
+        self.weights_version = self.param._version
+
+    @torch.no_grad()
+    def adopt_written_weights(self) -> None:
+        """Before a step: where the parameter was written since the master was set (the model's weights loaded after
+        the optimizer's state, or after ``offload()``; an edit of the user's), the master takes the written value, as
+        ``torch.optim`` would step from it. Not where the written value is the master's own (a checkpoint restoring
+        both, in either order: a narrower parameter's fp32 master is kept)."""
+        if not self.weights_written():
+            return
+        self.watch_weights()
+        if not self.weights_match_master():
+            self.host_param.copy_(self.param.detach())
+            self.adopted_weights()
+
+    def weights_written(self) -> bool:
+        """Whether the parameter of a master-keeping slot was written by anyone but the engine since the master was
+        set (its version counter moved)."""
+        return self.keeps_master and self.param._version != self.weights_version
+
+    def weights_match_master(self) -> bool:
+        """Whether the parameter holds the master's value (in its own dtype)."""
+        return torch.equal(self.param.detach(), self.host_param.to(self.param.device, self.param.dtype))
+
+    def adopted_weights(self) -> None:
+        """The master took the parameter's written value (most kinds: nothing else to do)."""
 
     def wait_for_send_back(self) -> None:
         """Block until the last copy from this slot's host buffers to the device has read them."""

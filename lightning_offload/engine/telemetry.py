@@ -63,6 +63,7 @@ class OffloadTelemetry:
             ``device_optimizer`` (state and fp32 masters of parameters kept on the device with a device Adam).
         update_ring_fallbacks: compressed updates so far that found no free buffer in the device update ring and were
             copied into a one-off allocation instead (costs speed, not correctness; raise ``update_buffers``).
+        data_parallel: whether the engine trains with other ranks (``bytes_between_ranks`` is logged only then).
         last_timeline: the latest completed step's :class:`~lightning_offload.engine.pipeline.StepTimeline` (busy seconds
             per lane: device compute, link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
@@ -78,11 +79,13 @@ class OffloadTelemetry:
     device_persistent_bytes: dict[str, int] = field(default_factory=dict)
     update_ring_fallbacks: int = 0
     last_timeline: Any = None
+    data_parallel: bool = False
     completed: deque[tuple[int, dict[str, float]]] = field(default_factory=lambda: deque(maxlen=64), repr=False)
 
     def metrics(self) -> dict[str, float]:
         """Flat scalars for a logger, named ``offload/<figure>``."""
-        flat = {f"offload/{key}": float(value) for key, value in asdict(self.last).items()}
+        flat = {f"offload/{key}": float(value) for key, value in asdict(self.last).items()
+                if self.data_parallel or key != "bytes_between_ranks"}  # always 0 on one process: not logged
         if self.last_timeline is not None:
             for lane in LANES:
                 flat[f"offload/timeline/{lane}_seconds"] = self.last_timeline.busy(lane)

@@ -28,9 +28,10 @@ def validate_user_optimizer(optimizer: Any) -> Optimizer:
     inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
     if type(inner) not in SUPPORTED_OPTIMIZERS:
         raise TypeError(
-            f"The offload strategies take over torch.optim.Adam or torch.optim.AdamW, but configure_optimizers "
-            f"returned {type(inner).__module__}.{type(inner).__qualname__}. Return torch.optim.AdamW(...) (any param "
-            f"groups, lr, betas, eps, weight_decay) — its state will live on the host."
+            f"The offload takes over torch.optim.Adam or torch.optim.AdamW, but was given "
+            f"{type(inner).__module__}.{type(inner).__qualname__} (returned by configure_optimizers, or passed to "
+            f"offload() or fabric.setup()). Use torch.optim.AdamW(...) (any param groups, lr, betas, eps, "
+            f"weight_decay) — its state will live on the host."
         )
     for group in inner.param_groups:
         if group.get("capturable") or group.get("differentiable"):

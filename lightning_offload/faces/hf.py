@@ -8,11 +8,16 @@
 * **Learned projectors.** It fits them on the Trainer's dataloader before the first step and refits them when due
   (:attr:`~lightning_offload.faces.loop.LoopOffloadOptimizer.refit_due`), with ``loss_fn`` (by default the model's
   own loss on the batch, ``model(**batch).loss``).
+* **Clipping.** ``TrainingArguments.max_grad_norm`` (1.0 by default) becomes the offload's own clipping, over every
+  gradient (projected ones included, which the Trainer's ``clip_grad_norm_`` over ``model.parameters()`` cannot see),
+  said in one log line; the Trainer's own clipping call is turned off for the run (``max_grad_norm`` is put back at
+  its end). So the default run equals the same Trainer with torch's AdamW.
 * **The end.** After training it settles the optimizer; call ``optimizer.close()`` when done with it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +26,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from lightning_offload.engine.batch_gradients import LossFn
 from lightning_offload.faces.loop import LoopOffloadOptimizer
+
+log = logging.getLogger(__name__)
 
 
 def model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -56,12 +63,41 @@ class OffloadCallback(TrainerCallback):
                             f"{type(optimizer).__name__}.")
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        # While a run is on: the max_grad_norm its TrainingArguments had, and the offload's own before the run.
+        self._taken_over: tuple[float, float | None] | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        self._take_over_clipping(args)
         # A resumed run has its fit back from the optimizer's state: only a fresh one fits first.
         if self.optimizer.needs_first_fit:
             self.optimizer.fit_projectors(kwargs["train_dataloader"], self.loss_fn)
+
+    def _take_over_clipping(self, args: TrainingArguments) -> None:
+        """``args.max_grad_norm`` becomes the offload's clipping; the Trainer's own call is off until the run ends.
+
+        Raises:
+            ValueError: when the offload was given another ``max_grad_norm`` (two limits: which one is meant?).
+        """
+        limit = args.max_grad_norm
+        if limit is None or not limit > 0:
+            return
+        own = self.optimizer.max_grad_norm
+        if own is not None and own != limit:
+            raise ValueError(f"TrainingArguments(max_grad_norm={limit!r}) and offload(..., max_grad_norm={own!r}) "
+                             f"disagree. OffloadCallback makes the Trainer's the offload's: pass the same value to "
+                             f"both, or leave the offload's out (or set the Trainer's to 0 to keep the offload's).")
+        self._taken_over = (limit, own)
+        self.optimizer.max_grad_norm = float(limit)
+        args.max_grad_norm = 0.0
+        log.info("OffloadCallback: TrainingArguments.max_grad_norm=%s is the offload's clipping for this run, over "
+                 "every gradient (projected ones included); the Trainer's own clip_grad_norm_ over "
+                 "model.parameters() is off until the run ends.", limit)
+
+    def _give_back_clipping(self, args: TrainingArguments) -> None:
+        if self._taken_over is not None:
+            args.max_grad_norm, self.optimizer.max_grad_norm = self._taken_over
+            self._taken_over = None
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
@@ -76,4 +112,5 @@ class OffloadCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._give_back_clipping(args)
         self.optimizer.settle()  # the model is read next (trainer.save_model, evaluation)

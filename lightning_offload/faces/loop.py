@@ -16,7 +16,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,9 +26,12 @@ from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.projector_fitting import FitAgreement, OneProcess, ProjectorFitting, fit_projectors
 from lightning_offload.engine.refit_record import RefitRecord
 from lightning_offload.strategies.engine_setup import EngineSetup, Placements, build_engine
-from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.strategies.settings import OffloadSettings, loop_face_settings
 
 log = logging.getLogger(__name__)
+
+#: What a loop face takes besides the offload settings (the keyword arguments of :func:`offload`).
+LOOP_SETTINGS = ("device", "max_grad_norm", "fitting", "refit_every", "accumulation_steps")
 
 #: The settings each name stands for, as the Trainer strategies of the same names set them.
 STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {"lsp_offload": {}, "zero_offload": {"projection": False}}
@@ -111,6 +114,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
             # The backward of the step's last micro-batch delivers final gradients: they may cross during it, as in
             # the Trainer strategies' closure. Its forward is how a loop of one's own says which backward that is.
             self.loop.forward_counter = setup.model.register_forward_pre_hook(self._count_forward)
+        else:
+            self.routing.measure_every_backward = True  # any backward may be the step's last
 
     def _count_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not (torch.is_grad_enabled() and module.training):
@@ -126,6 +131,16 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         """Optimizer steps taken (skipped ones, and one whose host work is still running, included); restored by
         :meth:`load_state_dict`."""
         return self.telemetry.steps + self.telemetry.skipped_steps + int(self.step_in_flight)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global norm every step is clipped to unless a clipping call came first (``None``: no clipping unless
+        asked); set it to change the limit from the next step on (Hugging Face's ``OffloadCallback`` does)."""
+        return self.loop.settings.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self.loop.settings = replace(self.loop.settings, max_grad_norm=value)  # validated as at construction
 
     @property
     def fits(self) -> list[RefitRecord]:
@@ -221,17 +236,19 @@ class LoopOffloadOptimizer(OffloadOptimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The engine's state (:meth:`OffloadOptimizer.state_dict`) and when the projectors were last fitted.
 
-        Warns once when the latest step's updates were still pending: a checkpoint that read the model's weights just
-        before (Hugging Face's ``Trainer`` saves the model, then the optimizer) holds the weights of the step before.
+        Warns once when the latest step's updates were still pending: reads of the weights through the model
+        (``model.state_dict()``, ``named_parameters()``, ``save_pretrained``) apply them first, so none happened since
+        that step, and a checkpoint that read the weights by other means (tensors held from before) holds the step
+        before.
         """
         loop = self.loop
         if not loop.warned_unsettled_save and any(slot.pending for slot in self.slots):
             loop.warned_unsettled_save = True
             warnings.warn(f"{loop.name}: state_dict() was called with the latest step's updates still pending (they "
-                          f"are applied before each module's next forward): model weights read since that step, e.g. "
-                          f"by a checkpoint saved just before, lack them. Call optimizer.settle() before reading or "
-                          f"saving the weights; under Hugging Face's Trainer add OffloadCallback(optimizer) to its "
-                          f"callbacks.", stacklevel=2)
+                          f"are applied before each module's next forward, or when the weights are read through the "
+                          f"model): weights read since that step from tensors held outside the model lack them. Read "
+                          f"them through the model (model.state_dict()), or call optimizer.settle() first.",
+                          stacklevel=2)
         return {**super().state_dict(), "loop": {"last_fit_step": loop.last_fit_step}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -285,7 +302,8 @@ def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str
 
     Raises:
         ValueError: for a setting the face sets itself, or ``log_telemetry`` (a loop has no logger: it reads
-            ``opt.telemetry``); an unknown one is a ``TypeError``, a bad value a ``ValueError`` naming it.
+            ``opt.telemetry``); an unknown one (with the closest known one) or a projection setting where nothing is
+            projected is a ``TypeError``, a bad value a ``ValueError`` naming it.
     """
     refused = sorted((set(forced) | {"log_telemetry"}) & set(settings))
     if refused:
@@ -293,7 +311,7 @@ def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str
                          + ("a loop of one's own has no logger; read opt.telemetry (its figures) instead."
                             if refused[0] == "log_telemetry" else "it sets it itself. Leave it out, or use another "
                                                                   "strategy."))
-    return OffloadSettings(**{**settings, **forced})
+    return loop_face_settings(name, settings, forced, LOOP_SETTINGS)
 
 
 def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "lsp_offload", *,

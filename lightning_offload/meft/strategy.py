@@ -25,7 +25,7 @@ from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters
 from lightning_offload.strategies.offload import SingleDeviceOffload
 from lightning_offload.strategies.report import OffloadFacts
-from lightning_offload.strategies.settings import PROJECTION_SETTINGS, OffloadSettings
+from lightning_offload.strategies.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
 
 
 class MEFTOffloadStrategy(SingleDeviceOffload):
@@ -56,8 +56,8 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
         embeddings: as for ``zero_offload``, when the embeddings are left trainable. Default: ``None``.
         head: as for ``zero_offload``, when the output head is left trainable. Default: ``None``.
         accelerator, checkpoint_io, precision_plugin: filled in by the Trainer. Default: ``None``.
-        projection_settings: ``LSPOffloadStrategy``'s projection settings, accepted at their defaults only (nothing is
-            projected); another value, or any other keyword, is refused, naming it. Default: none.
+        unknown: refused: ``LSPOffloadStrategy``'s projection settings do not apply (nothing is projected), and any
+            other keyword is refused naming the closest setting. Default: none.
 
     Example::
 
@@ -78,14 +78,12 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
                  precision_plugin: Precision | None = None, seed: int = 0, on_nonfinite: NonFinitePolicy = "skip",
                  log_telemetry: bool = True, pipelined: bool = True, link_dtype: str = "fp32",
                  speculative: bool | None = None, embeddings: str | None = None, head: str | None = None,
-                 **projection_settings: Any) -> None:
-        for name in projection_settings:
-            if name not in PROJECTION_SETTINGS:
-                raise TypeError(f"MEFTOffloadStrategy.__init__() got an unexpected keyword argument {name!r}"
-                                + (" (meft_offload never projects)" if name == "projection" else "") + ".")
+                 **unknown: Any) -> None:
+        # A projection setting given at all (whatever its value) does not apply; a misspelt one is named.
+        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
         settings = OffloadSettings(projection=False, seed=seed, on_nonfinite=on_nonfinite,
                                    log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
-                                   speculative=speculative, embeddings=embeddings, head=head, **projection_settings)
+                                   speculative=speculative, embeddings=embeddings, head=head)
         super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._configure_offload(settings)

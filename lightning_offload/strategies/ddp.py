@@ -31,7 +31,7 @@ from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankSha
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.strategies.offload_base import OffloadMixin
-from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.strategies.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
 
 
 def bucket_bytes(bucket_mb: float) -> int:
@@ -148,7 +148,9 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        **unknown: Any,
     ) -> None:
+        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
         # Built first: a bad setting is refused before the DDP machinery is set up.
         settings = OffloadSettings.from_arguments(locals())
         super().__init__(
@@ -255,8 +257,10 @@ class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        **unknown: Any,
     ) -> None:
-        # The projection settings are not parameters here: nothing is projected, and Python refuses them by name.
+        # The projection settings are not parameters here: nothing is projected, and they are refused by name.
+        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,

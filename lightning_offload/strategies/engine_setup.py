@@ -63,10 +63,12 @@ class EngineSetup:
     model: torch.nn.Module
     optimizer: OffloadOptimizer
     placement: Placement
+    #: The hook that refuses a step of the user's own optimizer while the engine stands in for it.
+    guard: Any = None
 
     def release(self) -> None:
         """Finish what is pending and give the model back as it was: plain modules, frozen weights trainable again,
-        no hooks, the worker stopped (idempotent)."""
+        no hooks, the worker stopped, the user's optimizer usable again (idempotent)."""
         # The engine's own close (a face's optimizer closes through this release: its close is not called back).
         OffloadOptimizer.close(self.optimizer)
         for layer in self.optimizer.projected_layers:
@@ -74,6 +76,44 @@ class EngineSetup:
         for weight in self.placement.frozen:
             weight.requires_grad_(True)
         self.placement = Placement()
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
+        if getattr(self.model, ENGINE_ATTRIBUTE, None) is self:
+            delattr(self.model, ENGINE_ATTRIBUTE)
+
+
+#: The attribute a model set up for offloading carries: its set-up, until released.
+ENGINE_ATTRIBUTE = "_lightning_offload_engine"
+
+
+def refuse_unusable_model(model: torch.nn.Module, name: str) -> None:
+    """Refuse a model the engine cannot be put on: one already offloaded (a notebook cell run twice), or one on the
+    ``meta`` device.
+
+    Raises:
+        RuntimeError: for a model another engine trains. ValueError: for parameters on the meta device.
+    """
+    owner = next((m for m in model.modules() if getattr(m, ENGINE_ATTRIBUTE, None) is not None), None)
+    if owner is not None:
+        raise RuntimeError(
+            f"{name}: this model is already trained by an offload optimizer that was not closed (a notebook cell run "
+            f"twice?); a second one would stack its hooks on the first's. Call close() on the optimizer offload() "
+            f"returned (or let the Trainer or Fabric finish), then offload again; if that optimizer is lost, "
+            f"model.{ENGINE_ATTRIBUTE}.release() closes it.")
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{name}: {meta} (and maybe more) is on the meta device: it has no values to train. Materialize the model "
+            f"first: model.to_empty(device=...) and load its weights (or build it on a real device), then offload.")
+
+
+def _refuse_a_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    raise RuntimeError(
+        f"The {type(optimizer).__name__} handed to the offload was stepped itself: its state and arithmetic now live "
+        f"in the offload optimizer that stands in for it (the one lightning_offload.offload(...) returned, or "
+        f"Fabric's setup handed back). Step that one (optimizer = offload(model, {type(optimizer).__name__}(...)); "
+        f"optimizer.step()); this one steps again once the offload is closed.")
 
 
 def rows_stepped_densely(optimizer: Optimizer, embeddings_by_default: bool) -> dict[int, str]:
@@ -114,6 +154,7 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     Raises:
         ValueError: for an optimizer or a setting the engine cannot take (each names the value and the fix).
     """
+    refuse_unusable_model(model, name)
     user_optimizer = validate_user_optimizer(user_optimizer)
     trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
     placement = plan_placement(model, trained, placements.embeddings, placements.head,
@@ -145,4 +186,6 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
                         if id(m.weight) in placement.tied_projected],
         data_parallel=rank_shards,
     )
-    return EngineSetup(model, optimizer, placement)
+    setup = EngineSetup(model, optimizer, placement, guard=user_optimizer.register_step_pre_hook(_refuse_a_step))
+    setattr(model, ENGINE_ATTRIBUTE, setup)
+    return setup

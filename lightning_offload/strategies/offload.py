@@ -13,6 +13,7 @@ host Adam steps them (the ZeRO-Offload-style baseline).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -24,7 +25,7 @@ from typing_extensions import override
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.strategies.offload_base import OffloadMixin
-from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.strategies.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
 
 
 def default_device() -> torch.device:
@@ -198,7 +199,9 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        **unknown: Any,
     ) -> None:
+        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
         settings = OffloadSettings.from_arguments(locals())  # first: a bad setting is refused before any set-up
         super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -261,8 +264,10 @@ class ZeroOffloadStrategy(LSPOffloadStrategy):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        **unknown: Any,
     ) -> None:
-        # The projection settings are not parameters here: nothing is projected, and Python refuses them by name.
+        # The projection settings are not parameters here: nothing is projected, and they are refused by name.
+        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
         super().__init__(
             device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             projection=False, seed=seed, on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined,

@@ -8,9 +8,11 @@ again. A setting that does not apply is refused rather than ignored: without pro
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import difflib
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_offload.engine.user_optimizer import LINK_DTYPES
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
@@ -144,3 +146,60 @@ def _patterns(name: str, value: object) -> list[str]:
         raise TypeError(f"{name} must be a list of regular expressions (strings), got {value!r}; wrap a single "
                         f"pattern in a list.")
     return list(value)
+
+
+def keyword_settings(cls: type) -> list[str]:
+    """The keyword-only arguments of ``cls``'s constructor (a strategy's settings, for naming the closest to a
+    misspelt one)."""
+    return [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def refuse_unknown_settings(owner: str, unknown: Mapping[str, Any], known: Iterable[str],
+                            projects: bool = True) -> None:
+    """Refuse settings ``owner`` does not take, naming the closest one it does (a misspelt ``rnak=``), or saying that a
+    projection setting does not apply where nothing is projected (whatever its value: given at all, the user expects
+    it to do something).
+
+    Raises:
+        ValueError: for a projection setting where nothing is projected. TypeError: for an unknown setting (the first
+            in sorted order).
+    """
+    names = sorted(unknown)
+    if not names:
+        return
+    inapplicable = [name for name in names if name in (*PROJECTION_SETTINGS, "projection")] if not projects else []
+    if inapplicable:
+        shown = ", ".join(f"{name}={unknown[name]!r}" for name in inapplicable)
+        raise ValueError(f"{shown}: nothing is projected without projection (zero_offload, meft_offload), so "
+                         f"{'this setting does' if len(inapplicable) == 1 else 'these settings do'} not apply to "
+                         f"{owner}. Remove {'it' if len(inapplicable) == 1 else 'them'}, or use "
+                         f"strategy='lsp_offload' to project.")
+    name, known = names[0], sorted(known)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]}=?" if close else ""
+    raise TypeError(f"{owner} got an unknown setting {name}=.{hint} Its settings: {', '.join(known)}.")
+
+
+def loop_face_settings(owner: str, given: Mapping[str, Any], forced: Mapping[str, Any],
+                       face_settings: Iterable[str] = ()) -> OffloadSettings:
+    """The settings value of a face that takes them as keyword arguments (``offload()``, Fabric's strategies, MEFT's):
+    unknown names refused with the closest known one, a projection setting given at all where ``forced`` turns
+    projection off refused (whatever its value), then validated as always.
+
+    Args:
+        owner: what the settings are given to, for messages.
+        given: the settings as the user passed them.
+        forced: what the face sets itself (``projection=False``).
+        face_settings: the face's own keyword arguments besides these (named in the suggestions).
+
+    Raises:
+        TypeError: for an unknown setting. ValueError: for one that does not apply, or a bad value.
+    """
+    known = {f.name for f in fields(OffloadSettings)} - set(forced)
+    projects = forced.get("projection", True)
+    if not projects:
+        known -= set(PROJECTION_SETTINGS)
+    refuse_unknown_settings(owner, {name: value for name, value in given.items() if name not in known},
+                            known | set(face_settings), projects=bool(projects))
+    return OffloadSettings(**{**given, **forced})
