@@ -3,7 +3,8 @@
 Lightning's launcher starts rank 1 by running this script again; each rank writes what it saw under ``OUT_DIR`` as
 ``<run>_rank<r>.pt`` (final weights, losses, projectors, bytes between ranks per step), and checkpoints where a run
 resumes. Scenarios: ``equivalence`` (lossless and learned projectors, accumulation and clipping, resume), ``bytes``
-(lsp vs zero on a model whose layers are all projectable), ``variants`` (a device Adam, speculation, bf16) and
+(lsp vs zero on a model whose layers are all projectable), ``variants`` (a device Adam, speculation, bf16, the
+clipping norm's probes) and
 ``fail_on_rank_<r>`` (a host job raises on rank r).
 """
 
@@ -26,6 +27,7 @@ from tiny_modules import TinyClassifier, classification_data, params_of  # noqa:
 
 import lightning_offload  # noqa: E402,F401
 from lightning_offload.engine.speculation import Speculation  # noqa: E402
+from lightning_offload.lsp import norm_probe  # noqa: E402
 from lightning_offload import (  # noqa: E402
     LSPOffloadDDPStrategy,
     ProjectorRefit,
@@ -134,6 +136,7 @@ def fit(out: Path, run: str, kind: str, module: pl.LightningModule, steps: int, 
         "owned": [slot.name for slot in optimizer.slots if slot.owned] if optimizer is not None else [],
         "host_state_bytes": optimizer.telemetry.host_state_bytes if optimizer is not None else 0,
         "steps": optimizer.telemetry.steps if optimizer is not None else 0,
+        "norm_ratios": {name: layer.norm_ratio for name, layer in layers.items()},
     }
     torch.save(record, out / f"{run}_rank{trainer.global_rank}.pt")
     if dump_checkpoint:
@@ -162,6 +165,10 @@ def main() -> None:
         fit(out, "speculative", "lossless_speculative=True", TinyClassifier(), 4, **clipping)
         fit(out, "bf16", "lossless_link_dtype=bf16", TinyClassifier(), 4, precision="bf16-true", **clipping)
         fit(out, "fp32_link", "lossless", TinyClassifier(), 4, precision="bf16-true", **clipping)
+        # The clipping norm's probes (lsp/norm_probe.py) on projectors that keep norms inexactly, averaged over 2
+        # steps here so that they replace ρ within the run.
+        norm_probe.WINDOW_STEPS = 2
+        fit(out, "norm_probes", "lsp_all", Projectable(), 6, **clipping)
     elif scenario == "golden":
         # tests/golden_runs.py: learned projectors refitted every second step, accumulation and norm clipping.
         fit(out, "golden", "learned", TinyClassifier(), 4, dump_checkpoint=True, **clipping)

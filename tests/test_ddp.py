@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from ddp_runs import Projectable
 from tiny_modules import TinyClassifier, classification_data, lossless_lsp, params_of, trainer
 
 from lightning_offload import (
@@ -23,6 +24,7 @@ from lightning_offload import (
     ZeroOffloadDDPStrategy,
 )
 from lightning_offload.engine.data_parallel import contiguous_owners
+from lightning_offload.lsp import norm_probe
 
 RUNS = Path(__file__).parent / "ddp_runs.py"
 # ddp_runs.py: 2 ranks × batch 4, two batches accumulated per step, clipped by norm.
@@ -98,6 +100,21 @@ def test_device_adam_and_speculative_steps_equal_one_process(variant_runs, run, 
     for name, value in single.items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), f"ranks disagree on {name}"
         torch.testing.assert_close(rank0["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_ranks_keep_one_process_s_clipping_norm_ratios(variant_runs, monkeypatch):
+    # The probes' G z is all-reduced with the owners' ‖S‖²: every rank holds the ρ of the reduced gradient, which is
+    # one process's at twice the batch (up to the order of fp32 additions).
+    rank0, rank1 = _record(variant_runs, "norm_probes", 0), _record(variant_runs, "norm_probes", 1)
+    assert rank0["norm_ratios"] == rank1["norm_ratios"]
+    monkeypatch.setattr(norm_probe, "WINDOW_STEPS", 2)
+    torch.set_num_threads(1)
+    strategy = LSPOffloadStrategy(rank=0.25, density=2, target_modules=[r"net\.\d"], projectors="random")
+    trainer(strategy, max_steps=6, **SETTINGS).fit(Projectable(), classification_data(batch_size=8))
+    single = {name: layer.norm_ratio for name, layer in strategy.projected_layers.items()}
+    assert single.keys() == rank0["norm_ratios"].keys() and all(ratio != 1.0 for ratio in single.values())
+    for name, ratio in single.items():
+        assert rank0["norm_ratios"][name] == pytest.approx(ratio, rel=1e-5), name
 
 
 def test_bf16_between_ranks_halves_the_bytes(variant_runs):

@@ -23,7 +23,8 @@ STATE_FORMAT = 2
 def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], device_adam: DeviceAdam | None,
                  telemetry: OffloadTelemetry, ranks: RankShards | None) -> dict[str, Any]:
     """Everything needed to resume exactly: group hyper-parameters, host moments and step counts, projector
-    indices and values, fp32 masters of low-precision dense parameters, rounding generators, counters.
+    indices and values (with the clipping norm's ``ρ`` and its probes' averages, as plain numbers), fp32 masters of
+    low-precision dense parameters, rounding generators, counters.
 
     Call after every pending update was applied.
     """
@@ -48,7 +49,7 @@ def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], devi
         "device_adam": device_adam.state_dict() if device_adam is not None else None,
         "projectors": {
             slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict(),
-                        "norm_ratio": slot.layer.norm_ratio}
+                        "norm_ratio": slot.layer.norm_ratio, "norm_probe": slot.layer.norm_probe.state_dict()}
             for slot in slots if slot.layer is not None
         },
         "dense_masters": dense_masters,
@@ -111,6 +112,8 @@ def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups
             slot.layer.set_projectors(SparseProjector.from_state_dict(saved["out"], device),
                                       SparseProjector.from_state_dict(saved["in"], device))
             slot.layer.norm_ratio = float(saved.get("norm_ratio", 1.0))
+            # The probes' averages and draw count (lsp/norm_probe.py); absent from checkpoints written before them.
+            slot.layer.norm_probe.load_state_dict(saved.get("norm_probe"), device)
             slot.generator.set_state(state["rounding_generators"][slot.name])
         elif slot.owned and slot.keeps_master:
             slot.load_master(state["dense_masters"].get(slot.name))

@@ -272,8 +272,9 @@ class OffloadOptimizer(Optimizer):
         A projected weight's full gradient ``G`` never exists; its norm is estimated as ``‖S‖ / ρ``, where ``ρ`` is
         the layer's ``‖S‖/‖G‖`` measured after its last fit on batches the fit had not used
         (:attr:`~lightning_offload.lsp.linear.ProjectedWeight.norm_ratio`, :mod:`lightning_offload.lsp.norm_ratio`;
-        1 for random draws, which keep norms in expectation, and exactly right for signed permutations). So
-        ``gradient_clip_val`` means what it means for plain AdamW.
+        1 for random draws, which keep norms in expectation, and exactly right for signed permutations), and while
+        clipping by norm is in use re-measured from every step's backward (:mod:`lightning_offload.lsp.norm_probe`).
+        So ``gradient_clip_val`` means what it means for plain AdamW.
         """
         return self.norms.global_norm(self.slots, self.orchestrator.device_params)
 

@@ -21,6 +21,7 @@ from lightning_offload.engine.clipping import (
 from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.gradients import GradientRouting, final_twice_error
+from lightning_offload.engine.norm_probes import measure_norm_ratios
 from lightning_offload.engine.projected_slot import UpdatePrefetch
 from lightning_offload.engine.slot import Clip, Lanes, Slot, synced_hparams
 from lightning_offload.engine.speculation import Speculation
@@ -125,6 +126,7 @@ class StepOrchestrator:
             return
         if edited:
             self._take_edits(edited)
+        measure_norm_ratios(self.slots, self.lanes.ranks, clip)  # ρ kept true while clipping is in use
         step = self.speculation.take_step()
         for layer in self.projected_layers:
             if layer.grad_buffer is not None:

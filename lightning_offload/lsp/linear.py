@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
 from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 from lightning_offload.lsp.projector import SparseProjector
 
@@ -52,8 +53,11 @@ class ProjectedWeight:
         self.update_scale = update_scale(proj_out, proj_in)
         # ‖S‖/‖G‖ of these projectors as measured on sampled full gradients (a fit sets it); gradient clipping
         # divides each layer's ‖S‖ by it to estimate the full gradient's norm. 1 for random draws, whose
-        # projection keeps norms in expectation.
+        # projection keeps norms in expectation. While clipping is in use the probes below keep it true as training
+        # changes how much of each gradient the subspace holds (lsp/norm_probe.py).
         self.norm_ratio = 1.0
+        self.norm_probe = NormProbe(name)
+        self.norm_probe.measured = not (is_isometry(proj_out) and is_isometry(proj_in))
         # S in fp32, or None: the first backward's S is kept as it is (no buffer is held between steps), later
         # micro-batches add into it; projection is linear, so accumulating S equals compressing the accumulated
         # gradient exactly. Released by zero_grad once the optimizer has sent it (see OffloadOptimizer.step).
@@ -126,6 +130,10 @@ class ProjectedWeight:
         self.update_scale = update_scale(proj_out, proj_in)
         self.grad_buffer = None
         self.has_grad = False
+        # The probes' averages measured the old projectors; the new ones start from the ρ their installer gives.
+        self.norm_probe.measured = not (is_isometry(proj_out) and is_isometry(proj_in))
+        self.norm_probe.reset_window()
+        self.norm_probe.clear_step()
 
     def accumulate(self, compressed_grad: Tensor) -> None:
         """Add one backward pass's ``S`` (called from autograd; the first one is kept, not copied)."""
@@ -142,6 +150,10 @@ class ProjectedWeight:
         count as the module's own backward: if ``S`` was already sent, the changed version sends it again at the step.
         """
         self._add(self.compress(grad))
+        if self.norm_probe.active:
+            grad_math = grad.detach().t() if self.transposed else grad.detach()  # o × i
+            probe = self.norm_probe.probe(grad_math.shape[1], grad_math.device, torch.float32)
+            self.norm_probe.add(grad_math.float() @ probe)
         self.grad_version += 1
 
     def _add(self, compressed_grad: Tensor) -> None:
@@ -152,9 +164,10 @@ class ProjectedWeight:
         self.has_grad = True
 
     def zero_grad(self) -> None:
-        """Release ``S`` after it has been consumed by an optimizer step (or skipped)."""
+        """Release ``S`` (and the probes' ``G z``) after it has been consumed by an optimizer step (or skipped)."""
         self.grad_buffer = None
         self.has_grad = False
+        self.norm_probe.clear_step()
 
     def reset_forward_count(self) -> None:
         """Forget forward calls whose backward never ran (called before each optimizer step's forward)."""
@@ -300,24 +313,32 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             out = F.linear(x_c, w_math, b_c)
             # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i (d_i × tokens, in the
             # product dtype: fp32 on the CPU, the compute dtype on CUDA).
-            x_proj = None
+            x_proj = x_probe = None
             if weight.requires_grad:
-                x_proj = state.proj_in.compress_rows(x_c.detach().reshape(-1, x_c.shape[-1]).t())
+                x_flat = x_c.detach().reshape(-1, x_c.shape[-1])
+                x_proj = state.proj_in.compress_rows(x_flat.t())
                 state.saved_projection_bytes += x_proj.numel() * x_proj.element_size()
+                if state.norm_probe.active:
+                    # X z (tokens × m), for the norm of G = Δᵀ X while clipping is in use (lsp/norm_probe.py).
+                    x_probe = x_flat @ state.norm_probe.probe(x_flat.shape[1], x_flat.device, x_flat.dtype)
+                    state.saved_projection_bytes += x_probe.numel() * x_probe.element_size()
         ctx.state = state
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(w_c, x_proj)
+        ctx.save_for_backward(w_c, x_proj, x_probe)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
-        w_c, x_proj = ctx.saved_tensors
+        w_c, x_proj, x_probe = ctx.saved_tensors
         state: ProjectedWeight = ctx.state
         grad_out = grad_out.to(w_c.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             w_math = w_c.t() if state.transposed else w_c
             grad_x = grad_out @ w_math
+        if x_probe is not None:
+            # G z = Δᵀ (X z), o × m: added before S, whose completion may start the step's send.
+            state.norm_probe.add((grad_out.reshape(-1, grad_out.shape[-1]).t() @ x_probe.to(grad_out.dtype)).float())
         if x_proj is not None:
             # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype: a fresh tensor,
             # which the layer keeps as its S.

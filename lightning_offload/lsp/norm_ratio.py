@@ -16,6 +16,10 @@ of sums ``√(Σ‖S‖²/Σ‖G‖²)`` weighs the large-gradient batches up an
 Random draws are not measured: their ``ρ = 1`` holds in expectation over draws, and a given draw read 0.998–1.009×
 the true global norm over 64 fresh batches (small LLaMA, h128 and h256, three data orders), closer than a measurement
 on eight batches gets (0.96–1.03×).
+
+Either figure holds for the gradients of the moment only: training changes how much of each gradient the subspace
+holds, so while clipping is in use :mod:`lightning_offload.lsp.norm_probe` re-measures ``ρ`` from every step's own
+backward and replaces this one after 16 steps.
 """
 
 from __future__ import annotations

@@ -1,0 +1,160 @@
+"""Keeping each projected layer's ``ρ = ‖S‖/‖G‖`` true while training goes on, from the step's own backward.
+
+Gradient clipping estimates a projected weight's full-gradient norm as ``‖S‖/ρ``
+(:mod:`lightning_offload.lsp.norm_ratio`). A ``ρ`` measured once, at a fit (or taken as 1 for a random draw), goes
+stale: Adam moves the weight only inside the projectors' subspace, which changes how much of each new gradient the
+subspace holds. After 300 steps of the small LLaMA at rank 0.25 the estimate read 0.70× the true global norm with
+learned projectors and 0.94× (lr 1e-3) or 1.17× (lr 1e-4) with random ones (``scripts/benchmark_clip_norm.py
+--steps 300``, docs/benchmarks.md): a ``max_grad_norm`` tuned on AdamW clipped 1.4× too late, or too early.
+
+So while clipping is in use the norm of ``G = Δᵀ X`` is measured from every step's backward, without forming ``G``:
+a layer draws ``m`` Rademacher probes ``z`` (``i × m``, ``±1``), forward keeps ``X z`` beside ``B X`` (``m`` numbers
+per token) and backward forms ``G z = Δᵀ (X z)`` (``o × m``). ``E‖G z‖²/m = ‖G‖²`` for any ``G``, since the probes
+are independent of the gradient, which a fixed projector is not. The probes are drawn afresh every step, from a
+generator seeded by the layer's name and its count of measured steps (every rank, and a resumed run, draws the same
+ones), and stay the same for every micro-batch of a step, so ``G z`` accumulates exactly as ``S`` does. Each layer
+averages ``‖S‖²`` and ``‖G z‖²/m`` over its measured steps, a step's weight decaying by ``1 − 1/16`` per later step;
+from the 16th measured step on, ``ρ = √(avg ‖S‖² / avg ‖G z‖²/m)`` replaces the layer's ``ρ`` at every step. New
+projectors (a refit) restart the averages from the ``ρ`` their fit measured.
+
+Why these choices (measured on the small LLaMA, docs/benchmarks.md):
+
+- **Ratio of averages, not the average of per-step ratios.** One step's ``‖G z‖²/m`` is noisy (relative variance
+  about ``2/(m·r)`` for a gradient of effective rank ``r``): averaging ``‖S‖²/(‖G z‖²/m)`` divides by that noise and
+  made the estimate read 0.90–0.97× where the ratio of averages read 1.02–1.05×.
+- **A short, decaying average.** ``ρ`` keeps moving (by half over 100 steps of a fast run), so lag costs more than
+  noise: windows of 32, 64 and 128 steps read 1.06, 1.08 and 1.14× in the run that drifted most, an average over about
+  16 steps 1.03×. Being first used after 16 measured steps, it leaves runs of four steps (the repository's recorded
+  golden runs) the results of unprobed runs, bit for bit.
+- **Only while clipping is in use.** The probes turn on from the step after a step clipped by norm and off after a
+  step that was not: a run that never clips by norm computes nothing more and keeps its results.
+- **Not for exact isometries.** Signed permutations (``rank=1.0, density=1``) keep every norm exactly: ``ρ = 1``
+  and their arithmetic stays plain Adam's.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.lsp.projector import SparseProjector
+
+#: Probes per layer and step (``m``); 0 turns the measurement off (the drifting ``ρ`` of the fit, or 1).
+PROBES = 8
+#: The averages' span in measured steps (a step's weight decays by ``1 − 1/WINDOW_STEPS`` per later step), and the
+#: measured steps before they first replace ``ρ``: longer than the 4-step golden runs, short against the drift.
+WINDOW_STEPS = 16
+
+
+def is_isometry(projector: SparseProjector) -> bool:
+    """Whether ``projector`` is a signed permutation: square, one ``±1`` per column, every row hit once (it keeps
+    every norm exactly)."""
+    if projector.dim_out != projector.dim_in or projector.nnz_per_column != 1:
+        return False
+    rows = projector.indices.reshape(-1).long()
+    return bool((projector.values.detach().abs() == 1).all()) and bool(
+        (torch.bincount(rows, minlength=projector.dim_out) == 1).all())
+
+
+class NormProbe:
+    """One projected layer's probes for the current step and its averages of ``‖S‖²`` and ``‖G‖²``.
+
+    Args:
+        name: the layer's name, which seeds its probes (the same on every rank and in a resumed run).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._seed = zlib.crc32(name.encode())
+        #: Whether this step's forwards keep ``X z``: set after each step from whether it was clipped by norm.
+        self.active = False
+        #: Whether the layer is measured at all (``False`` for exact isometries; set with the projectors).
+        self.measured = True
+        #: Steps measured so far: the next probes are drawn from it.
+        self.draws = 0
+        self._probe: Tensor | None = None
+        #: ``G z`` accumulated over the current step's backwards (``o × m``, fp32), or ``None``.
+        self.sketch: Tensor | None = None
+        #: ``[‖S‖², ‖G z‖²/m, ‖S‖²/(‖G z‖²/m), 1]`` summed over the measured steps, each step's weight decaying by
+        #: ``1 − 1/WINDOW_STEPS`` per later step (fp32, on the device: no read per step), or ``None``. Their ratios
+        #: are the averages; the last two give the average of per-step ratios, kept for comparison.
+        self.sums: Tensor | None = None
+        #: Steps in :attr:`sums` (measured since the projectors were installed).
+        self.window_steps = 0
+
+    # ------------------------------------------------------------------------------------------------ one step
+    def probe(self, in_features: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """This step's probes ``z`` (``i × m``, ``±1`` in ``dtype``): drawn at the step's first forward, then kept
+        until the step is measured, so every micro-batch (and a checkpointed layer's recomputation) uses the same."""
+        if self._probe is None or self._probe.device != device or self._probe.shape[0] != in_features:
+            generator = torch.Generator(device=device)
+            generator.manual_seed((self._seed * 1_000_003 + self.draws) % (1 << 62))
+            signs = torch.randint(0, 2, (in_features, PROBES), generator=generator, device=device)
+            self._probe = signs.float().mul_(2).sub_(1)
+        return self._probe.to(dtype)
+
+    def add(self, sketch: Tensor) -> None:
+        """Add one backward's ``G z`` (fp32)."""
+        self.sketch = sketch if self.sketch is None else self.sketch.add_(sketch)
+
+    def clear_step(self) -> None:
+        """Forget the current step's ``G z`` (its ``S`` was released unmeasured: a skipped step)."""
+        self.sketch = None
+
+    def next_step(self, active: bool) -> None:
+        """The step was measured (or not probed): the next one draws new probes, and probes only when ``active``."""
+        if self._probe is not None or self.sketch is not None:
+            self.draws += 1
+        self._probe, self.sketch = None, None
+        self.active = active and self.measured and PROBES > 0
+
+    # ------------------------------------------------------------------------------------------------ the average
+    def record(self, figures: Tensor) -> None:
+        """Add one step's ``[‖S‖², ‖G z‖²/m, ‖S‖²/(‖G z‖²/m), 1]`` to :attr:`sums`, the older steps' weight decayed."""
+        if self.sums is None:
+            self.sums = figures.clone()
+        else:
+            self.sums.mul_(1.0 - 1.0 / WINDOW_STEPS).add_(figures)
+        self.window_steps += 1
+
+    def ready(self) -> bool:
+        """Whether enough steps were measured (:data:`WINDOW_STEPS`) for the averages to replace ``ρ``."""
+        return self.window_steps >= WINDOW_STEPS
+
+    def reset_window(self) -> None:
+        """Start the averages afresh (new projectors: the old averages measured other ones)."""
+        self.sums, self.window_steps = None, 0
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers only (fp32 sums are exact as Python floats; a checkpoint's tensors stay what they were): what
+        a resumed run needs to measure on as the uninterrupted one does."""
+        return {"active": self.active, "draws": self.draws, "window_steps": self.window_steps,
+                "sums": None if self.sums is None else self.sums.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any] | None, device: torch.device) -> None:
+        """Restore :meth:`state_dict` output; ``None`` (a checkpoint written before the measurement) starts afresh."""
+        state = state or {}
+        self.active = bool(state.get("active", False)) and self.measured and PROBES > 0
+        self.draws = int(state.get("draws", 0))
+        self.window_steps = int(state.get("window_steps", 0))
+        sums = state.get("sums")
+        self.sums = None if sums is None else torch.tensor(sums, dtype=torch.float32, device=device)
+        self._probe, self.sketch = None, None
+
+
+def pooled_ratio(sums: list[float]) -> float:
+    """``ρ`` of :attr:`NormProbe.sums`, ``√(avg ‖S‖² / avg ‖G z‖²/m)``; ``nan`` unless positive and finite."""
+    squares, probed = sums[0], sums[1]
+    ratio = math.sqrt(squares / probed) if probed > 0 and squares > 0 else math.nan
+    return ratio if math.isfinite(ratio) else math.nan
+
+
+def mean_of_ratios(sums: list[float]) -> float:
+    """The other pooling of :attr:`NormProbe.sums`, ``√(avg_step ‖S‖²/(‖G z‖²/m))``, for comparison (see the module's
+    docstring)."""
+    weights = sums[3] if len(sums) > 3 else math.nan
+    return math.sqrt(sums[2] / weights) if weights > 0 and sums[2] > 0 and math.isfinite(sums[2]) else math.nan
