@@ -179,3 +179,26 @@ def test_bytes_between_ranks_are_not_reported_without_ranks() -> None:
     assert "offload/bytes_to_host" in metrics or any(key.startswith("offload/bytes") for key in metrics)
     assert "offload/bytes_between_ranks" not in metrics
     optimizer.close()
+
+
+def test_a_loop_that_exits_without_close_ends_cleanly(tmp_path) -> None:
+    """A script that trains and just ends (no close()) exits with status 0: the host worker is stopped at exit, where
+    it used to abort the process ("terminate called without an active exception")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from tiny_modules import tiny_hf_model, token_data\n"
+        "from lightning_offload import offload\n"
+        "model = tiny_hf_model('llama')\n"
+        "optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 'zero_offload')\n"
+        "for (ids,) in token_data(n=8, batch_size=4):\n"
+        "    model(input_ids=ids, labels=ids).loss.backward(); optimizer.step(); optimizer.zero_grad()\n"
+        "print('trained')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained" in done.stdout and "terminate called" not in done.stderr

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,10 @@ class HostWorker:
         self.cpus: list[int] | None = None  # the cores this worker (and the threads its kernels start) may use
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        # A loop that ends without close() (the process just exits) would leave the thread waiting on its queue while
+        # the interpreter tears down torch's thread pools under it: the process aborted ("terminate called without an
+        # active exception"). Stopped at exit, or when the worker is collected, whichever comes first.
+        weakref.finalize(self, _stop_thread, self._jobs, self._thread)
 
     def _restrict_cpus(self) -> None:
         # With an accelerator the main thread mostly launches kernels, and a launch that waits for a core delays
@@ -108,9 +113,15 @@ class HostWorker:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread after the queued jobs; never blocks longer than ``timeout``."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout)
+        _stop_thread(self._jobs, self._thread, timeout)
+
+
+def _stop_thread(jobs: queue.SimpleQueue, thread: threading.Thread, timeout: float = 5.0) -> None:
+    """Ask a worker thread to stop after its queued jobs, and wait for it (at most ``timeout``)."""
+    if thread.is_alive():
+        jobs.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
 
 
 class Link:
