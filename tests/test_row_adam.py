@@ -98,8 +98,7 @@ def test_state_of_the_former_embedding_row_adam_resumes_bit_for_bit() -> None:
         first.step_rows(rows, grad.clone(), SETTINGS)
     state = first.state_dict()
     former = {"exp_avg": state["exp_avg"][0].clone(), "exp_avg_sq": state["exp_avg_sq"][0].clone(),
-              "step": state["step"], "last_step": state["last_step"].clone(),
-              "decayed_step": state["decayed_step"].clone()}
+              "step": state["step"], "last_step": state["last_step"].clone()}
     resumed = BlockRowAdam([first.params[0].clone()], 1)
     resumed.load_state_dict(former)
     for rows, grad in zip(schedule[4:], grads[4:]):

@@ -99,9 +99,6 @@ class BlockRowAdam:
         # Per block, the true first and second moments are these times the stored ones (see the module docstring).
         self.scale1 = torch.ones(rows // block_rows, dtype=torch.float64)
         self.scale2 = torch.ones(rows // block_rows, dtype=torch.float64)
-        # The step through which each block's decoupled decay has been paid: its last step (checkpoints of earlier
-        # releases, which paid decay when the weights were read, may hold later ones).
-        self.decayed_step = torch.zeros(rows // block_rows, dtype=torch.int64)
         # How much decay each block owes, at the learning rates of the steps it missed.
         self.decay = DecayLedger(rows // block_rows, self.lr_scales)
         # Loaded state from before the ledger: each block's steps owed, priced at the next step's rate (None: none).
@@ -238,7 +235,6 @@ class BlockRowAdam:
         self.decay.advance(settings.lr, settings.weight_decay, settings.decoupled)
         if stepped is not None and settings.lr:  # at lr 0 nothing was paid (see _owed_decay)
             self.decay.paid(stepped)
-            self.decayed_step.index_fill_(0, stepped, self.step_count)
 
     def _owed_decay(self, matrices: list[int], blocks: Tensor, lr: float) -> list[float]:
         """Per block, the decay ``matrices`` (sharing a learning rate, hence a decay history) owe for the steps before
@@ -332,7 +328,7 @@ class BlockRowAdam:
 
     def state_tensors(self) -> list[Tensor]:
         """Every host tensor this optimizer holds beside the matrices (for memory accounting)."""
-        return [*self.exp_avg, *self.exp_avg_sq, self.last_step, self.decayed_step, self.scale1, self.scale2,
+        return [*self.exp_avg, *self.exp_avg_sq, self.last_step, self.scale1, self.scale2,
                 self.decay.marks, *self._workspace.tensors]
 
     def _decayed_scales(self, blocks: Tensor, betas: tuple[float, float]) -> tuple[Tensor, Tensor]:
@@ -358,11 +354,11 @@ class BlockRowAdam:
         return scale1, scale2
 
     def state_dict(self) -> dict[str, Any]:
-        """Stored moments and their per-block scales, the step count, each block's last step and last decay, and the
-        decay ledger (host tensors, shared, not copied)."""
+        """Stored moments and their per-block scales, the step count, each block's last step, and the decay ledger
+        (host tensors, shared, not copied)."""
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "scale1": self.scale1, "scale2": self.scale2,
-                "step": self.step_count, "last_step": self.last_step, "decayed_step": self.decayed_step,
-                "decay": self.decay.state_dict(), "block_rows": self.block_rows, "betas": self._betas}
+                "step": self.step_count, "last_step": self.last_step, "decay": self.decay.state_dict(),
+                "block_rows": self.block_rows, "betas": self._betas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` in place (or state of earlier releases:
@@ -379,7 +375,6 @@ class BlockRowAdam:
                                      f"{tuple(dst.shape)}: resume with the same model and adapter configuration.")
                 dst.copy_(src)
         self.last_step.copy_(state["last_step"])
-        self.decayed_step.copy_(state["decayed_step"])
         self.scale1.copy_(state["scale1"])
         self.scale2.copy_(state["scale2"])
         self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
@@ -390,5 +385,5 @@ class BlockRowAdam:
         if "decay" in state:
             self.decay.load_state_dict(state["decay"])
         else:  # what each block owed was kept as a count of steps: priced at the next step's rate, as it was
-            gaps = self.step_count - self.decayed_step
+            gaps = self.step_count - state["decayed_step"]
             self._legacy_gaps = gaps if bool(gaps.any()) else None

@@ -13,7 +13,8 @@ def upgrade_row_adam_state(state: dict[str, Any], block_rows: int, betas: tuple[
 
     State written by the row-sparse embedding's former ``HostRowAdam`` (one matrix, true moments, a last step per
     row) is the one-row blocks it is; state from before ``settle_decay`` existed applied every block's decay through its
-    last step. State without a decay ledger is left so: the row Adam prices what it owed at its next step.
+    last step. State without a decay ledger keeps its ``decayed_step``: the row Adam prices what each block owed then at
+    its next step.
 
     Args:
         state: what was checkpointed.

@@ -302,8 +302,8 @@ def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str
 
     Raises:
         ValueError: for a setting the face sets itself, or ``log_telemetry`` (a loop has no logger: it reads
-            ``opt.telemetry``); an unknown one (with the closest known one) or a projection setting where nothing is
-            projected is a ``TypeError``, a bad value a ``ValueError`` naming it.
+            ``opt.telemetry``), a projection setting where nothing is projected, or a bad value; an unknown one is a
+            ``TypeError`` naming the closest known one.
     """
     refused = sorted((set(forced) | {"log_telemetry"}) & set(settings))
     if refused:
