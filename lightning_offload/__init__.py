@@ -1,93 +1,161 @@
 """lightning_offload: fine-tune language models on one commodity GPU by offloading optimizer work to the host.
 
 Importing the package registers the Lightning strategy names ``lsp_offload``, ``zero_offload``, ``meft_offload`` and
-the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``, for the Trainer and for Fabric (and Fabric's
-``meft_offload``); a loop of one's own (or Hugging Face's ``Trainer``) takes :func:`offload`'s optimizer::
+the multi-device ``lsp_offload_ddp`` and ``zero_offload_ddp``, for the Trainer and for Fabric, whichever of Lightning
+and this package is imported first; a loop of one's own (or Hugging Face's ``Trainer``) takes :func:`offload`'s
+optimizer::
 
     import lightning_offload
     trainer = L.Trainer(strategy="lsp_offload")
     fabric = L.Fabric(strategy="lsp_offload")
     optimizer = lightning_offload.offload(model, torch.optim.AdamW(model.parameters()))
+
+The public names load on first use (PEP 562), so a plain loop or Hugging Face's ``Trainer`` never imports Lightning
+(seconds at import): ``from lightning_offload import offload`` costs about ``import torch``, and the strategies'
+names reach Lightning's registries when Lightning is imported (:mod:`lightning_offload.faces.lightning_registries`).
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_offload.engine.clipping import NonFiniteGradientError, NonFiniteStepWarning
-from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.lsp.rounding import stochastic_round_to_bf16
-from lightning_offload.engine.telemetry import OffloadTelemetry, StepTelemetry
-from lightning_offload.lsp.fit import FitSettings, reconstruction_error
-from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
-from lightning_offload.strategies.refit import ProjectorRefit
-from lightning_offload.engine.refit_record import RefitRecord
-from lightning_offload.meft.adapter import MEFTAdapter
-from lightning_offload.meft.injection import inject_meft, meft_adapters
-from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
-from lightning_offload.meft.config import MEFTConfig
-from lightning_offload.meft.export import load_meft_adapters, meft_state_dict, save_meft_adapters, unload_meft
-from lightning_offload.meft.strategy import MEFTOffloadStrategy
-from lightning_offload.strategies.hardware_precision import PrecisionChoice, hardware_precision
-from lightning_offload.strategies.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
-from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
-from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
-from lightning_offload.strategies.settings import OffloadSettings
-from lightning_offload.engine.projector_fitting import ProjectorFitting
-from lightning_offload.faces.loop import LoopOffloadOptimizer, offload
-from lightning_offload.faces.fabric import (
-    FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-register_strategies()
-# Here: these modules import strategy, not the reverse.
-for _strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy):
-    _strategy.register_strategies(StrategyRegistry)
-for _fabric_strategy in (FabricOffload, FabricZeroOffload, FabricMEFTOffload, FabricOffloadDDP, FabricZeroOffloadDDP):
-    _fabric_strategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+from lightning_offload.faces.lightning_registries import register_with_lightning
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each name on first use
+    from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+    from lightning_offload.engine.clipping import NonFiniteGradientError, NonFiniteStepWarning
+    from lightning_offload.engine.optimizer import OffloadOptimizer
+    from lightning_offload.engine.projector_fitting import ProjectorFitting
+    from lightning_offload.engine.refit_record import RefitRecord
+    from lightning_offload.engine.telemetry import OffloadTelemetry, StepTelemetry
+    from lightning_offload.faces.fabric import (
+        FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
+    from lightning_offload.faces.loop import LoopOffloadOptimizer, offload
+    from lightning_offload.lsp.fit import FitSettings, reconstruction_error
+    from lightning_offload.lsp.linear import ProjectedWeight
+    from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
+    from lightning_offload.lsp.rounding import stochastic_round_to_bf16
+    from lightning_offload.meft.adapter import MEFTAdapter
+    from lightning_offload.meft.config import MEFTConfig
+    from lightning_offload.meft.export import load_meft_adapters, meft_state_dict, save_meft_adapters, unload_meft
+    from lightning_offload.meft.injection import inject_meft, meft_adapters
+    from lightning_offload.meft.strategy import MEFTOffloadStrategy
+    from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
+    from lightning_offload.strategies.hardware_precision import PrecisionChoice, hardware_precision
+    from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
+    from lightning_offload.strategies.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
+    from lightning_offload.strategies.refit import ProjectorRefit
+    from lightning_offload.strategies.settings import OffloadSettings
+
+#: Each public name and the module that defines it (the modules of Lightning-bound names import Lightning).
+_SOURCES: dict[str, str] = {
+    "BlockRowAdam": "lightning_offload.engine.block_row_adam",
+    "RowAdamSettings": "lightning_offload.engine.block_row_adam",
+    "NonFiniteGradientError": "lightning_offload.engine.clipping",
+    "NonFiniteStepWarning": "lightning_offload.engine.clipping",
+    "OffloadOptimizer": "lightning_offload.engine.optimizer",
+    "ProjectorFitting": "lightning_offload.engine.projector_fitting",
+    "RefitRecord": "lightning_offload.engine.refit_record",
+    "OffloadTelemetry": "lightning_offload.engine.telemetry",
+    "StepTelemetry": "lightning_offload.engine.telemetry",
+    "FabricMEFTOffload": "lightning_offload.faces.fabric",
+    "FabricOffload": "lightning_offload.faces.fabric",
+    "FabricOffloadDDP": "lightning_offload.faces.fabric",
+    "FabricZeroOffload": "lightning_offload.faces.fabric",
+    "FabricZeroOffloadDDP": "lightning_offload.faces.fabric",
+    "LoopOffloadOptimizer": "lightning_offload.faces.loop",
+    "offload": "lightning_offload.faces.loop",
+    "FitSettings": "lightning_offload.lsp.fit",
+    "reconstruction_error": "lightning_offload.lsp.fit",
+    "ProjectedWeight": "lightning_offload.lsp.linear",
+    "SparseProjector": "lightning_offload.lsp.projector",
+    "random_projector": "lightning_offload.lsp.projector",
+    "signed_permutation_projector": "lightning_offload.lsp.projector",
+    "stochastic_round_to_bf16": "lightning_offload.lsp.rounding",
+    "MEFTAdapter": "lightning_offload.meft.adapter",
+    "MEFTConfig": "lightning_offload.meft.config",
+    "load_meft_adapters": "lightning_offload.meft.export",
+    "meft_state_dict": "lightning_offload.meft.export",
+    "save_meft_adapters": "lightning_offload.meft.export",
+    "unload_meft": "lightning_offload.meft.export",
+    "inject_meft": "lightning_offload.meft.injection",
+    "meft_adapters": "lightning_offload.meft.injection",
+    "MEFTOffloadStrategy": "lightning_offload.meft.strategy",
+    "LSPOffloadDDPStrategy": "lightning_offload.strategies.ddp",
+    "ZeroOffloadDDPStrategy": "lightning_offload.strategies.ddp",
+    "PrecisionChoice": "lightning_offload.strategies.hardware_precision",
+    "hardware_precision": "lightning_offload.strategies.hardware_precision",
+    "LSPOffloadStrategy": "lightning_offload.strategies.offload",
+    "ZeroOffloadStrategy": "lightning_offload.strategies.offload",
+    "register_strategies": "lightning_offload.strategies.offload",
+    "PlainConversion": "lightning_offload.strategies.plain_checkpoint",
+    "to_plain_adamw_checkpoint": "lightning_offload.strategies.plain_checkpoint",
+    "ProjectorRefit": "lightning_offload.strategies.refit",
+    "OffloadSettings": "lightning_offload.strategies.settings",
+}
 
 __version__ = "0.1.0"
 __all__ = [
+    "BlockRowAdam",
     "FabricMEFTOffload",
     "FabricOffload",
     "FabricOffloadDDP",
     "FabricZeroOffload",
     "FabricZeroOffloadDDP",
+    "FitSettings",
+    "hardware_precision",
+    "inject_meft",
+    "load_meft_adapters",
     "LoopOffloadOptimizer",
-    "OffloadSettings",
-    "ProjectorFitting",
-    "offload",
-    "BlockRowAdam",
     "LSPOffloadDDPStrategy",
     "LSPOffloadStrategy",
+    "meft_adapters",
+    "meft_state_dict",
     "MEFTAdapter",
     "MEFTConfig",
     "MEFTOffloadStrategy",
     "NonFiniteGradientError",
     "NonFiniteStepWarning",
+    "offload",
     "OffloadOptimizer",
+    "OffloadSettings",
     "OffloadTelemetry",
     "PlainConversion",
     "PrecisionChoice",
-    "FitSettings",
     "ProjectedWeight",
+    "ProjectorFitting",
     "ProjectorRefit",
-    "RefitRecord",
-    "SparseProjector",
-    "StepTelemetry",
-    "ZeroOffloadDDPStrategy",
-    "ZeroOffloadStrategy",
-    "hardware_precision",
-    "inject_meft",
-    "load_meft_adapters",
-    "meft_adapters",
-    "meft_state_dict",
     "random_projector",
     "reconstruction_error",
-    "RowAdamSettings",
+    "RefitRecord",
     "register_strategies",
+    "RowAdamSettings",
     "save_meft_adapters",
     "signed_permutation_projector",
+    "SparseProjector",
+    "StepTelemetry",
     "stochastic_round_to_bf16",
     "to_plain_adamw_checkpoint",
     "unload_meft",
+    "ZeroOffloadDDPStrategy",
+    "ZeroOffloadStrategy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and keep the name here, so later reads are plain lookups."""
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names too, loaded or not (tab completion and ``help()`` see the whole package)."""
+    return sorted(set(globals()) | set(__all__))
+
+
+register_with_lightning()

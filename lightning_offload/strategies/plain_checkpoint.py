@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
 from lightning_offload.engine.checkpoint_kinds import checkpoint_kind
+
+if TYPE_CHECKING:  # only annotations name Lightning: converting a checkpoint needs no Trainer
+    import lightning.pytorch as pl
 
 
 @dataclass
