@@ -7,7 +7,11 @@ includes the host Adam (on a worker thread, sharing the cores), so this measures
 offload machinery adds (per-tensor Python, synchronisation, small kernels), which a GPU step cannot hide either.
 
     python scripts/benchmark_small_step.py --repeats 5
-    python scripts/benchmark_small_step.py --precision 32-true
+    python scripts/benchmark_small_step.py --precision bf16-mixed
+
+After the ratios it prints where each offload configuration's step goes: the engine's own phases
+(lightning_offload/engine/phases.py: projections, hooks, sends, host Adam, updates applied, launch, telemetry, waits)
+and the rest (the model's forward and backward).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.cli.benchmark_run import StepClock
+from lightning_offload.cli.benchmark_run import PhaseReader, StepClock
+from lightning_offload.engine.phases import PHASES
 from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -42,8 +47,8 @@ CONFIGS: dict[str, Any] = {
 
 
 def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidden: int,
-            untied: bool = False) -> float:
-    """Median steady step seconds of one configuration."""
+            untied: bool = False) -> tuple[float, dict[str, float]]:
+    """Median steady step seconds of one configuration, and the median seconds of each engine phase."""
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4,
                        tie_word_embeddings=not untied)
@@ -51,15 +56,15 @@ def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidd
     loader = DataLoader(TensorDataset(tokens), batch_size=8,
                         collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows]),
                                                  "labels": torch.stack([r[0] for r in rows])})
-    clock = StepClock()
+    clock, phases = StepClock(), PhaseReader(warmup)
     # Plain training with torch's fused AdamW, the baseline a user would otherwise run (the offload strategies step
     # a fused Adam on the host whatever the flag).
     module = CausalLMModule(model, lr=1e-4, fused=True if name.startswith("plain") else None)
     trainer = pl.Trainer(strategy=CONFIGS[name](), accelerator="cpu", devices=1, precision=precision, max_steps=steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[clock])
+                         enable_model_summary=False, callbacks=[clock, phases])
     trainer.fit(module, train_dataloaders=loader)
-    return statistics.median(clock.seconds[warmup:])
+    return statistics.median(clock.seconds[warmup:]), phases.medians()
 
 
 def main() -> None:
@@ -67,7 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--precision", default="32-true")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -76,10 +81,13 @@ def main() -> None:
     if "plain fused AdamW" not in args.configs:
         parser.error("--configs must include 'plain fused AdamW': every figure is a ratio to it.")
     results: dict[str, list[float]] = {name: [] for name in args.configs}
+    phase_runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.configs}
     for repeat in range(args.repeats):
         for name in args.configs:
-            seconds = measure(name, args.precision, args.steps, args.warmup, args.vocab, args.hidden, args.untied)
+            seconds, phases = measure(name, args.precision, args.steps, args.warmup, args.vocab, args.hidden,
+                                      args.untied)
             results[name].append(seconds)
+            phase_runs[name].append(phases)
             print(f"[repeat {repeat}] {name}: {seconds * 1e3:.1f} ms/step", flush=True)
     baseline = statistics.median(results["plain fused AdamW"])
     print(f"\nsmall LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
@@ -90,6 +98,28 @@ def main() -> None:
     for name, values in results.items():
         seconds = statistics.median(values)
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds / baseline:.2f} |")
+    print_phases(results, phase_runs, baseline)
+
+
+def print_phases(results: dict[str, list[float]], phase_runs: dict[str, list[dict[str, float]]],
+                 baseline: float) -> None:
+    """Where each offload configuration's step goes: the engine's phases (median over repeats of the per-step
+    medians), and the rest of the step (the model's forward and backward, Lightning), against plain AdamW's step."""
+    offloaded = [name for name, runs in phase_runs.items() if runs and runs[0]]
+    if not offloaded:
+        return
+    print("\nWhere a step's time goes, ms per step (engine phases; 'rest' = step − phases, the model's forward and "
+          "backward and Lightning's loop, to compare with plain AdamW's whole step):\n")
+    print("| configuration | " + " | ".join(PHASES) + " | rest | step |")
+    print("|---|" + "---|" * (len(PHASES) + 2))
+    for name in offloaded:
+        per_phase = {phase: statistics.median(run[phase] for run in phase_runs[name]) for phase in PHASES}
+        step = statistics.median(results[name])
+        cells = [f"{per_phase[phase] * 1e3:.1f}" for phase in PHASES]
+        print(f"| {name} | " + " | ".join(cells) + f" | {(step - sum(per_phase.values())) * 1e3:.1f} | "
+              f"{step * 1e3:.1f} |")
+    print(f"| plain fused AdamW | " + " | ".join("—" for _ in PHASES) + f" | {baseline * 1e3:.1f} | "
+          f"{baseline * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

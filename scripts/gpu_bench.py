@@ -12,7 +12,10 @@ device, which adds the share of adapter rows moved per step and the host time of
 
 So that one run explains itself, each offload method also reports its step split by the strategy's timeline (device
 compute, device waiting for updates, link each way, host Adam: medians of the steady steps), the host worker's page
-faults per step, and one profiled step summarised by kernel class (``--profile``). Then it searches the largest
+faults per step, and one profiled step summarised by kernel class (``--profile``); and ``zero_offload`` and
+``lsp_offload`` run once more with the engine's phase clock on (``phases``: forward and backward projections, hooks,
+sends, launch, host Adam, updates applied, waits, telemetry; lightning_offload/engine/phases.py), the same table the
+CPU step benchmark prints (scripts/benchmark_small_step.py). Then it searches the largest
 LLaMA shape that trains with ``lsp_offload`` under a 24 GiB and a 4 GiB device-memory cap
 (``torch.cuda.set_per_process_memory_fraction``, gradient checkpointing on). On a GPU it first runs the CUDA
 versions of the pipeline, equivalence and checkpoint tests (``LIGHTNING_OFFLOAD_TEST_ACCELERATOR=cuda``).
@@ -144,13 +147,15 @@ def _profile_step(trainer: Any, module: Any) -> _ProfiledStep:
 
 
 def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: float | None,
-            profile_step: bool = False) -> dict[str, Any]:
-    """Train ``steps`` steps of one method on one shape in this process; return its measurements."""
+            profile_step: bool = False, phases: bool = False) -> dict[str, Any]:
+    """Train ``steps`` steps of one method on one shape in this process; return its measurements (``phases``: with
+    the engine's phase clock on after two steps, which synchronizes the device at each phase boundary)."""
     import lightning.pytorch as pl
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_offload
+    from lightning_offload.cli.benchmark_run import PhaseReader
 
     cuda = torch.cuda.is_available()
     if cap_gib is not None and cuda:
@@ -252,6 +257,9 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
     if method.startswith("lsp_offload"):
         # The learned strategy's default fit, named here so the probe after it sees the device peak the fit reached.
         callbacks = [lightning_offload.ProjectorRefit(), fit_peak]
+    phase_reader = PhaseReader(warmup=2) if phases else None
+    if phase_reader is not None:
+        callbacks.append(phase_reader)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="auto", devices=1, precision="bf16-true", max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
@@ -281,6 +289,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         "parameters": params,
         **_step_split(telemetry),
         **({"profile": profile.summary()} if profile is not None else {}),
+        **({"phases_seconds_per_step": phase_reader.medians()} if phase_reader is not None else {}),
         "median_step_seconds": statistics.median(module.times[2:] or module.times),
         "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "link_bytes_per_step": (
@@ -342,7 +351,7 @@ def _device_memory(telemetry: Any, trainer: Any, fit_peak: Any) -> dict[str, Any
 
 
 def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | None = None,
-         batch: int | None = None, profile: bool = False) -> dict[str, Any]:
+         batch: int | None = None, profile: bool = False, phases: bool = False) -> dict[str, Any]:
     batch = batch if batch is not None else args.batches[0]
     command = [sys.executable, __file__, "--single", method, "--shape", shape, "--steps", str(args.steps),
                "--batches", str(batch), "--seq", str(args.seq)]
@@ -350,6 +359,8 @@ def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | Non
         command += ["--cap-gib", str(cap_gib)]
     if profile:
         command += ["--profile"]
+    if phases:
+        command += ["--phases"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -451,12 +462,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-gpu-tests", action="store_true", help="skip the CUDA tests before the benchmark")
     parser.add_argument("--no-cap-search", action="store_true", help="skip the largest-shape search under caps")
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--single", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.single:
-        result = _single(args.single, args.shape, args.steps, args.batches[0], args.seq, args.cap_gib, args.profile)
+        result = _single(args.single, args.shape, args.steps, args.batches[0], args.seq, args.cap_gib, args.profile,
+                         args.phases)
         print("RESULT " + json.dumps(result), flush=True)
         return result
     if args.smoke:
@@ -484,6 +497,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if native and "median_step_seconds" in entry:
                 entry["x_native"] = entry["median_step_seconds"] / native["median_step_seconds"]
             print(json.dumps(entry), flush=True)
+            _write(report, args.out)
+    # Where the offload methods' steps go, phase by phase: runs of their own, since the clock synchronizes the device
+    # at every phase boundary (the step times above are taken without it).
+    report["phases"] = {}
+    for method in ("zero_offload", "lsp_offload"):
+        if method in args.methods:
+            result = _run(method, args.shape, args, phases=True)
+            report["phases"][method] = result.get("phases_seconds_per_step", result.get("error"))
+            print(f"phases of {method}: {report['phases'][method]}", flush=True)
             _write(report, args.out)
     if not args.smoke and not args.no_cap_search:
         for cap in (24.0, 4.0):

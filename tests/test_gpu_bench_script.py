@@ -40,6 +40,12 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     # Host routing keeps no key copy on the device.
     assert by_method["meft_host_routing"]["meft_adapter_device_bytes"] < \
         by_method["meft_device_routing"]["meft_adapter_device_bytes"]
+    # The offload methods' steps phase by phase (a run each with the engine's phase clock on).
+    for method in ("zero_offload", "lsp_offload"):
+        phases = report["phases"][method]
+        assert isinstance(phases, dict) and phases["host_adam"] > 0 and phases["step_launch"] > 0, phases
+    assert report["phases"]["lsp_offload"]["forward_projection"] > 0
+    assert report["phases"]["lsp_offload"]["apply_update"] > 0
     assert (tmp_path / "report.json").exists()
 
 

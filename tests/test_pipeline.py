@@ -97,7 +97,7 @@ def test_a_worker_failure_surfaces_in_the_training_loop_with_its_traceback():
     frames = list(_frame_names(info.value.__cause__.__traceback__))
     assert "_host_job" in frames and "broken_step" in frames  # the worker's own traceback, not a re-creation
     assert raised_at - failed_at["time"] < 1.0
-    assert not strategy.offload_optimizer.worker._thread.is_alive()
+    assert not strategy.offload_optimizer.worker.running
 
 
 def _frame_names(traceback):

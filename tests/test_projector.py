@@ -95,7 +95,6 @@ def test_storage_is_canonical_and_narrow_without_changing_the_matrix():
 def test_only_indices_values_and_one_permutation_are_held():
     p = SparseProjector.random(512, 128, 8, generator=torch.Generator().manual_seed(6))
     p.pattern()
-    p.expand_rows(torch.randn(128, 4))  # reads indices and values in place
     nnz = 512 * 8
     # int16 indices (2 B), fp32 values (4 B), int32 permutation to P's row order (4 B), P's row pointers.
     assert p.nbytes() == nnz * (2 + 4 + 4) + (128 + 1) * 4
@@ -103,8 +102,15 @@ def test_only_indices_values_and_one_permutation_are_held():
     x = torch.randn(512, 4)
     p.compress_rows(x)
     assert p.nbytes() == nnz * (2 + 4 + 4 + 4 + 4) + (128 + 1) * 4
+    # So is Pᵀ's CSR form per row range expanded (int32 columns, fp32 values, its own row pointers).
+    u = torch.randn(128, 4)
+    p.expand_rows(u)
+    p.expand_rows(u, slice(0, 100))
+    assert p.nbytes() == nnz * (2 + 4 + 4 + 4 + 4) + (128 + 1) * 4 + (nnz + 100 * 8) * (4 + 4) + (512 + 1 + 100 + 1) * 4
     p.values.mul_(-0.5)
     torch.testing.assert_close(p.compress_rows(x), p.to_dense() @ x)
+    torch.testing.assert_close(p.expand_rows(u), p.to_dense().t() @ u)
+    torch.testing.assert_close(p.expand_rows(u, slice(0, 100)), (p.to_dense().t() @ u)[:100])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,10 +19,21 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_offload.engine.phases import PHASES
+from lightning_offload.strategies.report import phase_clock_of
+
+
 class StepClock(pl.Callback):
     """Wall time of each training step, batch start to batch end (the optimizer step included), for benchmark
     scripts that build their own Trainer. On CUDA the device is synchronised at both ends, so a step's time includes
-    the kernels it queued."""
+    the kernels it queued.
+
+    It reads no weights, and says so (``leaves_weights_alone``): a callback that may read them after each step makes
+    the offload strategies apply every update before the step returns, and the clock would time that slower mode
+    instead of the one users get.
+    """
+
+    leaves_weights_alone = True
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
@@ -39,6 +50,38 @@ class StepClock(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._sync(trainer)
         self.seconds.append(time.perf_counter() - self._start)
+
+
+class PhaseReader(pl.Callback):
+    """Reads the offload engine's phase clock (lightning_offload/engine/phases.py) after every steady step.
+
+    On the CPU an enabled clock costs two clock reads per phase (no synchronisation), so a timed run may keep it on;
+    on CUDA it synchronizes at every phase boundary, so its run is not the one whose step time is quoted.
+
+    Args:
+        warmup: steps before the clock is switched on.
+    """
+
+    leaves_weights_alone = True  # reads figures, never weights: pipelining stays on
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        clock = phase_clock_of(trainer.strategy)
+        if clock is not None and trainer.global_step == self.warmup:
+            clock.take()  # the warm-up steps' share is dropped
+            clock.enabled = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        clock = phase_clock_of(trainer.strategy)
+        if clock is not None and clock.enabled:
+            self.steps.append(clock.take())
+
+    def medians(self) -> dict[str, float]:
+        """Median seconds per step of each phase over the steady steps."""
+        return {phase: statistics.median(step[phase] for step in self.steps) for phase in PHASES} if self.steps else {}
 
 
 #: The methods the benchmarks compare, by the names their tables use.

@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_offload.engine.data_parallel import RankShards, ReducedTensor
 from lightning_offload.engine.gradient_edits import GradientEdits
 from lightning_offload.engine.module_reads import conceal, expose
+from lightning_offload.engine.phases import DISABLED, PhaseClock
 from lightning_offload.engine.slot import Slot
 
 
@@ -38,12 +39,15 @@ class GradientRouting:
         send: called with a slot whose final gradient should cross now.
         finish: called with a slot whose update a module's forward is about to need.
         edits: told of every gradient backward leaves in a ``param.grad`` (``None``: nothing watches them).
+        phases: the engine's phase clock (its hooks are charged to ``hooks``).
     """
 
     def __init__(self, slots: Sequence[Slot], model: torch.nn.Module | None, ranks: RankShards | None,
                  device_params: Sequence[Tensor], tied: set[int], send: Callable[[Slot], None],
-                 finish: Callable[[Slot], None], edits: GradientEdits | None = None) -> None:
+                 finish: Callable[[Slot], None], edits: GradientEdits | None = None,
+                 phases: PhaseClock = DISABLED) -> None:
         self.ranks = ranks
+        self._phases = phases
         self._send = send
         self._finish = finish
         self._edits = edits
@@ -59,14 +63,14 @@ class GradientRouting:
         slots = [slot for slot in slots if slot.routed]
         for slot in slots:
             if slot.layer is not None:
-                slot.layer.on_grad_ready = lambda layer, slot=slot: self._gradient_ready(slot)
+                slot.layer.on_grad_ready = lambda layer, slot=slot: self._timed(self._gradient_ready, slot)
                 # A projected weight used outside its module's forward (``F.linear(h, layer.weight)`` elsewhere, a
                 # tied use) gets a dense .grad from that use: it is compressed into S here rather than ignored.
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    lambda param, slot=slot: self._dense_gradient_of_projected(slot)))
+                    lambda param, slot=slot: self._timed(self._dense_gradient_of_projected, slot)))
             else:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    lambda param, slot=slot: self._gradient_ready(slot)))
+                    lambda param, slot=slot: self._timed(self._gradient_ready, slot)))
         #: Slots whose pending update is applied inside the step (no forward pre-hook can serve them).
         self.eager = list(slots) if model is None else self._attach_forward_hooks(model, slots)
         served = {id(slot) for slot in self.eager}
@@ -86,7 +90,8 @@ class GradientRouting:
             if owned:
                 self._slots_by_module[id(module)] = owned
                 self._modules.append(module)
-                self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+                self._hooks.append(module.register_forward_pre_hook(
+                    lambda module, args: self._timed(self._before_forward, module, args)))
                 served.update(id(slot) for slot in owned)
         return [slot for slot in slots if id(slot) not in served]
 
@@ -106,6 +111,11 @@ class GradientRouting:
         """An owned tensor's gradient, reduced over the ranks, is in place: send it to the host."""
         if isinstance(key, Slot):
             self._send(key)
+
+    def _timed(self, hook: Callable[..., None], *args: Any) -> None:
+        """Run one of the engine's hooks, charged to the phase clock's ``hooks`` (what it calls, to its own phases)."""
+        with self._phases.phase("hooks"):
+            hook(*args)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         owed = conceal(module)  # its own dict back first: applying the update reads the weights through it

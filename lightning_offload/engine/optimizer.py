@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_offload.engine.clipping import GradientNorms, NonFinitePolicy
 from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.phases import PhaseClock
 from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
 from lightning_offload.engine.gradient_edits import GradientEdits
@@ -132,7 +133,9 @@ class OffloadOptimizer(Optimizer):
         if self.ranks is not None:
             self.ranks.reduce_dtype = LINK_DTYPES[link_dtype]  # gradients cross between ranks as they cross the link
         # On an accelerator the worker keeps off one core, so the main thread's kernel launches never wait for one.
-        self.lanes = Lanes(self.device, LINK_DTYPES[link_dtype], self.device.type != "cpu", self.ranks)
+        #: Where the engine's own share of each step goes, by phase (off unless a benchmark turns it on).
+        self.phases = PhaseClock(self.device)
+        self.lanes = Lanes(self.device, LINK_DTYPES[link_dtype], self.device.type != "cpu", self.ranks, self.phases)
         self.figures = StepFigures()
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
@@ -148,6 +151,8 @@ class OffloadOptimizer(Optimizer):
             self.param_groups, list(projected), self.lanes, model, left_out, {id(p) for p in row_sparse},
             rounding_seed, lambda group: is_decoupled(optimizer, group))
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
+        for layer in self.projected_layers:
+            layer.phases = self.phases
         kept = [(p, group, is_decoupled(optimizer, group)) for group in self.param_groups for p in group["params"]
                 if id(p) in on_device]
         self.device_adam: DeviceAdam | None = DeviceAdam(kept) if kept else None
@@ -166,7 +171,7 @@ class OffloadOptimizer(Optimizer):
         self.orchestrator.send = lambda slot: self._send_gradient(slot)
         self.routing = GradientRouting(self.slots, model, self.ranks, self.orchestrator.device_params,
                                        {id(p) for p in tied_projected}, self.orchestrator.send,
-                                       self.orchestrator.finish, self.norms.edits)
+                                       self.orchestrator.finish, self.norms.edits, self.phases)
         self.orchestrator.routing = self.routing
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
@@ -257,7 +262,7 @@ class OffloadOptimizer(Optimizer):
         """Apply what is pending, then remove hooks and stop the worker (idempotent); a later :meth:`step` is refused."""
         self.closed = True
         try:
-            if self.lanes.worker._thread.is_alive():
+            if self.lanes.worker.running:
                 self.synchronize()
                 self.settle_row_decay()  # the weights handed back are AdamW's
         finally:

@@ -101,9 +101,10 @@ class StepOrchestrator:
         """
         if slot.is_sent(self.round):
             raise final_twice_error(slot.name)
-        slot.send(self.round, self.figures.timeline)
-        if self.routing.collecting and self.speculation.enabled:
-            self.speculation.start(slot, self.round, self.figures.timeline)
+        with self.lanes.phases.phase("send"):
+            slot.send(self.round, self.figures.timeline)
+            if self.routing.collecting and self.speculation.enabled:
+                self.speculation.start(slot, self.round, self.figures.timeline)
 
     # ------------------------------------------------------------------------------------------------ the step
     def decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
@@ -113,6 +114,10 @@ class StepOrchestrator:
             grad_norm: the step's global norm, when no clipping call computed it already.
             user_optimizer: the optimizer whose ``param_groups`` are stepped (marked as stepped for its schedulers).
         """
+        with self.lanes.phases.phase("step_launch"):
+            self._decide_and_launch(grad_norm, user_optimizer)
+
+    def _decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
         # Updates of modules this forward did not run, and last step's figures, are settled before the next launch.
         self.synchronize()
         self.figures.backward_ended()
@@ -217,13 +222,16 @@ class StepOrchestrator:
         if not slot.pending or id(slot) in self._finishing:
             return  # nothing pending, or being applied (applying it read the weights through the module: no twice)
         self._finishing.add(id(slot))
+        phases = self.lanes.phases
         try:
             start = time.perf_counter()
             if slot.owned:
-                self.lanes.worker.wait(slot.job)
-            slot.finish(start)
-            if slot.owned:
-                self.prefetch.after(slot)
+                with phases.phase("waits"):
+                    self.lanes.worker.wait(slot.job)
+            with phases.phase("apply_update"):
+                slot.finish(start)
+                if slot.owned:
+                    self.prefetch.after(slot)
             slot.pending = False
             slot.job = None
         finally:
@@ -234,7 +242,8 @@ class StepOrchestrator:
         for slot in self.slots:
             self.finish(slot)
         self.lanes.worker.check()
-        self.figures.complete(self.sizes)
+        with self.lanes.phases.phase("telemetry"):
+            self.figures.complete(self.sizes)
         if self.routing is not None:
             self.routing.expose()  # the modules settled give back their plain dicts
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.phases import DISABLED, PhaseClock
+
 #: Timeline lanes, in the order a trace viewer shows them.
 LANES = ("device", "device_wait", "link_to_host", "host", "link_to_device")
 
@@ -49,14 +51,32 @@ class HostWorker:
 
     A failure is re-raised, with the worker's original traceback, by the next :meth:`wait` or :meth:`check` on the
     main thread; the worker stops taking jobs after a failure so nothing runs on half-updated state.
+
+    With ``inline=True`` there is no thread: :meth:`submit` runs the job at once in the calling thread, with the same
+    failure rules. That is the engine's choice when the device is the CPU: the "device" compute already runs on every
+    core through its own intra-op threads, so a second thread has no idle core to use; its OpenMP team only competes
+    with the main thread's for the same cores (each team spins between kernels), which slowed every kernel of the
+    forward, not only the host's (see docs/benchmarks.md, "Where a step's time goes").
+
+    Args:
+        name: the thread's name.
+        leave_main_a_core: keep the thread off one core (an accelerator's kernel launches never wait for one).
+        inline: run jobs in the submitting thread instead of a worker thread.
+        phases: the engine's phase clock.
     """
 
-    def __init__(self, name: str = "lightning_offload-host", leave_main_a_core: bool = False) -> None:
+    def __init__(self, name: str = "lightning_offload-host", leave_main_a_core: bool = False,
+                 inline: bool = False, phases: PhaseClock = DISABLED) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self.leave_main_a_core = leave_main_a_core
+        self.inline = inline
+        self.phases = phases  # the engine's phase clock: charges the jobs to host_adam
+        self._closed = False
         self.cpus: list[int] | None = None  # the cores this worker (and the threads its kernels start) may use
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        if inline:
+            return
         self._thread.start()
         # A loop that ends without close() (the process just exits) would leave the thread waiting on its queue while
         # the interpreter tears down torch's thread pools under it: the process aborted ("terminate called without an
@@ -84,18 +104,25 @@ class HostWorker:
             job = self._jobs.get()
             if job is None:
                 return
-            if self._error is None:
-                try:
+            self._execute(job)
+
+    def _execute(self, job: Job) -> None:
+        if self._error is None:
+            try:
+                with self.phases.phase("host_adam"):
                     job.fn()
-                except BaseException as error:  # noqa: BLE001 - handed to the main thread, not swallowed
-                    self._error = error
-            job.done.set()
+            except BaseException as error:  # noqa: BLE001 - handed to the main thread, not swallowed
+                self._error = error
+        job.done.set()
 
     def submit(self, fn: Callable[[], None], label: str = "") -> Job:
-        """Queue ``fn``; returns its job."""
+        """Queue ``fn`` (or, inline, run it now); returns its job."""
         self.check()
         job = Job(fn, label)
-        self._jobs.put(job)
+        if self.inline:
+            self._execute(job)  # a failure is raised by the next wait or check, as from the thread
+        else:
+            self._jobs.put(job)
         return job
 
     def check(self) -> None:
@@ -111,8 +138,14 @@ class HostWorker:
                 raise HostWorkerError("The host optimizer worker stopped while a job was pending.")
         self.check()
 
+    @property
+    def running(self) -> bool:
+        """Whether it still takes jobs (not closed)."""
+        return not self._closed if self.inline else self._thread.is_alive()
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread after the queued jobs; never blocks longer than ``timeout``."""
+        self._closed = True
         _stop_thread(self._jobs, self._thread, timeout)
 
 

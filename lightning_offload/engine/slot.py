@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_offload.engine.data_parallel import RankShards
+from lightning_offload.engine.phases import DISABLED, PhaseClock
 from lightning_offload.engine.pipeline import HostWorker, Job, Link, StepTimeline, UpdateRing
 from lightning_offload.engine.telemetry import StepTelemetry
 
@@ -82,14 +83,19 @@ class Lanes:
         link_dtype: dtype of gradients crossing to the host and compressed updates crossing back.
         leave_main_a_core: keep the worker thread off one core (an accelerator's kernel launches never wait).
         ranks: the ranks this engine trains with, or ``None`` for one process.
+        phases: the engine's phase clock (:mod:`~lightning_offload.engine.phases`).
     """
 
     def __init__(self, device: torch.device, link_dtype: torch.dtype, leave_main_a_core: bool,
-                 ranks: RankShards | None) -> None:
+                 ranks: RankShards | None, phases: PhaseClock = DISABLED) -> None:
         self.device = device
         self.link_dtype = link_dtype
         self.link = Link(device)
-        self.worker = HostWorker(leave_main_a_core=leave_main_a_core)
+        # With the CPU as the device and one process, host jobs run in the main thread (HostWorker explains why);
+        # with ranks the thread stays: host jobs there wait on collectives in flight, measured only threaded.
+        self.worker = HostWorker(leave_main_a_core=leave_main_a_core, inline=device.type == "cpu" and ranks is None,
+                                 phases=phases)
+        self.phases = phases
         self.ranks = ranks
         # Pinned host buffers only pay off with a CUDA device on the other end of the link.
         self.pin = device.type == "cuda"

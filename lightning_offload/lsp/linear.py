@@ -9,6 +9,7 @@ its ``forward`` is rebound, so a checkpoint loads into the plain model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from collections.abc import Callable
@@ -21,6 +22,17 @@ from torch import Tensor, nn
 from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
 from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 from lightning_offload.lsp.projector import SparseProjector
+
+
+class _Untimed:
+    """The phase clock of a layer no engine drives (the engine's clock lives in a later layer of the package)."""
+
+    @staticmethod
+    def phase(name: str) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+
+_UNTIMED = _Untimed()
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -75,6 +87,9 @@ class ProjectedWeight:
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
         # autograd produces W.grad, one layer at a time; nothing accumulates into S.
         self.sampling = False
+        # The engine's phase clock (lightning_offload/engine/phases.py, which benchmarks switch on): charges the
+        # projections below to their phases. Until an engine drives the layer, nothing is timed.
+        self.phases: Any = _UNTIMED
         # Every module whose forward uses this weight: one, unless modules share it (``net[2].weight =
         # net[0].weight``); each use's backward adds into the one S, so the step sees the sum of their gradients.
         self.modules: list[nn.Module] = []
@@ -315,13 +330,14 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             # product dtype: fp32 on the CPU, the compute dtype on CUDA).
             x_proj = x_probe = None
             if weight.requires_grad:
-                x_flat = x_c.detach().reshape(-1, x_c.shape[-1])
-                x_proj = state.proj_in.compress_rows(x_flat.t())
-                state.saved_projection_bytes += x_proj.numel() * x_proj.element_size()
-                if state.norm_probe.active:
-                    # X z (tokens × m), for the norm of G = Δᵀ X while clipping is in use (lsp/norm_probe.py).
-                    x_probe = x_flat @ state.norm_probe.probe(x_flat.shape[1], x_flat.device, x_flat.dtype)
-                    state.saved_projection_bytes += x_probe.numel() * x_probe.element_size()
+                with state.phases.phase("forward_projection"):
+                    x_flat = x_c.detach().reshape(-1, x_c.shape[-1])
+                    x_proj = state.proj_in.compress_rows(x_flat.t())
+                    state.saved_projection_bytes += x_proj.numel() * x_proj.element_size()
+                    if state.norm_probe.active:
+                        # X z (tokens × m), for the norm of G = Δᵀ X while clipping is in use (lsp/norm_probe.py).
+                        x_probe = x_flat @ state.norm_probe.probe(x_flat.shape[1], x_flat.device, x_flat.dtype)
+                        state.saved_projection_bytes += x_probe.numel() * x_probe.element_size()
         ctx.state = state
         ctx.has_bias = bias is not None
         ctx.save_for_backward(w_c, x_proj, x_probe)
@@ -336,14 +352,16 @@ class _ProjectedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_math = w_c.t() if state.transposed else w_c
             grad_x = grad_out @ w_math
-        if x_probe is not None:
-            # G z = Δᵀ (X z), o × m: added before S, whose completion may start the step's send.
-            state.norm_probe.add((grad_out.reshape(-1, grad_out.shape[-1]).t() @ x_probe.to(grad_out.dtype)).float())
-        if x_proj is not None:
-            # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype: a fresh tensor,
-            # which the layer keeps as its S.
-            delta_proj = state.proj_out.compress_rows(grad_out.reshape(-1, grad_out.shape[-1]).t())  # d_o × T
-            state.accumulate(delta_proj.float() @ x_proj.float().t())
+        with state.phases.phase("backward_projection"):
+            if x_probe is not None:
+                # G z = Δᵀ (X z), o × m: added before S, whose completion may start the step's send.
+                state.norm_probe.add(
+                    (grad_out.reshape(-1, grad_out.shape[-1]).t() @ x_probe.to(grad_out.dtype)).float())
+            if x_proj is not None:
+                # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype: a fresh tensor,
+                # which the layer keeps as its S (its completion may start the send: a phase of its own).
+                delta_proj = state.proj_out.compress_rows(grad_out.reshape(-1, grad_out.shape[-1]).t())  # d_o × T
+                state.accumulate(delta_proj.float() @ x_proj.float().t())
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)

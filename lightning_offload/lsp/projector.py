@@ -13,8 +13,9 @@ rows, 2 bytes), the values in fp32 (4), and one int32 permutation (4) from ``P``
 ``(n, r)`` order. ``Pᵀ`` in CSR *is* the ``(n, r)`` layout (row pointers ``0, r, 2r, …``), so its products read
 indices and values in place; ``P`` in CSR reads the values through the permutation. On an accelerator nothing else
 is kept: ``P``'s column numbers and ordered values are formed per product and freed with it. On the CPU, where the
-"device" memory is the host's, they are kept between products (8 more bytes per nonzero): forming them costs ~40% of
-a small layer's product there.
+"device" memory is the host's, they are kept between products (8 more bytes per nonzero), and so is ``Pᵀ``'s CSR
+form per row range expanded (8 more): forming them costs ~40% of a small layer's product there, ~70% of an
+expansion.
 
 Products run in fp32 on the CPU (its sparse kernels have no bf16 path) and in the input's own dtype on CUDA
 (cuSPARSE accumulates in fp32), with fp32 as the fallback if a dtype is refused there.
@@ -231,7 +232,23 @@ class SparseProjector:
         """
         dtype = product_dtype(matrix)
         with torch.autocast(matrix.device.type, enabled=False):
-            return torch.sparse.mm(self.pattern().transposed(self.values.detach().to(dtype), rows), matrix.to(dtype))
+            return torch.sparse.mm(self._transposed(dtype, rows), matrix.to(dtype))
+
+    def _transposed(self, dtype: torch.dtype, rows: slice | None) -> Tensor:
+        """``Pᵀ`` (or its ``rows``) in CSR for a product in ``dtype``: formed per product on an accelerator; on the CPU
+        kept per row range until the values or indices change, as :meth:`_matrix` (forming it took 70% of a small
+        layer's expansion there: its row pointers and int32 columns are rebuilt each time)."""
+        values = self.values.detach()
+        if values.device.type != "cpu":
+            return self.pattern().transposed(values.to(dtype), rows)
+        key = (values.data_ptr(), values._version, self.indices.data_ptr(), self.indices._version, dtype)
+        if getattr(self, "_cpu_transposed_key", None) != key:
+            self._cpu_transposed: dict[tuple[int, int] | None, Tensor] = {}
+            self._cpu_transposed_key = key
+        span = None if rows is None else (rows.start, rows.stop)
+        if span not in self._cpu_transposed:
+            self._cpu_transposed[span] = self.pattern().transposed(values.to(dtype), rows)
+        return self._cpu_transposed[span]
 
     def pattern(self) -> SparsityPattern:
         """The CSR structure of this projector's indices (cached until the indices change)."""
@@ -248,8 +265,11 @@ class SparseProjector:
         pattern = getattr(self, "_pattern", None)
         held += pattern.nbytes() if pattern is not None else 0
         cached = getattr(self, "_cpu_matrix", None)
-        if cached is not None:
+        if cached is not None:  # its row pointers are the pattern's
             held += cached.col_indices().numel() * 4 + cached.values().numel() * cached.values().element_size()
+        for matrix in getattr(self, "_cpu_transposed", {}).values():
+            held += (matrix.crow_indices().numel() + matrix.col_indices().numel()) * 4
+            held += matrix.values().numel() * matrix.values().element_size()
         return held
 
     def to_dense(self) -> Tensor:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_offload.engine.phases import PhaseClock
+
 #: ``(optimizer step number, figures)``: the figures the engine filed when the step's host work completed.
 StepFigures = tuple[int, dict[str, float]]
 
@@ -68,3 +70,9 @@ def figures_of(strategy: Any, settle: bool = False) -> Sequence[StepFigures]:
 def figures_at_step_end(strategy: Any) -> dict[str, float]:
     """``strategy``'s figures complete at the end of a step, or none for a strategy that offloads nothing."""
     return strategy.figures_at_step_end() if isinstance(strategy, ReportsOffload) else {}
+
+
+def phase_clock_of(strategy: Any) -> PhaseClock | None:
+    """The phase clock of ``strategy``'s engine (:mod:`~lightning_offload.engine.phases`), or ``None`` for a strategy
+    that offloads nothing or has not built its engine yet."""
+    return getattr(getattr(strategy, "offload_optimizer", None), "phases", None)
