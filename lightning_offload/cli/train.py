@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.cli.failures import error_paragraph, log_to_files, remove_fresh_run_dir
 from lightning_offload.cli.interrupt import StopOnInterrupt
+from lightning_offload.cli.machine_size import size_to_machine
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
@@ -45,8 +46,6 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 def _say(message: str, *args: Any) -> None:
     """Logs on rank 0 only: each rank of a multi-device run runs this command, and one line is enough."""
     log.info(message, *args)
-
-
 
 
 def check_optim(optim: DictConfig) -> OptimSettings:
@@ -205,6 +204,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     # The settings first, before anything is built: a bad one costs no model load, and leaves no run directory.
     optim = check_optim(cfg.optim)
     resolve_precision(cfg)
+    run_size = size_to_machine(cfg)  # before anything is built from the run's length and block size
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     _data_parallel_offload(cfg)
@@ -277,6 +277,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     summary = summarize(RunNames(lm.name, getattr(datamodule, "task", None) or type(datamodule).__name__,
                                  cfg.offload.name, primary_metric(module)),
                         module, trainer, recorder, before, after, train_seconds)
+    summary["run_size"] = run_size.record(cfg)
     if interrupted:
         summary.update({"interrupted": True, "checkpoint": str(interrupt.checkpoint),
                         "resume_command": resume_command(interrupt.checkpoint)})

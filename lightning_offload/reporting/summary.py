@@ -165,6 +165,8 @@ def format_summary(summary: dict[str, Any]) -> str:
            f"({summary['world_size']} ranks)"] if summary.get("world_size", 1) > 1 else []),
         f"host optimizer      {summary['host_optimizer_seconds_per_step'] * 1e3:.0f} ms / step, "
         f"state {size(summary['host_state_bytes'])} on host, {size(summary['device_state_bytes'])} on device",
+        *([f"run size            {summary['run_size']['description']}"]
+          if summary.get("run_size", {}).get("sized_to_machine") else []),
         steps_line
         + (f", {summary['skipped_steps']} skipped (non-finite gradients)" if summary.get("skipped_steps") else ""),
         f"eval loss           {num(summary['loss_before'], '.4f')} -> {num(summary['loss_after'], '.4f')}",
