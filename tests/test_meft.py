@@ -653,6 +653,19 @@ def test_a_failing_row_fetch_surfaces_in_the_forward() -> None:
         model(**batches(1)[0])
 
 
+def _full_size(optimizer: BlockRowAdam, blocks: torch.Tensor, grads: list[Any]) -> list[torch.Tensor]:
+    """The gradients a block Adam step was given (a full-size accumulator, or one gradient per stepped block), as
+    full-size ``[N, h]`` matrices, zero outside the stepped blocks."""
+    out = []
+    for grad in grads:
+        if not isinstance(grad, torch.Tensor):
+            full = torch.zeros(optimizer.params[0].shape)
+            full.view(optimizer.num_blocks, optimizer.block_rows, -1)[blocks] = torch.stack(list(grad))
+            grad = full
+        out.append(grad)
+    return out
+
+
 def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[list[tuple[int, int]], list[torch.Tensor], Any]]:
     """Wraps the row optimizers once they exist: records the row ranges, the gradient rows and the clipping each
     block Adam step consumed."""
@@ -666,7 +679,8 @@ def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[list[tuple[in
 
             def recording_step(blocks, grads, settings, clip=None, zero_grads=True, step=step, optimizer=optimizer):
                 ranges = optimizer.row_ranges(blocks)
-                consumed.append((ranges, [torch.cat([g[a:b] for a, b in ranges]).clone() for g in grads], clip))
+                consumed.append((ranges, [torch.cat([g[a:b] for a, b in ranges]).clone()
+                                          for g in _full_size(optimizer, blocks, grads)], clip))
                 return step(blocks, grads, settings, clip, zero_grads)
 
             optimizer.step = recording_step
@@ -951,7 +965,7 @@ def test_idle_rows_of_a_stepped_block_read_zero_though_their_old_sums_were_never
                 idle = optimizer.blocks_mask(blocks) & ~adapter.host.touched
                 checked["idle"] += int(idle.sum())
                 checked["stale"] += int((idle & ever_touched).sum())
-                for grad in grads:
+                for grad in _full_size(optimizer, blocks, grads):
                     assert (grad[idle] == 0).all()
                 ever_touched |= adapter.host.touched
                 return step(blocks, grads, settings, clip, zero_grads)

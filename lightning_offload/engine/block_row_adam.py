@@ -37,21 +37,18 @@ AdamW's but for the momentum drift above; the training that follows is the same,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_offload.engine.row_adam_kernel import (
-    Clip, RowAdamSettings, RowWorkspace, new_first_scales, scaled_kernel_calls)
-from lightning_offload.engine.row_adam_state import upgrade_row_adam_state
+    RENORMALIZE_BELOW, Clip, RowAdamSettings, RowWorkspace, decayed_scales, new_first_scales, scaled_kernel_calls)
+from lightning_offload.engine.row_adam_state import load_row_adam_state
 from lightning_offload.engine.row_decay import DecayLedger
 
 __all__ = ["RENORMALIZE_BELOW", "BlockRowAdam", "Clip", "RowAdamSettings"]
-
-# A block's second-moment scale below which its stored moments are rescaled in place (its scales reset to 1): far
-# from underflow, and reached only after thousands of skipped steps at β₂ = 0.999.
-RENORMALIZE_BELOW = 1e-3
 
 
 class BlockRowAdam:
@@ -96,9 +93,10 @@ class BlockRowAdam:
         self.step_count = 0
         # The step at which each block was last stepped (0: never), for the catch-up over its gap.
         self.last_step = torch.zeros(rows // block_rows, dtype=torch.int64)
-        # Per block, the true first and second moments are these times the stored ones (see the module docstring).
-        self.scale1 = torch.ones(rows // block_rows, dtype=torch.float64)
-        self.scale2 = torch.ones(rows // block_rows, dtype=torch.float64)
+        # Per block, the true first and second moments are these times the stored ones (see the module docstring):
+        # two rows of one tensor, so that a step reads and writes both in one op.
+        self._scales = torch.ones(2, rows // block_rows, dtype=torch.float64)
+        self.scale1, self.scale2 = self._scales.unbind(0)
         # How much decay each block owes, at the learning rates of the steps it missed.
         self.decay = DecayLedger(rows // block_rows, self.lr_scales)
         # Loaded state from before the ledger: each block's steps owed, priced at the next step's rate (None: none).
@@ -108,6 +106,8 @@ class BlockRowAdam:
         # Each block of every matrix and moment as a view, made at the first in-place step (an embedding stepped by
         # gathering would otherwise hold tens of thousands of views it never uses); handed to the kernel as they are.
         self._block_views: tuple[list[tuple[Tensor, ...]], ...] | None = None
+        # The same for full-size gradient accumulators given to step(), by the accumulator's id.
+        self._grad_views: dict[int, tuple[Tensor, tuple[Tensor, ...]]] = {}
         self._workspace = RowWorkspace(rows, params[0].shape[1])
         self._betas = (0.9, 0.999)  # the latest step's, for reading the moments back (moments())
         self._rows_touched = 0
@@ -136,8 +136,11 @@ class BlockRowAdam:
 
     def row_ranges(self, blocks: Tensor) -> list[tuple[int, int]]:
         """``[start, end)`` row ranges covering ``blocks`` (sorted, unique), neighbouring blocks merged."""
+        return self._ranges(blocks.tolist())
+
+    def _ranges(self, block_list: list[int]) -> list[tuple[int, int]]:
         ranges: list[list[int]] = []
-        for block in blocks.tolist():
+        for block in block_list:
             start = block * self.block_rows
             if ranges and ranges[-1][1] == start:
                 ranges[-1][1] = start + self.block_rows
@@ -164,18 +167,20 @@ class BlockRowAdam:
         return norms.pow(2).sum()
 
     @torch.no_grad()
-    def step(self, blocks: Tensor, grads: list[Tensor], settings: RowAdamSettings, clip: Clip = None,
-             zero_grads: bool = True) -> list[tuple[int, int]]:
-        """One Adam step on ``blocks``, reading their rows of the full-size gradient accumulators ``grads`` (one per
-        matrix) and, with ``zero_grads``, zeroing those rows afterwards, ready for the next step's sums.
+    def step(self, blocks: Tensor, grads: Sequence[Tensor | Sequence[Tensor]], settings: RowAdamSettings,
+             clip: Clip = None, zero_grads: bool = True) -> list[tuple[int, int]]:
+        """One Adam step on ``blocks``, reading their gradients from ``grads`` (one entry per matrix) and, with
+        ``zero_grads``, zeroing them afterwards, ready for the next step's sums.
 
         Args:
             blocks: sorted unique int64 block ids (:meth:`blocks_of`).
-            grads: ``[N, h]`` fp32 gradient accumulators, one per matrix, zero outside the touched rows.
+            grads: per matrix, its ``[N, h]`` fp32 gradient accumulator (zero outside the touched rows), or the
+                stepped blocks' gradients: one ``[block_rows, h]`` fp32 tensor per block of ``blocks``, in order
+                (where they already are: :class:`~lightning_offload.engine.row_landing.RowLanding`).
             settings: this step's hyper-parameters.
             clip: ``("norm", c)`` scales the gradients by ``c``; ``("value", b)`` clamps them to ``[−b, b]``.
-            zero_grads: zero the stepped rows of ``grads`` (``False`` when the caller overwrites them at the next
-                step's first gradient instead, as ``meft_offload`` does).
+            zero_grads: zero the stepped gradients (``False`` when the caller overwrites them at the next step's
+                first gradient instead, as ``meft_offload`` does).
 
         Returns:
             The ``[start, end)`` row ranges stepped (for refreshing copies of the rows elsewhere).
@@ -183,46 +188,59 @@ class BlockRowAdam:
         if len(grads) != len(self.params):
             raise ValueError(f"Expected {len(self.params)} gradient accumulators, got {len(grads)}.")
         self._begin_step(settings)
-        ranges = self.row_ranges(blocks)
-        if not ranges:
+        block_list = blocks.tolist()
+        if not block_list:
             self._end_step(settings)
             return []  # a step whose batch touched no row (all padding): the count and the decay owed advance
         params, exp_avgs, exp_avg_sqs = self._views()
-        grad_blocks = [self._by_block(g) for g in grads]
-        block_list = blocks.tolist()
-        grad_slices = [g[block] for g in grad_blocks for block in block_list]
+        grad_blocks = [self._grads_of_blocks(g, block_list) for g in grads]
         if clip is not None and clip[0] == "value":
-            for piece in grad_slices:
-                piece.clamp_(-clip[1], clip[1])
+            for pieces in grad_blocks:
+                for piece in pieces:
+                    piece.clamp_(-clip[1], clip[1])
         coefficient = clip[1] if clip is not None and clip[0] == "norm" else 1.0
-        scale1, scale2 = self._decayed_scales(blocks, settings.betas)
+        scale1, scale2 = self._decayed_scales(blocks, block_list, settings.betas)
         new_scale1 = new_first_scales(scale1, scale2, settings.betas[0])
-        scales = scale1.tolist(), scale2.tolist(), new_scale1.tolist()
         self._step.fill_(self.step_count)
         kernel = torch._fused_adamw_ if settings.decoupled else torch._fused_adam_
+        positions = list(range(len(block_list)))
         for lr_scale in dict.fromkeys(self.lr_scales):  # matrices sharing a learning rate share the kernel calls
             matrices = [i for i, s in enumerate(self.lr_scales) if s == lr_scale]
             lr = settings.lr * lr_scale
-            calls = scaled_kernel_calls(block_list, self._owed_decay(matrices, blocks, lr), *scales, settings, lr,
-                                        self.step_count)
-            for (hyper, moment_scale), members in calls.items():
-                pairs = [(i, block) for i in matrices for block in members]
-                grad_scale = moment_scale / coefficient  # the kernel divides the gradient by it
-                kernel([params[i][b] for i, b in pairs], [grad_blocks[i][b] for i, b in pairs],
-                       [exp_avgs[i][b] for i, b in pairs], [exp_avg_sqs[i][b] for i, b in pairs], [],
+            calls = scaled_kernel_calls(positions, self._owed_decay(matrices, blocks, lr), scale1, scale2,
+                                        new_scale1, settings, lr, self.step_count)
+            # The kernel divides the gradient by its grad_scale: every call's, made as one tensor (if any is not 1).
+            grad_scales = [moment_scale / coefficient for _, moment_scale in calls]
+            scale_tensors = torch.tensor(grad_scales, dtype=torch.float32).unbind(0) \
+                if any(scale != 1.0 for scale in grad_scales) else [None] * len(grad_scales)
+            for ((hyper, _), members), grad_scale, scale_tensor in zip(calls.items(), grad_scales, scale_tensors):
+                pairs = [(i, block_list[k], k) for i in matrices for k in members]
+                kernel([params[i][b] for i, b, _ in pairs], [grad_blocks[i][k] for i, _, k in pairs],
+                       [exp_avgs[i][b] for i, b, _ in pairs], [exp_avg_sqs[i][b] for i, b, _ in pairs], [],
                        [self._step] * len(pairs),
                        **dict(hyper), amsgrad=False, maximize=settings.maximize,
-                       grad_scale=None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32),
-                       found_inf=None)
-        self.scale1[blocks] = new_scale1
-        self.scale2[blocks] = scale2
-        self._scaled = self._scaled or bool((new_scale1 != 1.0).any() or (scale2 != 1.0).any())
+                       grad_scale=None if grad_scale == 1.0 else scale_tensor, found_inf=None)
+        # The blocks' new scales, both in one write.
+        self._scales.index_copy_(1, blocks, torch.tensor([new_scale1, scale2], dtype=torch.float64))
+        self._scaled = self._scaled or any(s != 1.0 for s in new_scale1) or any(s != 1.0 for s in scale2)
         if zero_grads:
-            torch._foreach_zero_(grad_slices)
-        self.last_step[blocks] = self.step_count
+            torch._foreach_zero_([piece for pieces in grad_blocks for piece in pieces])
+        self.last_step.index_fill_(0, blocks, self.step_count)
         self._end_step(settings, blocks)
-        self._rows_touched = blocks.numel() * self.block_rows
-        return ranges
+        self._rows_touched = len(block_list) * self.block_rows
+        return self._ranges(block_list)
+
+    def _grads_of_blocks(self, grads: Tensor | Sequence[Tensor], block_list: list[int]) -> Sequence[Tensor]:
+        """One matrix's gradient of each block of ``block_list``: views of a full-size accumulator (its blocks'
+        views made once per accumulator), or the per-block gradients given."""
+        if not isinstance(grads, Tensor):
+            if len(grads) != len(block_list):
+                raise ValueError(f"Expected a gradient for each of the {len(block_list)} blocks, got {len(grads)}.")
+            return grads
+        views = self._grad_views.get(id(grads))
+        if views is None or views[0] is not grads:
+            views = self._grad_views[id(grads)] = (grads, self._by_block(grads))
+        return [views[1][block] for block in block_list]
 
     def _begin_step(self, settings: RowAdamSettings) -> None:
         self.step_count += 1
@@ -239,8 +257,11 @@ class BlockRowAdam:
     def _owed_decay(self, matrices: list[int], blocks: Tensor, lr: float) -> list[float]:
         """Per block, the decay ``matrices`` (sharing a learning rate, hence a decay history) owe for the steps before
         this one, for the kernel to fold into this step's. At lr 0 the kernel steps nothing and folds nothing: the
-        blocks keep owing it, and a later step pays (AdamW moves no weight at lr 0)."""
-        return self.decay.owed(matrices[0], blocks).tolist() if lr else [1.0] * blocks.numel()
+        blocks keep owing it, and a later step pays (AdamW moves no weight at lr 0). Before any step decayed, every
+        block owes exactly 1 (the ledger's totals and marks are all 0): nothing is read."""
+        if not (lr and self.decay.active):
+            return [1.0] * blocks.numel()
+        return self.decay.owed(matrices[0], blocks).tolist()
 
     def _views(self) -> tuple[list[tuple[Tensor, ...]], ...]:
         """Per matrix, its blocks, its first moment's and its second moment's, as views (made once)."""
@@ -331,26 +352,19 @@ class BlockRowAdam:
         return [*self.exp_avg, *self.exp_avg_sq, self.last_step, self.scale1, self.scale2,
                 self.decay.marks, *self._workspace.tensors]
 
-    def _decayed_scales(self, blocks: Tensor, betas: tuple[float, float]) -> tuple[Tensor, Tensor]:
-        """``blocks``' moment scales decayed over their gaps, to just before this step (float64).
-
-        Blocks never stepped have zero moments, whose scale is arbitrary: 1. Blocks whose second-moment scale fell
-        below :data:`RENORMALIZE_BELOW` get their stored moments rescaled here, and scales of 1.
-        """
-        last = self.last_step[blocks]
-        gaps = (self.step_count - 1 - last).double()
-        fresh = last == 0
-        scale1 = torch.where(fresh, 1.0, self.scale1[blocks] * betas[0]**gaps)
-        scale2 = torch.where(fresh, 1.0, self.scale2[blocks] * betas[1]**gaps)
-        small = scale2 < RENORMALIZE_BELOW
-        if small.any():
-            for block, s1, s2 in zip(blocks[small].tolist(), scale1[small].tolist(), scale2[small].tolist()):
+    def _decayed_scales(self, blocks: Tensor, block_list: list[int],
+                        betas: tuple[float, float]) -> tuple[list[float], list[float]]:
+        """``blocks``' moment scales decayed over their gaps, to just before this step (:func:`decayed_scales`); blocks
+        whose second-moment scale fell below :data:`RENORMALIZE_BELOW` get their stored moments rescaled here, and
+        scales of 1."""
+        scale1, scale2 = decayed_scales(blocks, self.last_step, self._scales, self.step_count, betas)
+        for k, block in enumerate(block_list):
+            if scale2[k] < RENORMALIZE_BELOW:
                 rows = slice(block * self.block_rows, (block + 1) * self.block_rows)
                 for exp_avg, exp_avg_sq in zip(self.exp_avg, self.exp_avg_sq):
-                    exp_avg[rows].mul_(s1)
-                    exp_avg_sq[rows].mul_(s2)
-            scale1 = torch.where(small, 1.0, scale1)
-            scale2 = torch.where(small, 1.0, scale2)
+                    exp_avg[rows].mul_(scale1[k])
+                    exp_avg_sq[rows].mul_(scale2[k])
+                scale1[k] = scale2[k] = 1.0
         return scale1, scale2
 
     def state_dict(self) -> dict[str, Any]:
@@ -367,23 +381,4 @@ class BlockRowAdam:
         Raises:
             ValueError: For state of another layout or shape.
         """
-        state = upgrade_row_adam_state(state, self.block_rows, self._betas)
-        for name in ("exp_avg", "exp_avg_sq"):
-            for dst, src in zip(getattr(self, name), state[name]):
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"Row Adam state {name} has shape {tuple(src.shape)}, expected "
-                                     f"{tuple(dst.shape)}: resume with the same model and adapter configuration.")
-                dst.copy_(src)
-        self.last_step.copy_(state["last_step"])
-        self.scale1.copy_(state["scale1"])
-        self.scale2.copy_(state["scale2"])
-        self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
-        self.step_count = int(state["step"])
-        self._betas = tuple(state["betas"])
-        self.decay = DecayLedger(self.num_blocks, self.lr_scales)
-        self._legacy_gaps = None
-        if "decay" in state:
-            self.decay.load_state_dict(state["decay"])
-        else:  # what each block owed was kept as a count of steps: priced at the next step's rate, as it was
-            gaps = self.step_count - state["decayed_step"]
-            self._legacy_gaps = gaps if bool(gaps.any()) else None
+        load_row_adam_state(self, state)

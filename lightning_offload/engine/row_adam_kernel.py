@@ -17,10 +17,15 @@ skipped steps) has its moments rescaled once and its scales reset.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# A block's second-moment scale below which its stored moments are rescaled in place (its scales reset to 1): far
+# from underflow, and reached only after thousands of skipped steps at β₂ = 0.999.
+RENORMALIZE_BELOW = 1e-3
 
 # The strategy's per-step clipping: ("norm", coefficient) or ("value", bound), or None.
 Clip = tuple[str, float] | None
@@ -105,14 +110,35 @@ def scaled_kernel_calls(blocks: list[int], owed: list[float], scale1: list[float
     return calls
 
 
-def new_first_scales(scale1: Tensor, scale2: Tensor, beta1: float) -> Tensor:
+def decayed_scales(blocks: Tensor, last_step: Tensor, scales: Tensor, step_count: int,
+                   betas: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """Per block of ``blocks``, its moment scales (``scales``: ``[2, blocks of the matrix]``, the first moment's and
+    the second's) decayed by ``β₁^g``, ``β₂^g`` over the ``g`` steps since it was last stepped (``last_step``), to
+    just before step ``step_count``, as Python floats; 1 for blocks never stepped (zero moments, whose scale is
+    arbitrary).
+
+    The blocks' state is read in one go (a few tensor ops, whatever their number; the powers by torch's own pow) and
+    the products are taken in Python, which rounds a float64 product as torch does: the scales are bit for bit those
+    of computing it all with tensors.
+    """
+    gaps = (step_count - 1 - last_step.index_select(0, blocks)).double()
+    table = torch.cat([scales.index_select(1, blocks), torch.stack([betas[0]**gaps, betas[1]**gaps, gaps])]).tolist()
+    never = float(step_count - 1)  # the gap of a block never stepped (last step 0)
+    decayed1, decayed2 = [], []
+    for s1, s2, decay1, decay2, gap in zip(*table):
+        decayed1.append(1.0 if gap == never else s1 * decay1)
+        decayed2.append(1.0 if gap == never else s2 * decay2)
+    return decayed1, decayed2
+
+
+def new_first_scales(scale1: list[float], scale2: list[float], beta1: float) -> list[float]:
     """Per block, the first moment's stored scale after a step from decayed scales ``scale1``, ``scale2`` (float64).
 
     The gradient enters the stored moments divided by ``c = √s2`` (so the stored second moment keeps ``β₂``); the first
     moment's scale after the step is then ``β₁·s1 + (1 − β₁)·c``: exactly 1 for blocks never skipped.
     """
-    exact = (scale1 == 1.0) & (scale2 == 1.0)
-    return torch.where(exact, 1.0, beta1 * scale1 + (1.0 - beta1) * scale2.sqrt())
+    return [1.0 if s1 == 1.0 and s2 == 1.0 else beta1 * s1 + (1.0 - beta1) * math.sqrt(s2)
+            for s1, s2 in zip(scale1, scale2)]
 
 
 class RowWorkspace:

@@ -1,11 +1,43 @@
-"""Checkpointed row Adam state written by earlier releases, read as today's layout
-(:meth:`~lightning_offload.engine.block_row_adam.BlockRowAdam.load_state_dict`), or refused with the way to resume."""
+"""The row Adam's checkpointed state read back
+(:meth:`~lightning_offload.engine.block_row_adam.BlockRowAdam.load_state_dict`), state written by earlier releases
+read as today's layout, or refused with the way to resume."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from lightning_offload.engine.row_decay import DecayLedger
+
+
+def load_row_adam_state(adam: Any, state: dict[str, Any]) -> None:
+    """Restore ``adam`` (a :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`) in place from its
+    ``state_dict()``, or from state of earlier releases (:func:`upgrade_row_adam_state`).
+
+    Raises:
+        ValueError: For state of another layout or shape.
+    """
+    state = upgrade_row_adam_state(state, adam.block_rows, adam._betas)
+    for name in ("exp_avg", "exp_avg_sq"):
+        for dst, src in zip(getattr(adam, name), state[name]):
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"Row Adam state {name} has shape {tuple(src.shape)}, expected "
+                                 f"{tuple(dst.shape)}: resume with the same model and adapter configuration.")
+            dst.copy_(src)
+    adam.last_step.copy_(state["last_step"])
+    adam.scale1.copy_(state["scale1"])
+    adam.scale2.copy_(state["scale2"])
+    adam._scaled = bool((adam.scale1 != 1.0).any() or (adam.scale2 != 1.0).any())
+    adam.step_count = int(state["step"])
+    adam._betas = tuple(state["betas"])
+    adam.decay = DecayLedger(adam.num_blocks, adam.lr_scales)
+    adam._legacy_gaps = None
+    if "decay" in state:
+        adam.decay.load_state_dict(state["decay"])
+    else:  # what each block owed was kept as a count of steps: priced at the next step's rate, as it was
+        gaps = adam.step_count - state["decayed_step"]
+        adam._legacy_gaps = gaps if bool(gaps.any()) else None
 
 
 def upgrade_row_adam_state(state: dict[str, Any], block_rows: int, betas: tuple[float, float]) -> dict[str, Any]:

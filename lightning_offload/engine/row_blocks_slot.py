@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.host_threads import one_thread
 from lightning_offload.engine.pipeline import StepTimeline
 from lightning_offload.engine.row_gradients import RowGradients
+from lightning_offload.engine.row_landing import KeptLayout, RowLanding
 from lightning_offload.engine.slot import Clip, JobSettings, Lanes, Slot
 from lightning_offload.engine.telemetry import StepTelemetry
 
@@ -66,8 +68,14 @@ class RowBlocksSlot(Slot):
         self.adam = BlockRowAdam(rows.matrices, rows.block_rows, lr_scales=rows.lr_scales)
         self._settings = settings
         self.gradients = gradients
-        gradients.slots.append(self)
+        self.landings = [RowLanding(accumulator, written, rows.block_rows)
+                         for accumulator, written in zip(rows.accumulators, rows.written)]
+        gradients.add_slot(self, self.landings)
         self.blocks = torch.zeros(0, dtype=torch.int64)
+        # Per matrix, the gradient of each touched block (prepared with the blocks, consumed by the step), and the
+        # rows touched then.
+        self.block_grads: list[list[Tensor]] = []
+        self.touched_rows = 0
         #: The latest step's figures: rows with a gradient, and rows stepped (whole blocks).
         self.rows_updated = 0
         self.rows_stepped = 0
@@ -86,28 +94,45 @@ class RowBlocksSlot(Slot):
         return True
 
     def touched_blocks(self) -> Tensor:
-        """Main thread, once per step: the touched blocks, with their rows that had no gradient zeroed and marked
-        written (a block is stepped whole)."""
-        blocks = self.adam.blocks_of(self.rows.touched)
-        in_blocks = self.adam.blocks_mask(blocks)
-        for accumulator, written in zip(self.rows.accumulators, self.rows.written):
-            idle = (in_blocks & ~written).nonzero().squeeze(1)
-            if idle.numel():
-                accumulator.index_fill_(0, idle, 0.0)
-            written[in_blocks] = True  # every row of the stepped blocks now holds this step's sum
+        """Main thread, once per step: the touched blocks, each with its gradient per matrix (a block is stepped
+        whole: zero in its rows no gradient reached)."""
+        with one_thread(self.landings[0].small):
+            # Rows touched per block: the blocks, the rows updated, and (a step without accumulation) where the kept
+            # gradients' rows lie, all from one count.
+            counts = self.rows.touched.view(self.adam.num_blocks, self.adam.block_rows).sum(dim=1)
+            blocks = counts.nonzero().squeeze(1)
+            block_list = blocks.tolist()
+            layout = KeptLayout(None, counts.index_select(0, blocks).tolist())
+            self.touched_rows = sum(layout.per_block)
+            self.block_grads = []
+            for landing in self.landings:
+                grads, layout = landing.block_gradients(blocks, block_list, layout)
+                self.block_grads.append(grads)
         return blocks
 
     def square_sum(self, blocks: Tensor) -> Tensor:
-        """Σ g² (fp64) of the accumulated gradients over ``blocks``."""
+        """Σ g² (fp64) of the accumulated gradients over ``blocks`` (read in the accumulators, where every gradient of
+        the step is put first)."""
+        for landing in self.landings:
+            landing.materialize()
         return self.adam.grad_norm_squares(self.rows.accumulators, blocks)
+
+    def materialize(self) -> None:
+        """Put the step's gradients kept where they landed into the accumulators, for a reader of them (main thread;
+        a step in flight, which reads the gradients it was given, is waited for first)."""
+        self.wait()
+        self.gradients.flush()
+        for landing in self.landings:
+            landing.materialize()
 
     # ------------------------------------------------------------------------------------------------ the step
     def settings(self) -> JobSettings:
-        return asdict(self._settings()), 0.0
+        # A shallow copy of the fields (the tuple of betas is immutable): dataclasses.asdict copies recursively.
+        return dict(vars(self._settings())), 0.0
 
     def prepare(self, step: StepTelemetry) -> None:
-        self.rows_updated = int(self.rows.touched.sum())
         self.blocks = self.gradients.take(self)
+        self.rows_updated = self.touched_rows  # counted with the blocks
         self.rows_stepped = self.blocks.numel() * self.adam.block_rows
 
     def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
@@ -118,10 +143,11 @@ class RowBlocksSlot(Slot):
         hparams = settings[0]
         # A norm coefficient as the float the kernel's gradient scale is solved from (in float64).
         row_clip = None if clip is None else (clip[0], float(clip[1]))
-        ranges = self.adam.step(self.blocks, self.rows.accumulators, RowAdamSettings(**hparams), row_clip,
-                                zero_grads=False)
-        self.rows.on_stepped(ranges)
-        self.forget(self.blocks)
+        with one_thread(self.landings[0].small):  # a kernel call per small block: no parallel region each
+            ranges = self.adam.step(self.blocks, self.block_grads, RowAdamSettings(**hparams), row_clip,
+                                    zero_grads=False)
+            self.rows.on_stepped(ranges)
+            self.forget(self.blocks)
         self.gradients.record(time.perf_counter() - start)
 
     def finish(self, start: float) -> None:
@@ -133,19 +159,20 @@ class RowBlocksSlot(Slot):
             self.lanes.worker.wait(self.job)
 
     def abandon_gradient(self) -> None:
-        self.rows_updated, self.rows_stepped = int(self.rows.touched.sum()), 0
-        self.forget(self.gradients.take(self))
+        blocks = self.gradients.take(self)
+        self.rows_updated, self.rows_stepped = self.touched_rows, 0
+        self.forget(blocks)
 
     def forget(self, blocks: Tensor) -> None:
         """Forget the gradients of ``blocks``: their rows are no longer touched or written, so the next step's first
         gradient overwrites them (a step consumed, or one not taken)."""
-        for start, end in self.adam.row_ranges(blocks):
-            self.rows.touched[start:end] = False
-            for written in self.rows.written:
-                written[start:end] = False
+        self.rows.touched.view(self.adam.num_blocks, self.adam.block_rows).index_fill_(0, blocks, False)
+        for landing in self.landings:
+            landing.forget(blocks)
+        self.block_grads = []
 
     def settle(self) -> None:
-        self.gradients.flush()  # the accumulators are read next (a checkpoint, an evaluation): no sum half-added
+        self.materialize()  # the accumulators are read next (a checkpoint, an evaluation): every sum in them
 
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> list[Tensor]:

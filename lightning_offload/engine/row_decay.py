@@ -67,6 +67,11 @@ class DecayLedger:
 
     def paid(self, blocks: Tensor | None = None) -> None:
         """``blocks`` (every block for ``None``) owe nothing up to now."""
+        if not self.active:
+            return  # no step has decayed: every total and mark is 0 already
+        if blocks is not None and len(set(self.totals)) == 1:  # matrices with one history (one lr): one write
+            self.marks.index_fill_(1, blocks, self.totals[0])
+            return
         for index, total in enumerate(self.totals):
             if blocks is None:
                 self.marks[index].fill_(total)

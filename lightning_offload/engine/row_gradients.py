@@ -4,7 +4,9 @@ on the engine's one host worker, while the main thread goes on with device work.
 Order on the worker is submission order, which is all the synchronisation the host state needs:
 
 1. during backward, each adapter's key and value gradients are copied device→host (on a GPU: on the link's copy
-   stream, into a reused pinned buffer) and a job adds them into the adapter's accumulators;
+   stream, into a reused pinned buffer) and a job lands them: the step's only gradient of a matrix is kept where it
+   landed, further ones are summed into the adapter's accumulators
+   (:class:`~lightning_offload.engine.row_landing.RowLanding`);
 2. at the optimizer step the main thread waits for those jobs (:meth:`RowGradients.flush`), checks the gradients,
    and queues one Adam job per adapter on the same worker, after the other slots' host jobs;
 3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run (its slot's
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from lightning_offload.engine.pipeline import HostWorker, Job, Link
+from lightning_offload.engine.row_landing import RowLanding
 
 
 class _PinnedPool:
@@ -66,61 +69,62 @@ class RowGradients:
         self._square_sum_is_norm = True
         self._busy_seconds = 0.0
         self._lock = threading.Lock()  # the busy-time counter is written by the worker, read by the main thread
-        # The row slots whose gradients land here, and this step's touched blocks per slot (their idle rows zeroed)
-        # and row-gradient norm once computed: keyed by how many gradients had been queued by then, so a later
+        # The row slots whose gradients land here, each accumulator's landing (by the accumulator's id: the owner's
+        # hooks hand over the accumulator), and this step's touched blocks per slot (their gradients prepared) and
+        # row-gradient norm once computed: keyed by how many gradients had been queued by then, so a later
         # micro-batch invalidates them.
         self.slots: list[Any] = []
+        self.landings: dict[int, RowLanding] = {}
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
         self._norm: torch.Tensor | None = None
         self._taken = 0  # slots that took (or dropped) their blocks this step
 
     # ---------------------------------------------------------------------------------------------- gradients
+    def add_slot(self, slot: Any, landings: list[RowLanding]) -> None:
+        """``slot``'s gradients land here, each of its accumulators through its landing."""
+        self.slots.append(slot)
+        self.landings.update((id(landing.accumulator), landing) for landing in landings)
+
     def accumulate(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor,
                    written: torch.Tensor) -> None:
         """Queue ``accumulator[rows] += grad`` (called from an autograd hook; returns without waiting).
 
-        Rows not yet ``written`` this step are copied into rather than added to (their old contents are a consumed
-        step's), and become written. The gradient crosses the link in its own dtype (bf16 under autocast) and is
-        widened on the host.
+        The step's gradient of a matrix is kept where it landed when it is its only one; otherwise rows not yet
+        ``written`` this step are copied into rather than added to (their old contents are a consumed step's), and
+        become written (:class:`~lightning_offload.engine.row_landing.RowLanding`). The gradient crosses the link in
+        its own dtype (bf16 under autocast) and is widened on the host.
         """
         grad = grad.detach()
+        landing = self.landings[id(accumulator)]
         self.gradients_queued += 1
         if self._staging is None:
-            # CPU "device": the gradient already is host memory; the job keeps it alive until it has been added.
-            self._last = self.worker.submit(partial(self._add_rows, rows, grad, accumulator, written, None, None,
-                                                    None), "grad")
+            # CPU "device": the gradient already is host memory; the job keeps it alive until the step.
+            self._last = self.worker.submit(partial(self._add_rows, rows, grad, landing, None, None, None), "grad")
             return
         buffer = self._staging.take(grad.numel(), grad.dtype)
         staged = buffer[: grad.numel()].view_as(grad)
         # The copy stream waits for backward to have produced the gradient; the job waits for the copy to land.
         # `grad` rides along in the job so the caching allocator cannot reuse its memory before the copy read it.
         landed = self.link.to_host(grad, staged)
-        self._last = self.worker.submit(partial(self._add_rows, rows, staged, accumulator, written, landed, grad,
-                                                buffer), "grad")
+        self._last = self.worker.submit(partial(self._add_rows, rows, staged, landing, landed, grad, buffer), "grad")
 
-    def _add_rows(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor, written: torch.Tensor,
-                  landed: Any, source: torch.Tensor | None, buffer: torch.Tensor | None) -> None:
+    def _add_rows(self, rows: torch.Tensor, grad: torch.Tensor, landing: RowLanding, landed: Any,
+                  source: torch.Tensor | None, buffer: torch.Tensor | None) -> None:
         # `source` (the device gradient) is only held, never read here: its memory must outlive the copy.
         start = time.perf_counter()
         self.link.host_wait(landed)
-        grad = grad.to(accumulator.dtype)
-        fresh = ~written[rows]
-        if bool(fresh.all()):  # the step's first gradient of these rows (every row, without accumulation)
-            accumulator.index_copy_(0, rows, grad)
-            if self._square_sum_is_norm:  # once rows were summed the norm is read from the sums: no dot needed
-                flat = grad.reshape(-1)
-                square = float(torch.dot(flat, flat))
-                with self._lock:
-                    self._square_sum += square
-        else:
-            if bool(fresh.any()):
-                accumulator.index_copy_(0, rows[fresh], grad[fresh])
-                accumulator.index_add_(0, rows[~fresh], grad[~fresh])
-            else:
-                accumulator.index_add_(0, rows, grad)
+        # With the process's threads, not one (engine/host_threads.py): the squared norm taken here is a dot product,
+        # whose rounding depends on how many threads share it, and the step's norm (clipping) must stay what it was.
+        widened = grad if grad.dtype == landing.accumulator.dtype else grad.to(landing.accumulator.dtype)
+        # A staging buffer goes back to its pool now, so a gradient still in it is added, not kept.
+        square = landing.land(rows, widened, keep=buffer is None or widened is not grad,
+                              want_square=self._square_sum_is_norm)
+        if square is None or self._square_sum_is_norm:
             with self._lock:
-                self._square_sum_is_norm = False  # summed rows: the norm must be read from the sums themselves
-        written[rows] = True
+                if square is None:
+                    self._square_sum_is_norm = False  # summed rows: the norm must be read from the sums themselves
+                else:
+                    self._square_sum += square
         if buffer is not None:
             self._staging.give_back(buffer)  # type: ignore[union-attr]
         self.record(time.perf_counter() - start)
@@ -145,15 +149,13 @@ class RowGradients:
 
     # ---------------------------------------------------------------------------------------------- the step
     def step_blocks(self) -> list[torch.Tensor]:
-        """Each row slot's touched blocks for this step, their idle rows zeroed in the accumulators (once per step).
-
-        A block is stepped whole, so its rows without a gradient this step must read zero; their accumulator rows may
-        still hold a consumed step's sum (the step's first gradient of a row is copied in, never added to a zeroed
-        row), so exactly those rows are zeroed here.
-        """
+        """Each row slot's touched blocks for this step, their gradients prepared (once per step: main-thread host
+        work on rows, counted with the worker's in :meth:`take_busy_seconds`)."""
         self.flush()
         if self._prepared is None or self._prepared[0] != self.gradients_queued:
+            start = time.perf_counter()
             self._prepared, self._norm = (self.gradients_queued, [slot.touched_blocks() for slot in self.slots]), None
+            self.record(time.perf_counter() - start)
         return self._prepared[1]
 
     @torch.no_grad()
@@ -170,8 +172,10 @@ class RowGradients:
             if landed is not None:
                 squares = torch.tensor(landed, dtype=torch.float64)
             else:
+                start = time.perf_counter()
                 squares = torch.stack([torch.zeros((), dtype=torch.float64)] + [
                     slot.square_sum(blocks) for slot, blocks in zip(self.slots, step_blocks)]).sum()
+                self.record(time.perf_counter() - start)
             self._norm = squares.sqrt().float()
         return self._norm
 
@@ -188,12 +192,13 @@ class RowGradients:
 
     # ---------------------------------------------------------------------------------------------- telemetry
     def record(self, seconds: float) -> None:
-        """Count ``seconds`` of host work on rows (a gradient sum, a row step)."""
+        """Count ``seconds`` of host work on rows (a gradient sum, a step's blocks prepared, a row step)."""
         with self._lock:
             self._busy_seconds += seconds
 
     def take_busy_seconds(self) -> float:
-        """Seconds the worker spent on gradients and updates since the last call."""
+        """Seconds of host work on rows since the last call: the worker's gradient sums and updates, and the main
+        thread's preparing of each step's blocks."""
         with self._lock:
             seconds, self._busy_seconds = self._busy_seconds, 0.0
         return seconds

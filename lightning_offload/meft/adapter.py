@@ -18,6 +18,7 @@ thread while the FFN computes. :func:`~lightning_offload.meft.injection.inject_m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,8 @@ class _HostRows:
 
     Without ``meft_offload`` the accumulators sum gradients like ``.grad`` (zero-initialised, added to). Under it, a
     row's accumulator holds this step's sum only where ``written_keys`` / ``written_values`` say so: the step's first
-    gradient of a row is copied in rather than added, so no pass ever zeroes the rows a step consumed (see
+    gradient of a row is copied in rather than added, so no pass ever zeroes the rows a step consumed, and a step's
+    only gradient of a matrix is kept where it landed until something reads the accumulators (``before_read``; see
     :meth:`summed_gradients`).
     """
 
@@ -81,9 +83,13 @@ class _HostRows:
     written_values: torch.Tensor  # bool [N]: likewise for grad_values
     traffic: RowTraffic = field(default_factory=RowTraffic)
     expert_counts: torch.Tensor | None = None
+    #: Under ``meft_offload``: puts the step's gradients kept where they landed into the accumulators.
+    before_read: Callable[[], None] | None = None
 
     def summed_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of this step's summed key and value gradients, zero in rows that received none."""
+        if self.before_read is not None:
+            self.before_read()
         return (self.grad_keys * self.written_keys.unsqueeze(1), self.grad_values * self.written_values.unsqueeze(1))
 
 
@@ -141,6 +147,10 @@ class MEFTAdapter(nn.Module):
         # adapter's row step there (its slot). Without them (plain backward) gradients are added right in the hook.
         self.row_pipeline: RowGradients | None = None
         self.rows_slot: RowBlocksSlot | None = None
+        # The engine's rows per block, and the routing copy's and host keys' blocks as views (refreshing the routing
+        # copy of a step's blocks then slices nothing): the tensors they view, then the views.
+        self._row_block: int | None = None
+        self._block_views: tuple[Any, ...] | None = None
 
     def pin_host_memory(self) -> None:
         """Page-locks the host rows so gathers can be copied to a GPU asynchronously."""
@@ -275,6 +285,7 @@ class MEFTAdapter(nn.Module):
         ``key_lr_scale`` times the values' learning rate), the routing copy of stepped keys refreshed after each
         step."""
         h = self.host
+        self._row_block = block_rows
         return HostRowBlocks(name, [h.keys, h.values],
                              [h.grad_keys, h.grad_values], [h.written_keys, h.written_values], h.touched, block_rows,
                              [key_lr_scale, 1.0], self.refresh_routing_keys)
@@ -320,10 +331,29 @@ class MEFTAdapter(nn.Module):
             return
         if ranges is None:
             ranges = [(0, self.config.num_neurons)]
-        for start, end in ranges:
-            # Narrowed to bf16 on the host, so the link carries 2 bytes per element.
+        if self.routing_keys.device.type == "cpu":  # one op for every range, each rounded to bf16 as it is copied
+            torch._foreach_copy_(*self._routing_views(ranges))
+            return
+        for start, end in ranges:  # narrowed to bf16 on the host, so the link carries 2 bytes per element
             self.routing_keys[start:end] = self.host.keys[start:end].to(self.routing_keys.dtype).to(
                 self.routing_keys.device)
+
+    def _routing_views(self, ranges: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The routing copy's and the host keys' rows of ``ranges``: views of whole row blocks (made once per key
+        tensor, a step then slices nothing) when every range is made of the blocks the engine steps, else slices."""
+        block = self._row_block
+        if block is None or any(start % block or end % block for start, end in ranges):
+            return ([self.routing_keys[start:end] for start, end in ranges],
+                    [self.host.keys[start:end] for start, end in ranges])
+        if self._block_views is None or self._block_views[0] is not self.routing_keys \
+                or self._block_views[1] is not self.host.keys:
+            blocks = self.config.num_neurons // block
+            self._block_views = (self.routing_keys, self.host.keys,
+                                 self.routing_keys.view(blocks, block, -1).unbind(0),
+                                 self.host.keys.view(blocks, block, -1).unbind(0))
+        _, _, routing, keys = self._block_views
+        stepped = [b for start, end in ranges for b in range(start // block, end // block)]
+        return [routing[b] for b in stepped], [keys[b] for b in stepped]
 
 
 def link_dtype(x: torch.Tensor) -> torch.dtype:

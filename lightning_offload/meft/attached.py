@@ -67,6 +67,7 @@ class AttachedAdapters:
         self.gradients: RowGradients | None = slots[0].gradients
         for adapter, slot in zip(adapters, slots):
             adapter.row_pipeline, adapter.rows_slot = self.gradients, slot
+            adapter.host.before_read = slot.materialize
 
     @classmethod
     def attach(cls, module: torch.nn.Module, optimizer: OffloadOptimizer, settings: Callable[[], RowAdamSettings],
@@ -131,13 +132,12 @@ class AttachedAdapters:
             return
         try:
             if finish:
-                for adapter in self.adapters:
-                    adapter.wait_for_update()
-                gradients.flush()
+                for slot in self.slots:
+                    slot.materialize()  # after the slot's update: the sums of micro-batches not yet stepped
         finally:
             gradients.release()
             for adapter in self.adapters:
-                adapter.row_pipeline, adapter.rows_slot = None, None
+                adapter.row_pipeline, adapter.rows_slot, adapter.host.before_read = None, None, None
                 # Rows holding a consumed step's sum are zeroed; the sums of micro-batches not yet stepped are kept.
                 host = adapter.host
                 host.grad_keys[~host.written_keys] = 0

@@ -67,16 +67,34 @@ def host_trainable_parameters(adapters: Sequence[MEFTAdapter]) -> int:
 
 
 def expert_usage(adapters: Sequence[MEFTAdapter]) -> dict[str, float]:
-    """Expert-usage statistics since the start of fit: normalised entropy (1 = uniform) and share unused."""
+    """Expert-usage statistics since the start of fit: normalised entropy (1 = uniform) and share unused, averaged
+    over the adapters that routed any token (computed for them all at once: a step's figures cost a few ops)."""
+    counts = [adapter.host.expert_counts for adapter in adapters]
+    if not counts or len({c.numel() for c in counts}) != 1:
+        return _expert_usage_each(counts)
+    counts_ = torch.stack(counts).double()  # [adapters, experts]
+    totals = counts_.sum(dim=1, keepdim=True)
+    used = totals.squeeze(1) > 0
+    if not bool(used.any()):
+        return {}
+    p = counts_[used] / totals[used]
+    terms = torch.where(p > 0, p * p.log(), torch.zeros_like(p))
+    entropy = -terms.sum(dim=1) / math.log(counts_.shape[1])
+    unused = (counts_[used] == 0).double().mean(dim=1)
+    return {"meft/expert_usage_entropy": float(entropy.mean()), "meft/experts_unused_share": float(unused.mean())}
+
+
+def _expert_usage_each(counts: Sequence[torch.Tensor]) -> dict[str, float]:
+    """:func:`expert_usage` for adapters with different numbers of experts, one at a time."""
     entropies, unused = [], []
-    for adapter in adapters:
-        counts = adapter.host.expert_counts.double()
-        total = counts.sum()
+    for adapter_counts in counts:
+        c = adapter_counts.double()
+        total = c.sum()
         if total == 0:
             continue
-        p = counts[counts > 0] / total
-        entropies.append(float(-(p * p.log()).sum() / math.log(counts.numel())))
-        unused.append(float((counts == 0).double().mean()))
+        p = c[c > 0] / total
+        entropies.append(float(-(p * p.log()).sum() / math.log(c.numel())))
+        unused.append(float((c == 0).double().mean()))
     if not entropies:
         return {}
     return {"meft/expert_usage_entropy": sum(entropies) / len(entropies),
