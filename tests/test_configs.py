@@ -130,6 +130,7 @@ def test_data_instantiates_and_yields_batches(name: str, tmp_path: Path) -> None
 
 def test_offload_policies_instantiate(tmp_path: Path) -> None:
     expected = {"lsp": (LSPOffloadStrategy, "full"), "lsp_learned": (LSPOffloadStrategy, "full"),
+                "lsp_scaled": (LSPOffloadStrategy, "full"),
                 "zero": (ZeroOffloadStrategy, "full"), "none": (str, "full"),
                 "galore": (str, "galore"), "lora": (str, "lora"), "meft": (MEFTOffloadStrategy, "meft"),
                 "dense_adapter": (str, "adapter")}
@@ -144,6 +145,10 @@ def test_offload_policies_instantiate(tmp_path: Path) -> None:
     learned = instantiate(compose_cfg(["offload=lsp_learned"], tmp_path).offload)
     assert learned.strategy.projectors == "learned" and learned.learns_projectors and len(learned.callbacks()) == 1
     assert learned.strategy.rank == lsp.strategy.rank and learned.strategy.density == lsp.strategy.density
+    # lsp_scaled is lsp's host bytes with the full-rank scaled update.
+    scaled = instantiate(compose_cfg(["offload=lsp_scaled"], tmp_path).offload)
+    assert scaled.strategy.settings.update == "scaled" and scaled.strategy.settings.rank == lsp.strategy.rank
+    assert lsp.strategy.settings.update == "projected"
 
 
 @pytest.mark.parametrize("name", ["default", "cpu"])

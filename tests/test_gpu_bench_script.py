@@ -31,6 +31,13 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
     dense_ends = by_method["lsp_offload_dense_ends"]
     assert "error" not in dense_ends, dense_ends
     assert by_method["lsp_offload"]["link_bytes_per_step"] < dense_ends["link_bytes_per_step"]
+    # update="scaled", a lane of its own: the projection's bytes cross (fewer than zero's), its P and the full
+    # gradients it holds until the scales return are counted.
+    scaled = by_method["lsp_offload_scaled"]
+    assert "error" not in scaled, scaled
+    assert 0 < scaled["link_bytes_per_step"] < by_method["zero_offload"]["link_bytes_per_step"]
+    assert scaled["device_persistent_bytes"]["scaled_projections"] > 0
+    assert scaled["device_transient_bytes"]["held_gradients"] > 0
     for method in ("meft_host_routing", "meft_device_routing"):
         entry = by_method[method]
         assert "error" not in entry, entry

@@ -13,6 +13,7 @@ from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
 from lightning_offload.engine.row_slot import RowSlot
+from lightning_offload.engine.scaled_slot import ScaledSlot
 from lightning_offload.engine.slot import Slot
 from lightning_offload.engine.telemetry import OffloadTelemetry
 from lightning_offload.lsp.projector import SparseProjector
@@ -84,6 +85,12 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_adam
     for slot, adam_state in zip(slots, state["host_adam"]):
         if isinstance(slot, RowBlocksSlot):
             continue  # its row Adam checks its own state's layout
+        saved_scaled, scaled = "scaled" in adam_state, isinstance(slot, ScaledSlot)
+        if saved_scaled != scaled:
+            rules = ("scaled", "projected") if saved_scaled else ("projected", "scaled")
+            raise ValueError(f"The checkpoint stepped {slot.name} with update={rules[0]!r}, this run with "
+                             f"update={rules[1]!r}: their host states differ. Resume with update={rules[0]!r}. "
+                             + WEIGHTS_ONLY)
         saved_rows = "last_step" in adam_state  # a row Adam's state, not a torch optimizer's
         rows = isinstance(slot, RowSlot)
         if saved_rows != rows:

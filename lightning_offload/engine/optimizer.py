@@ -34,12 +34,14 @@ from lightning_offload.engine.block_row_adam import RowAdamSettings
 from lightning_offload.engine.orchestrator import StepOrchestrator
 from lightning_offload.engine.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.engine.row_gradients import RowGradients
+from lightning_offload.engine.scaled_slot import ScaledSlot
 from lightning_offload.engine.slot import Lanes, Slot, is_decoupled
 from lightning_offload.engine.slot_building import build_slots
 from lightning_offload.engine.speculation import Speculation
 from lightning_offload.engine.step_figures import StepFigures
 from lightning_offload.engine.user_optimizer import (
     LINK_DTYPES, check_engine_arguments, check_still_frozen, named_parameters_of, validate_user_optimizer)
+from lightning_offload.lsp.channel_scales import ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 
@@ -58,7 +60,8 @@ class OffloadOptimizer(Optimizer):
 
     Args:
         optimizer: the user's ``torch.optim.Adam``/``AdamW``; its ``param_groups`` are shared, never copied.
-        projected: the projected weights; each weight that appears in ``optimizer`` takes the compressed path.
+        projected: the projected weights; each weight that appears in ``optimizer`` takes the compressed path (a
+            :class:`~lightning_offload.lsp.channel_scales.ScaledWeight`: the scaled rule, ``update="scaled"``).
         device: the training device (where parameters and ``S`` buffers live).
         model: the module holding the parameters; needed for ``pipelined=True`` (its forward pre-hooks apply
             updates just in time). Default: ``None``.
@@ -103,7 +106,7 @@ class OffloadOptimizer(Optimizer):
     def __init__(
         self,
         optimizer: Optimizer,
-        projected: Iterable[ProjectedWeight],
+        projected: Iterable[ProjectedWeight | ScaledWeight],
         device: torch.device,
         model: torch.nn.Module | None = None,
         pipelined: bool = False,
@@ -361,6 +364,7 @@ class OffloadOptimizer(Optimizer):
         return {
             "projectors": sum(layer.proj_out.nbytes() + layer.proj_in.nbytes() for layer in self.projected_layers),
             "update_ring": self.lanes.ring.nbytes() if self.lanes.ring is not None else 0,
+            "scaled_projections": sum(slot.weight.nbytes() for slot in self.slots if isinstance(slot, ScaledSlot)),
             "device_optimizer": self.device_adam.state_bytes() if self.device_adam is not None else 0,
         }
 

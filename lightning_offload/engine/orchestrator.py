@@ -198,6 +198,8 @@ class StepOrchestrator:
         if slot.weights_written():  # loaded weights, say: the master steps from them, not from what it held
             speculation.undo(slot, self.round)  # a step begun during backward stepped the master it held
             slot.adopt_written_weights()
+        if clip is not None and clip[0] == "value":
+            slot.clamp_on_device(clip[1])  # where the host cannot clamp what crosses (the scaled rule)
         settings = slot.settings()
         confirmed = speculation.holds(slot, self.round, clip, settings)
         if not slot.is_sent(self.round):

@@ -175,6 +175,11 @@ class Slot:
         """Whether this step's final gradient is already on its way (sent in ``round_``, not changed since)."""
         return self.sent_round == round_
 
+    def clamp_on_device(self, bound: float) -> None:
+        """Clip by value, at the step: clamp the device gradient itself and send it again, where the host cannot
+        clamp what crosses (the scaled rule: its projection crosses, its full gradient is applied). Most kinds: nothing
+        here, the host clamps the gradient as it lands."""
+
     def release_gradient(self) -> None:
         """Drop what the device holds of a gradient once it is on its way (a projected weight's ``S``)."""
 

@@ -14,26 +14,32 @@ from lightning_offload.engine.dense_slot import DenseSlot
 from lightning_offload.engine.projected_slot import ProjectedSlot
 from lightning_offload.engine.remote_slot import RemoteSlot
 from lightning_offload.engine.row_slot import RowSlot
+from lightning_offload.engine.scaled_slot import ScaledSlot, scaled_across_ranks_error
 from lightning_offload.engine.slot import Lanes, Slot
+from lightning_offload.lsp.channel_scales import ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight
 
 
 def build_slots(
-    param_groups: list[dict[str, Any]], projected: Sequence[ProjectedWeight], lanes: Lanes,
+    param_groups: list[dict[str, Any]], projected: Sequence[ProjectedWeight | ScaledWeight], lanes: Lanes,
     model: torch.nn.Module | None, left_out: set[int], row_sparse: set[int], rounding_seed: int,
     decoupled: Callable[[dict[str, Any]], bool],
 ) -> list[Slot]:
     """One slot per trained tensor of ``param_groups``, in forward order when ``model`` is given.
 
     Args:
+        projected: the projected weights (a :class:`ScaledWeight` takes the scaled rule).
         left_out: ids of parameters that get no slot (frozen, or stepped on the device).
         row_sparse: ids of embeddings stepped row by row.
         rounding_seed: seeds each projected weight's stochastic-rounding generator (alike on every rank).
         decoupled: whether a group's weight decay is AdamW's.
 
     Raises:
-        ValueError: for a projected layer whose weight the optimizer does not train.
+        ValueError: for a projected layer whose weight the optimizer does not train; for a scaled weight's group with
+            Adam's coupled L2; for a scaled weight under data parallelism.
     """
+    if lanes.ranks is not None and any(isinstance(layer, ScaledWeight) for layer in projected):
+        raise scaled_across_ranks_error()
     by_param = {id(layer.weight): layer for layer in projected}
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
@@ -48,6 +54,8 @@ def build_slots(
             if layer is not None else None
         if owner != here:
             slots.append(RemoteSlot(name, param, group, lanes, decoupled(group), layer, generator, owner))
+        elif isinstance(layer, ScaledWeight):
+            slots.append(ScaledSlot(name, param, group, lanes, decoupled(group), layer, generator))
         elif layer is not None:
             slots.append(ProjectedSlot(name, param, group, lanes, decoupled(group), layer, generator, owner))
         elif id(param) in row_sparse:

@@ -28,6 +28,8 @@ class StepTelemetry:
             launched (transient: each is released once sent).
         device_saved_projection_bytes: bytes of ``B Xᵀ`` the step's forwards kept for backward (transient: the
             projected layers' share of saved activations, in place of their inputs).
+        device_held_gradient_bytes: bytes of full gradients the device held from the step until their scales were
+            applied (``update="scaled"``: the scaled weights' gradients, as native training holds until its step).
         sparse_rows: rows of row-sparse embeddings (``embeddings="sparse"``) that crossed and were stepped.
         bytes_between_ranks: with data parallelism, the bytes this rank handed to collectives for one step: its
             gradient buckets, the global norm, and the updates it broadcast or received (payload sizes; see
@@ -44,6 +46,7 @@ class StepTelemetry:
     host_share_before_backward_end: float = 0.0
     device_compressed_grad_bytes: float = 0.0
     device_saved_projection_bytes: float = 0.0
+    device_held_gradient_bytes: float = 0.0
     sparse_rows: float = 0.0
     bytes_between_ranks: float = 0.0
 
@@ -59,7 +62,8 @@ class OffloadTelemetry:
         host_state_bytes: bytes of optimizer state held on the host (moments, fp32 masters, update buffers).
         device_state_bytes: bytes of optimizer state found on the device — measured, expected to be 0.
         device_persistent_bytes: bytes the offload machinery keeps on the device between steps, by category:
-            ``projectors`` (indices, values, CSR structure), ``update_ring`` (buffers updates land in) and
+            ``projectors`` (indices, values, CSR structure), ``update_ring`` (buffers updates land in),
+            ``scaled_projections`` (the scaled rule's ``P`` of every scaled weight) and
             ``device_optimizer`` (state and fp32 masters of parameters kept on the device with a device Adam).
         update_ring_fallbacks: compressed updates so far that found no free buffer in the device update ring and were
             copied into a one-off allocation instead (costs speed, not correctness; raise ``update_buffers``).

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_offload.engine.scaled_slot import scaled_across_ranks_error
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.clipping import NonFinitePolicy
@@ -102,6 +103,8 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         embeddings: ``"host"``, ``"device"`` or ``"frozen"``: the row-sparse embedding (``"sparse"``) is
             single-device only, since each rank's batch touches different rows. Default: ``None`` (``"host"``).
         head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``. Default: ``None`` (``"host"``).
+        update: ``"projected"`` only: ``"scaled"`` (see :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy`)
+            trains on one process and is refused here. Default: ``"projected"``.
 
     Every rank must draw the same projectors: they are seeded by ``seed``, and learned fits are made on the mean of
     the ranks' sampled gradients and installed from rank 0.
@@ -148,11 +151,14 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        update: str = "projected",
         **unknown: Any,
     ) -> None:
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
         # Built first: a bad setting is refused before the DDP machinery is set up.
         settings = OffloadSettings.from_arguments(locals())
+        if settings.update == "scaled":
+            raise scaled_across_ranks_error()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -164,6 +164,11 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     for message in placement.messages:
         say(f"{name}: {message}")
     layers = attach_projections(model, user_optimizer, settings, placement, device) if settings.projection else []
+    if settings.update == "scaled" and layers:
+        sizes = sorted({f"{layer.channels}×{layer.projected_side}→{layer.channels}×{layer.rank}" for layer in layers})
+        say(f"{name}: update='scaled': {len(layers)} layers get full-rank updates scaled per channel from host moments "
+            f"of their gradients' projections ({', '.join(sizes[:4])}{', …' if len(sizes) > 4 else ''}); their full "
+            f"gradients stay on the device until the step's scales return.")
     if settings.projection and not layers:
         warn(f"strategy {name!r} found no layer to project: no trainable Linear/Conv1D has both dims ≥ "
              f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "

@@ -161,6 +161,17 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
             embedding takes this setting. Default: ``None`` (``"host"``).
+        update: how a projected weight's host moments become its update. ``"projected"``: LSP's ``c·AᵀUB``, a
+            low-rank update from Adam in the compressed space (the device never forms the weight's gradient).
+            ``"scaled"``: a full-rank update, the weight's gradient scaled per channel from Adam's moments of a random
+            projection ``R = G·Pᵀ`` of the same host bytes as ``rank`` gives (APOLLO's rule,
+            :mod:`lightning_offload.lsp.channel_scales`); the device forms ``G`` and keeps it until the step's
+            scales return, as native training keeps its gradients. One process only; AdamW's decoupled decay (not
+            Adam's L2). Default: ``"projected"``.
+        redraw_every: under ``update="scaled"``, steps between draws of the projection ``P`` (the moments are kept).
+            Default: ``200``.
+        norm_growth_limit: under ``update="scaled"``, the most the update's norm may grow from one step to the next
+            (``None``: no limit). Default: ``1.01``.
 
     Example::
 
@@ -199,6 +210,9 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         speculative: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        update: str = "projected",
+        redraw_every: int = 200,
+        norm_growth_limit: float | None = 1.01,
         **unknown: Any,
     ) -> None:
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.projector_fitting import OneProcess
+from lightning_offload.engine.scaled_slot import ScaledSlot
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.strategies.embeddings_head import Placement
 from lightning_offload.strategies.engine_setup import EngineSetup, Placements, build_engine
@@ -281,8 +282,10 @@ class OffloadMixin(OneProcess):
     # ---------------------------------------------------------------------------------------------- reporting
     def offload_facts(self) -> OffloadFacts:
         """What a run's summary needs of this strategy beyond its logged figures (see strategies/report.py)."""
+        scaled = sum(isinstance(slot, ScaledSlot) for slot in self.offload_optimizer.slots) \
+            if self.offload_optimizer is not None else 0
         return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
-                            projected_layers=len(self.projected_layers))
+                            projected_layers=len(self.projected_layers) + scaled)
 
     def figures_at_step_end(self) -> dict[str, float]:
         """Figures complete when the latest step returned (:meth:`_take_step_end_figures`; the engine files its own

@@ -33,8 +33,8 @@ class PlainConversion:
     Attributes:
         exact: parameters whose Adam state was carried over exactly.
         caught_up: row-sparse embeddings whose moments were caught up over their rows' skipped steps.
-        restarted: parameters whose state starts afresh under plain AdamW (projected weights, and any other state
-            that had no full-size form).
+        restarted: parameters whose state starts afresh under plain AdamW (projected weights, under either
+            ``update=`` rule, and any other state that had no full-size form).
     """
 
     exact: list[str] = field(default_factory=list)
@@ -105,7 +105,8 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
     report = PlainConversion()
     slot_params = set()
     for slot, host_state in zip(offload["slots"], offload["host_adam"]):
-        if slot in offload["projectors"]:
+        # A projected weight's moments (compressed, or of the scaled rule's projection) have no full-size form.
+        if slot in offload["projectors"] or "scaled" in host_state:
             report.restarted.append(f"{slot}.weight")
             slot_params.add(f"{slot}.weight")
             continue

@@ -24,7 +24,8 @@ class OffloadFacts:
     Attributes:
         gradients_offloaded: gradients and optimizer state leave the device tensor by tensor (none persist there).
             Default: ``False``.
-        projected_layers: layers whose gradients are compressed by LSP projectors. Default: ``0``.
+        projected_layers: layers whose gradients are compressed by LSP projectors (or, under ``update="scaled"``,
+            projected for the scaled rule's host moments). Default: ``0``.
         host_trainable_parameters: trained values held on the host as plain tensors, not module parameters (MEFT's
             adapter rows); Lightning's model summary does not count them. Default: ``0``.
         host_rows_bytes: bytes of those rows with their gradient accumulators and Adam moments. Default: ``0``.

@@ -19,10 +19,15 @@ from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.strategies.embeddings_head import validate_placements
 
 PROJECTOR_KINDS = ("learned", "random")
+UPDATE_RULES = ("projected", "scaled")
 NON_FINITE_POLICIES = ("skip", "raise")
 #: The settings that only mean something when weights are projected.
 PROJECTION_SETTINGS = ("rank", "density", "min_dim", "target_modules", "exclude_modules", "projectors",
-                       "projector_factory", "update_buffers")
+                       "projector_factory", "update_buffers", "update", "redraw_every", "norm_growth_limit")
+#: The settings of ``update="projected"``'s sparse projectors and update ring, which the scaled rule has none of.
+PROJECTED_ONLY_SETTINGS = ("density", "projectors", "projector_factory", "update_buffers")
+#: The settings of ``update="scaled"`` only.
+SCALED_ONLY_SETTINGS = ("redraw_every", "norm_growth_limit")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,10 @@ class OffloadSettings:
         embeddings: ``"host"``, ``"sparse"``, ``"device"``, ``"frozen"`` or ``None`` for the strategy's default.
             Default: ``None``.
         head: ``"host"``, ``"projected"``, ``"device"``, ``"frozen"`` or ``None`` (``"host"``). Default: ``None``.
+        update: ``"projected"`` (LSP's ``c·AᵀUB``) or ``"scaled"`` (full-rank: the gradient scaled per channel from
+            compressed host moments, :mod:`lightning_offload.lsp.channel_scales`). Default: ``"projected"``.
+        redraw_every: steps between draws of the scaled rule's projection. Default: ``200``.
+        norm_growth_limit: the most the scaled rule's update norm may grow per step, or ``None``. Default: ``1.01``.
 
     Example::
 
@@ -78,6 +87,9 @@ class OffloadSettings:
     speculative: bool | None = None
     embeddings: str | None = None
     head: str | None = None
+    update: str = "projected"
+    redraw_every: int = 200
+    norm_growth_limit: float | None = 1.01
 
     def __post_init__(self) -> None:
         # Lists (from a YAML config, say) become tuples: the value stays immutable and hashable.
@@ -101,6 +113,7 @@ class OffloadSettings:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}.")
         validate_placements(self.embeddings or "host", self.head or "host")
+        self._validate_update_rule()
         if self.head == "projected" and not self.projection:
             raise ValueError("head='projected' needs projection, which this strategy does not do. Use head='host', "
                              "'device' or 'frozen', or strategy='lsp_offload'.")
@@ -130,6 +143,26 @@ class OffloadSettings:
         if not callable(self.projector_factory):
             raise TypeError(f"projector_factory must be callable (see lsp.projector.random_projector), got "
                             f"{self.projector_factory!r}.")
+
+    def _validate_update_rule(self) -> None:
+        if self.update not in UPDATE_RULES:
+            raise ValueError(f"update must be one of {UPDATE_RULES}, got {self.update!r}.")
+        if isinstance(self.redraw_every, bool) or not isinstance(self.redraw_every, int) or self.redraw_every < 1:
+            raise ValueError(f"redraw_every must be a positive int (steps between draws of the scaled rule's "
+                             f"projection), got {self.redraw_every!r}.")
+        limit = self.norm_growth_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 1.0):
+            raise ValueError(f"norm_growth_limit must be None (no limiter) or a number above 1 (the most the update's "
+                             f"norm may grow per step, e.g. 1.01), got {limit!r}.")
+        defaults = {f.name: f.default for f in fields(self)}
+        foreign = SCALED_ONLY_SETTINGS if self.update == "projected" else PROJECTED_ONLY_SETTINGS
+        given = [name for name in foreign if getattr(self, name) != defaults[name]]
+        if given:
+            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
+            other = "scaled" if self.update == "projected" else "projected"
+            raise ValueError(f"{shown}: {'this setting applies' if len(given) == 1 else 'these settings apply'} only "
+                             f"to update={other!r}, and this strategy was given update={self.update!r}. Remove "
+                             f"{'it' if len(given) == 1 else 'them'}, or use update={other!r}.")
 
     def _refuse_projection_settings(self) -> None:
         defaults = {f.name: f.default for f in fields(self)}

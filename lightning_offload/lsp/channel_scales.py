@@ -1,0 +1,170 @@
+"""The full-rank update rule ``update="scaled"``: Adam's moments kept for a random projection of the gradient, one
+learning-rate scale per channel of the full gradient (APOLLO's channel-wise rule, arXiv 2412.05270), offloaded.
+
+For a weight ``W`` (``o × i``) with gradient ``G``, let ``n = min(o, i)`` be the smaller side and the channels the
+rows or columns along the larger one. ``P`` (``r × n``, entries ``N(0, 1/r)``) projects each channel of ``G`` to
+``r`` numbers, ``R = G·Pᵀ`` (``channels × r``). The host keeps Adam's moments of ``R`` only and returns, per channel,
+``s_j = ‖R̃_j‖ / ‖R_j‖`` with ``R̃ = m̂ / (√v̂ + ε)``; the device applies the full-rank update
+``W ← W·(1 − lr·λ) − lr·α·diag(s)·G`` with ``α = √(n / r)``. A norm-growth limiter keeps ``‖diag(s)·G‖`` from
+growing more than ``γ``-fold per step (against the last applied norm). ``P`` is redrawn every ``redraw_every`` steps;
+the moments are kept across a redraw.
+
+The rank means what it means for ``update="projected"``: the same host elements per layer, so ``rank=0.25``
+(``(o/4)·(i/4)`` moments) projects each channel to ``n/16`` numbers.
+
+This module holds the device's arithmetic (projection, application) and the host's (scales, limiter); the engine's
+:class:`~lightning_offload.engine.scaled_slot.ScaledSlot` moves them between the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_offload.lsp.linear import is_hf_conv1d
+from lightning_offload.lsp.rounding import copy_stochastic_rounded_
+from lightning_offload.lsp.targets import compressed_size
+
+# Elements of one block of a low-precision weight's fp32 temporary while the update is applied (as
+# lsp/linear.py's projected update: 1 MiB on the CPU, 16 MiB on an accelerator).
+_BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 22}
+
+
+def scaled_projection_size(out_features: int, in_features: int, rank: int | float) -> int:
+    """``r``: the projected size of each channel that keeps the host elements of ``update="projected"`` at ``rank``
+    (``⌈rank·o⌉·⌈rank·i⌉ / max(o, i)``, rounded, between 1 and the smaller side)."""
+    compressed = compressed_size(out_features, rank) * compressed_size(in_features, rank)
+    return max(1, min(min(out_features, in_features), round(compressed / max(out_features, in_features))))
+
+
+@dataclass(frozen=True)
+class ScaledRule:
+    """The rule's own settings (the strategies' ``redraw_every`` and ``norm_growth_limit``).
+
+    Attributes:
+        redraw_every: steps between draws of ``P`` (its moments are kept).
+        norm_growth_limit: ``γ``, the most the update's norm may grow per step, or ``None`` for no limiter.
+    """
+
+    redraw_every: int = 200
+    norm_growth_limit: float | None = 1.01
+
+
+class ScaledWeight:
+    """One weight trained by the scaled rule: its module, its channel layout and its projection ``P``.
+
+    The module is left as it is (its own forward and backward: the full gradient fills ``weight.grad``).
+
+    Args:
+        name: the module's qualified name.
+        module: an ``nn.Linear`` or Hugging Face ``Conv1D``.
+        rank: the strategies' ``rank`` (see :func:`scaled_projection_size`).
+        seed: seeds every draw of ``P`` (with ``position`` and the draw's number).
+        position: the weight's number among the scaled ones (distinct draws per weight).
+        rule: the rule's settings.
+        device: where ``P`` lives.
+    """
+
+    def __init__(self, name: str, module: nn.Module, rank: int | float, seed: int, position: int, rule: ScaledRule,
+                 device: torch.device) -> None:
+        self.name = name
+        self.module = module
+        self.rule = rule
+        self.seed = int(seed)
+        self.position = int(position)
+        rows, cols = module.weight.shape
+        out_features, in_features = (cols, rows) if is_hf_conv1d(module) else (rows, cols)
+        #: The stored weight's dimension that holds the channels (the larger side; the output side when square).
+        self.channel_dim = 0 if (out_features >= in_features) != is_hf_conv1d(module) else 1
+        self.channels = module.weight.shape[self.channel_dim]
+        self.projected_side = module.weight.shape[1 - self.channel_dim]
+        self.rank = scaled_projection_size(out_features, in_features, rank)
+        #: ``α = √(n/r)``: gives the scaled update the size of a dense Adam update at the user's learning rate.
+        self.alpha = math.sqrt(self.projected_side / self.rank)
+        self.device = device
+        self.draw_number = -1
+        self.projection = self.draw(0)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The module's weight parameter."""
+        return self.module.weight
+
+    def draw(self, number: int) -> Tensor:
+        """``P`` of draw ``number`` (seeded by the seed, the position and the number: a resume redraws it exactly)."""
+        if number != self.draw_number:
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.position) * 1_000_003 + number)
+            drawn = torch.randn(self.rank, self.projected_side, generator=generator) / math.sqrt(self.rank)
+            self.projection, self.draw_number = drawn.to(self.device), number
+        return self.projection
+
+    def draw_for_step(self, steps_taken: int) -> None:
+        """Make ``P`` the draw of the step after ``steps_taken`` taken steps."""
+        self.draw(steps_taken // self.rule.redraw_every)
+
+    def nbytes(self) -> int:
+        """Device bytes held for this weight (``P``)."""
+        return self.projection.numel() * self.projection.element_size()
+
+    @torch.no_grad()
+    def project(self, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """``R = G·Pᵀ`` (``channels × r``, in the gradient's dtype) and each channel's ``‖G_j‖²`` (fp32), on the
+        device, from the stored gradient ``grad``."""
+        by_channel = grad if self.channel_dim == 0 else grad.t()
+        projected = by_channel @ self.projection.to(grad.dtype).t()
+        squares = torch.linalg.vector_norm(grad, dim=1 - self.channel_dim, dtype=torch.float32).square()
+        return projected, squares
+
+    @torch.no_grad()
+    def apply(self, grad: Tensor, scales: Tensor, step_size: float, decay: float,
+              generator: torch.Generator | None) -> None:
+        """``W ← W·decay − step_size·diag(s)·G`` along the channels, in place on the device (``step_size = ±lr·α``).
+
+        fp32 weights in two passes without a temporary; low-precision ones block by block in fp32, rounded
+        stochastically (round-to-nearest would drop updates below half an ulp of the weight).
+        """
+        weight = self.weight.data
+        scales = scales.to(weight.device, torch.float32)
+        if weight.dtype == torch.float32:
+            if decay != 1.0:
+                weight.mul_(decay)
+            weight.addcmul_(grad, scales.unsqueeze(1 - self.channel_dim), value=-step_size)
+            return
+        rows, row_length = weight.shape
+        block = max(1, _BLOCK_ELEMENTS.get(weight.device.type, _BLOCK_ELEMENTS["cuda"]) // max(row_length, 1))
+        for start in range(0, rows, block):
+            here = slice(start, min(start + block, rows))
+            row_scales = scales[here].unsqueeze(1) if self.channel_dim == 0 else scales.unsqueeze(0)
+            value = grad[here].float().mul_(row_scales).mul_(-step_size)
+            value.add_(weight[here], alpha=decay) if decay != 1.0 else value.add_(weight[here])
+            copy_stochastic_rounded_(weight[here], value, generator)
+
+
+def channel_scales(direction: Tensor, gradient_norms: Tensor, channel_squares: Tensor, last_norm: float | None,
+                   limit: float | None) -> tuple[Tensor, float]:
+    """Host: each channel's scale and the update's norm after the limiter.
+
+    Args:
+        direction: Adam's direction ``±R̃`` (``channels × r``; the sign does not matter, only row norms are read).
+        gradient_norms: ``‖R_j‖`` of the unclipped projected gradient (the device's ``G`` is unclipped too, so
+            clipping reaches the update only through the moments, exactly as for a clipped ``G``).
+        channel_squares: ``‖G_j‖²`` of the device's unclipped gradient.
+        last_norm: the norm of the update applied at the last step, or ``None`` before the first.
+        limit: ``γ``, or ``None`` for no limiter.
+
+    Returns:
+        The scales ``s`` (fp32, ``channels``) and the norm ``‖diag(s)·G‖`` they give, to compare the next one with.
+    """
+    numerators = torch.linalg.vector_norm(direction, dim=1)
+    # A channel whose projected gradient is exactly zero carries no scale (its gradient row is zero almost surely).
+    scales = torch.where(gradient_norms > 0, numerators / gradient_norms.clamp_min(torch.finfo(torch.float32).tiny),
+                         torch.zeros_like(numerators))
+    norm = float(torch.sqrt((scales.square() * channel_squares).sum()))
+    # Against a zero last norm (a step whose gradient was all zero) nothing can be compared: no limit then.
+    if limit is not None and last_norm and norm > limit * last_norm:
+        scales.mul_(limit * last_norm / norm)
+        norm = limit * last_norm
+    return scales, norm
