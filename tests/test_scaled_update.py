@@ -218,6 +218,20 @@ def test_telemetry_reports_the_held_gradients_and_the_projections() -> None:
     assert figures["offload/device_persistent_bytes/projectors"] == 0
 
 
+def test_row_sparse_embeddings_train_beside_it() -> None:
+    """The default embedding placement (row-sparse on the host) with the scaled rule on the other layers."""
+    model = tiny_hf_model("llama")
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01),
+                        **{**SCALED, "embeddings": "sparse"})
+    run_loop(model, optimizer, list(token_data(n=12, batch_size=4)))
+    optimizer.synchronize()
+    figures = optimizer.telemetry.metrics()
+    optimizer.close()
+    assert figures["offload/sparse_rows"] > 0 and figures["offload/device_held_gradient_bytes"] > 0
+    moved(model, tiny_hf_model("llama"))
+    assert not torch.equal(model.model.embed_tokens.weight, tiny_hf_model("llama").model.embed_tokens.weight)
+
+
 class Scaled(TinyCausalLM):
     """The usual AdamW; with ``reference``, the torch-only rule instead (for plain Lightning)."""
 

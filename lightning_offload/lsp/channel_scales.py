@@ -139,7 +139,10 @@ class ScaledWeight:
             here = slice(start, min(start + block, rows))
             row_scales = scales[here].unsqueeze(1) if self.channel_dim == 0 else scales.unsqueeze(0)
             value = grad[here].float().mul_(row_scales).mul_(-step_size)
-            value.add_(weight[here], alpha=decay) if decay != 1.0 else value.add_(weight[here])
+            if decay != 1.0:
+                value.add_(weight[here], alpha=decay)
+            else:
+                value.add_(weight[here])
             copy_stochastic_rounded_(weight[here], value, generator)
 
 
