@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.cli.benchmark_run import PhaseReader, StepClock
 from lightning_offload.engine.phases import PHASES
+from lightning_offload.engine.scaled_slot import ScaledSlot
 from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -48,9 +49,30 @@ CONFIGS: dict[str, Any] = {
 }
 
 
+def device_bytes(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
+    """What training keeps on the device beside the weights and the activations the model saves anyway: for the
+    offload strategies the engine's own figures (persistent: projectors, update ring, the scaled rule's ``P``;
+    per step: the dense gradients, ``S``, full gradients held until their scales return); for plain AdamW its two
+    moments and its gradients, all on the device. Activations are not counted: ``update="projected"`` keeps ``B Xᵀ``
+    (``offload/device_saved_projection_bytes``) where the others keep the projected layers' inputs ``X``."""
+    optimizer = getattr(trainer.strategy, "offload_optimizer", None)
+    trained = {id(p): p.numel() * p.element_size() for p in module.parameters() if p.requires_grad}
+    if optimizer is None:
+        return {"persistent": 2.0 * sum(trained.values()), "per step": float(sum(trained.values()))}
+    last = optimizer.telemetry.last
+    # Gradients that fill .grad on the device until they are sent: every trained tensor but the projected weights
+    # (never a .grad) and the scaled ones (counted as held).
+    compressed = {id(layer.weight) for layer in optimizer.projected_layers}
+    compressed |= {id(slot.param) for slot in optimizer.slots if isinstance(slot, ScaledSlot)}
+    dense_grads = sum(size for key, size in trained.items() if key not in compressed)
+    return {"persistent": float(sum(optimizer.telemetry.device_persistent_bytes.values())),
+            "per step": dense_grads + last.device_compressed_grad_bytes + last.device_held_gradient_bytes}
+
+
 def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidden: int,
-            untied: bool = False) -> tuple[float, dict[str, float]]:
-    """Median steady step seconds of one configuration, and the median seconds of each engine phase."""
+            untied: bool = False) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Median steady step seconds of one configuration, the median seconds of each engine phase, and its device
+    bytes (:func:`device_bytes`)."""
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4,
                        tie_word_embeddings=not untied)
@@ -66,7 +88,7 @@ def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidd
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock, phases])
     trainer.fit(module, train_dataloaders=loader)
-    return statistics.median(clock.seconds[warmup:]), phases.medians()
+    return statistics.median(clock.seconds[warmup:]), phases.medians(), device_bytes(trainer, module)
 
 
 def main() -> None:
@@ -84,10 +106,11 @@ def main() -> None:
         parser.error("--configs must include 'plain fused AdamW': every figure is a ratio to it.")
     results: dict[str, list[float]] = {name: [] for name in args.configs}
     phase_runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.configs}
+    memory: dict[str, dict[str, float]] = {}
     for repeat in range(args.repeats):
         for name in args.configs:
-            seconds, phases = measure(name, args.precision, args.steps, args.warmup, args.vocab, args.hidden,
-                                      args.untied)
+            seconds, phases, memory[name] = measure(name, args.precision, args.steps, args.warmup, args.vocab,
+                                                    args.hidden, args.untied)
             results[name].append(seconds)
             phase_runs[name].append(phases)
             print(f"[repeat {repeat}] {name}: {seconds * 1e3:.1f} ms/step", flush=True)
@@ -95,11 +118,13 @@ def main() -> None:
     print(f"\nsmall LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
           f"head), 8×128 tokens, {args.precision}, "
           f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| configuration | ms / step (median) | × plain fused AdamW |")
-    print("|---|---|---|")
+    print("| configuration | ms / step (median) | × plain fused AdamW | device MiB kept beside the weights: "
+          "persistent, per step |")
+    print("|---|---|---|---|")
     for name, values in results.items():
         seconds = statistics.median(values)
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / baseline:.2f} |")
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / baseline:.2f} | {memory[name]['persistent'] / 2**20:.1f}, "
+              f"{memory[name]['per step'] / 2**20:.1f} |")
     print_phases(results, phase_runs, baseline)
 
 
