@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,58 @@ TINY = ["model=tiny_llama", "trainer=cpu", "trainer.max_steps=4", "trainer.val_c
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture()
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def _env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # The subprocesses inherit conftest's temp WANDB_* dirs; tokenised-data caches go to a temp dir too.
     return {**os.environ, "LIGHTNING_OFFLOAD_CACHE": str(tmp_path_factory.getbasetemp() / "cache"),
             "HYDRA_FULL_ERROR": "0"}
 
 
+@pytest.fixture()
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _env(tmp_path_factory)
+
+
 def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# The command lines that stop before training (a refused setting, an unknown option, a failed Trainer): each is a
+# fresh interpreter spending its ~8 s on imports, on one core. They are launched together at the first test that
+# reads one, two at a time (2 cores), each in a directory of its own, and each test asserts on its own run's result.
+REFUSED = [
+    ("lr-nan", ["optim.lr=nan"], "SettingsError: optim.lr=nan must be a finite number > 0; set e.g. optim.lr=1e-4."),
+    ("weight-decay", ["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a finite number ≥ 0.0; set e.g."),
+    ("warmup", ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be an int ≥ 0"),
+    ("betas", ["optim.betas=[0.9,1.5]"],
+     "optim.betas=[0.9, 1.5] must be two numbers in [0, 1); set e.g. optim.betas=[0.9,0.999]"),
+    ("decay", ["optim.decay=step"], "optim.decay='step' is not one of ('constant', 'linear', 'cosine')"),
+    ("two-warmups", ["optim.warmup_steps=5", "optim.warmup_ratio=0.1"], "both set the warm-up; set one of them to 0"),
+    ("unknown", ["+optim.momentum=0.9"],
+     "optim.momentum is not an optimizer setting; the settings are ['betas', 'decay'"),
+    ("rank", ["offload.strategy.rank=0"], "ValueError: rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
+]
+FAILED = [
+    ("devices", ["offload=meft", "trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
+]
+ONE_STEP = ["model=tiny_llama", "trainer=cpu", "logger=none", "trainer.max_steps=1"]
+# name: (arguments, whether hydra.run.dir is set, timeout in seconds)
+STOPPED_EARLY = {"unknown-option": (["offload=zero_offload"], False, 120)}
+STOPPED_EARLY |= {f"refused-{name}": ([*ONE_STEP, *overrides], True, 300) for name, overrides, _ in REFUSED}
+STOPPED_EARLY |= {f"failed-{name}": ([*ONE_STEP, *overrides], True, 300) for name, overrides, _ in FAILED}
+
+
+@pytest.fixture(scope="module")
+def stopped_early(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """Each name in STOPPED_EARLY: a future of (its finished process, its hydra.run.dir), run from a fresh cwd."""
+    env = _env(tmp_path_factory)
+
+    def launch(name: str, args: list[str], set_run_dir: bool, timeout: int) -> tuple[subprocess.CompletedProcess, Path]:
+        cwd = tmp_path_factory.mktemp(name)
+        run_dir = cwd / "run"
+        return run_cli([*args, f"hydra.run.dir={run_dir}"] if set_run_dir else args, cwd, env, timeout), run_dir
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(launch, name, *launch_as) for name, launch_as in STOPPED_EARLY.items()}
 
 
 def test_two_devices_run_the_ddp_form_of_the_offload_strategy(tmp_path: Path, env: dict[str, str]) -> None:
@@ -155,8 +199,8 @@ def test_optuna_search_runs_trials(tmp_path: Path, env: dict[str, str]) -> None:
     assert len(losses) == 2 and result["best_value"] == pytest.approx(min(losses), rel=1e-5)
 
 
-def test_unknown_option_on_the_command_line_lists_the_choices(tmp_path: Path, env: dict[str, str]) -> None:
-    done = run_cli(["offload=zero_offload"], tmp_path, env, timeout=120)
+def test_unknown_option_on_the_command_line_lists_the_choices(stopped_early: dict[str, Future]) -> None:
+    done, _ = stopped_early["unknown-option"].result()
     assert done.returncode != 0
     assert "Could not find 'offload/zero_offload'" in done.stderr
     assert "Available options in 'offload'" in done.stderr and "zero" in done.stderr
@@ -207,21 +251,11 @@ def test_a_resumed_run_continues_its_history_in_its_own_directory(tmp_path: Path
     assert "last.ckpt" in resumed_config.read_text()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optim.lr=nan"], "SettingsError: optim.lr=nan must be a finite number > 0; set e.g. optim.lr=1e-4."),
-    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a finite number ≥ 0.0; set e.g."),
-    (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be an int ≥ 0"),
-    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two numbers in [0, 1); set e.g. optim.betas=[0.9,0.999]"),
-    (["optim.decay=step"], "optim.decay='step' is not one of ('constant', 'linear', 'cosine')"),
-    (["optim.warmup_steps=5", "optim.warmup_ratio=0.1"], "both set the warm-up; set one of them to 0"),
-    (["+optim.momentum=0.9"], "optim.momentum is not an optimizer setting; the settings are ['betas', 'decay'"),
-    (["offload.strategy.rank=0"], "ValueError: rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
-], ids=["lr-nan", "weight-decay", "warmup", "betas", "decay", "two-warmups", "unknown", "rank"])
-def test_refused_settings_say_the_fix_and_leave_no_run_directory(tmp_path: Path, env: dict[str, str], overrides,
-                                                                  message):
-    run_dir = tmp_path / "run"
-    done = run_cli(["model=tiny_llama", "trainer=cpu", "logger=none", "trainer.max_steps=1", *overrides,
-                    f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=300)
+@pytest.mark.parametrize("name, message", [(name, message) for name, _, message in REFUSED],
+                         ids=[name for name, _, _ in REFUSED])
+def test_refused_settings_say_the_fix_and_leave_no_run_directory(stopped_early: dict[str, Future], name: str,
+                                                                  message: str):
+    done, run_dir = stopped_early[f"refused-{name}"].result()
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("lightning-offload-train: ") and message in last, done.stderr[-2000:]
@@ -229,14 +263,11 @@ def test_refused_settings_say_the_fix_and_leave_no_run_directory(tmp_path: Path,
     assert not run_dir.exists()  # nothing ran: no directory of a run that never was
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["offload=meft", "trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
-], ids=["devices"])
-def test_failed_runs_end_in_one_paragraph_with_the_traceback_in_the_log(tmp_path: Path, env: dict[str, str],
-                                                                        overrides, message):
-    run_dir = tmp_path / "run"
-    done = run_cli(["model=tiny_llama", "trainer=cpu", "logger=none", "trainer.max_steps=1", *overrides,
-                    f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=300)
+@pytest.mark.parametrize("name, message", [(name, message) for name, _, message in FAILED],
+                         ids=[name for name, _, _ in FAILED])
+def test_failed_runs_end_in_one_paragraph_with_the_traceback_in_the_log(stopped_early: dict[str, Future], name: str,
+                                                                        message: str):
+    done, run_dir = stopped_early[f"failed-{name}"].result()
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-2:]
     assert last[0].startswith("lightning-offload-train: ") and message in last[0], done.stderr[-2000:]
