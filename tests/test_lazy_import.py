@@ -11,6 +11,7 @@ import ast
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,9 +79,7 @@ ORDERS = {
 }
 
 
-@pytest.mark.parametrize("imports", list(ORDERS.values()), ids=list(ORDERS))
-def test_trainer_and_fabric_resolve_the_names_in_either_import_order(imports: str) -> None:
-    out = _run(imports + f"""
+ORDER_CHECK = f"""
 import sys
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.fabric.strategies import STRATEGY_REGISTRY
@@ -92,7 +91,20 @@ trainer = pl.Trainer(strategy="lsp_offload", accelerator="cpu", devices=1, logge
 fabric = L.Fabric(strategy="zero_offload", accelerator="cpu", devices=1)
 print(type(trainer.strategy).__name__, type(fabric.strategy).__name__)
 print(lightning_offload.LSPOffloadStrategy is StrategyRegistry["lsp_offload"]["strategy"])
-""")
+"""
+
+
+@pytest.fixture(scope="module")
+def order_runs() -> dict[str, Future]:
+    """Each import order's fresh interpreter, two at a time (each spends its seconds importing, on one core); a
+    future of its stdout, or of the failure with its stderr."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(_run, imports + ORDER_CHECK) for name, imports in ORDERS.items()}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_trainer_and_fabric_resolve_the_names_in_either_import_order(order_runs: dict[str, Future], order: str) -> None:
+    out = order_runs[order].result()
     assert out.split() == ["LSPOffloadStrategy", "FabricZeroOffload", "True"]
 
 
