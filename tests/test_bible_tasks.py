@@ -54,6 +54,26 @@ def test_qa_examples_mask_the_prompt_and_end_with_eos(cache_dir: Path) -> None:
     assert first["input_ids"][-1] == tok.eos_token_id
 
 
+@pytest.mark.parametrize("task", ["genre", "qa"])
+def test_the_cache_gives_back_the_examples_it_was_built_from(task: str, tmp_path: Path) -> None:
+    """Built (and saved packed) by one module, loaded by another: the same examples, shapes and dtypes (the genre
+    task's labels are 0-d, the QA task's 1-d)."""
+    def module() -> BibleGenreDataModule | BibleQADataModule:
+        if task == "genre":
+            return BibleGenreDataModule(ByteTokenizer(), cache_dir=tmp_path, max_val_examples=None)
+        return BibleQADataModule(ByteTokenizer(), books=["Jude"], cache_dir=tmp_path, max_val_examples=None)
+
+    built, loaded = module(), module()
+    built.setup("fit")
+    assert built.cache_path().is_file()
+    loaded.setup("fit")
+    for ours, theirs in ((built.train_set, loaded.train_set), (built.val_set, loaded.val_set)):
+        assert len(ours) == len(theirs) > 0
+        for a, b in zip(ours, theirs):
+            assert a.keys() == b.keys()
+            assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
 def test_qa_rejects_an_unknown_book(cache_dir: Path) -> None:
     with pytest.raises(ValueError, match="Unknown book 'Hezekiah'"):
         BibleQADataModule(ByteTokenizer(), books=["Hezekiah"], cache_dir=cache_dir)
