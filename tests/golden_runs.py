@@ -130,6 +130,12 @@ CASES: dict[str, Case] = {
     "embeddings_frozen": Case(_lsp(embeddings="frozen")),
     "head_projected": Case(_lsp(head="projected")),
     "head_device": Case(_lsp(head="device")),
+    # update="scaled": redrawn every 2 of the 4 steps, under accumulation and clipping; and bf16 weights.
+    "lsp_scaled_accumulated_clipped": Case(lambda: LSPOffloadStrategy(rank=0.25, min_dim=16, update="scaled",
+                                                                      redraw_every=2),
+                                           trainer={"accumulate_grad_batches": 2, **CLIP_NORM}),
+    "lsp_scaled_bf16_true": Case(lambda: LSPOffloadStrategy(rank=0.25, min_dim=16, update="scaled"),
+                                 trainer={"precision": "bf16-true", **CLIP_NORM}),
     "zero": Case(lambda: ZeroOffloadStrategy(), trainer=CLIP_NORM),
     "meft": Case(lambda: MEFTOffloadStrategy(device="cpu"), module=_meft_module, data=_meft_data, trainer=CLIP_NORM),
 }
