@@ -320,4 +320,9 @@ def test_what_the_rule_cannot_take_is_refused_by_name() -> None:
         LSPOffloadDDPStrategy(update="scaled")
     model = tiny_hf_model("llama")
     with pytest.raises(ValueError, match="coupled L2.*torch.optim.AdamW"):
-        offload(model, torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.1), **SCALED)
+        offload(model, torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.1),
+                **{**SCALED, "embeddings": "frozen"})
+    # Refused at set-up, the model is given back as it was: its embedding trainable again, no engine on it.
+    assert model.model.embed_tokens.weight.requires_grad and not hasattr(model, "_lightning_offload_engine")
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), **SCALED)  # it can be offloaded now
+    optimizer.close()

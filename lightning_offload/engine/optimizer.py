@@ -60,8 +60,7 @@ class OffloadOptimizer(Optimizer):
 
     Args:
         optimizer: the user's ``torch.optim.Adam``/``AdamW``; its ``param_groups`` are shared, never copied.
-        projected: the projected weights; each weight that appears in ``optimizer`` takes the compressed path (a
-            :class:`~lightning_offload.lsp.channel_scales.ScaledWeight`: the scaled rule, ``update="scaled"``).
+        projected: the projected weights that ``optimizer`` trains (a ``ScaledWeight``: by the scaled rule).
         device: the training device (where parameters and ``S`` buffers live).
         model: the module holding the parameters; needed for ``pipelined=True`` (its forward pre-hooks apply
             updates just in time). Default: ``None``.
@@ -150,9 +149,13 @@ class OffloadOptimizer(Optimizer):
         self._frozen_at_setup = [(p, name) for name, p in named_parameters_of(self.param_groups, model)
                                  if not p.requires_grad]
         left_out = on_device | {id(p) for p in frozen} | {id(p) for p, _ in self._frozen_at_setup}
-        self.slots: list[Slot] = build_slots(
-            self.param_groups, list(projected), self.lanes, model, left_out, {id(p) for p in row_sparse},
-            rounding_seed, lambda group: is_decoupled(optimizer, group))
+        try:
+            self.slots: list[Slot] = build_slots(
+                self.param_groups, list(projected), self.lanes, model, left_out, {id(p) for p in row_sparse},
+                rounding_seed, lambda group: is_decoupled(optimizer, group))
+        except BaseException:
+            self.lanes.worker.close()  # a refused set-up leaves no worker thread behind
+            raise
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
         for layer in self.projected_layers:
             layer.phases = self.phases

@@ -18,6 +18,7 @@ from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.engine.user_optimizer import validate_user_optimizer
+from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.strategies.embeddings_head import Placement, plan_placement
 from lightning_offload.strategies.projection import attach_projections
 from lightning_offload.strategies.settings import OffloadSettings
@@ -173,7 +174,26 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
         warn(f"strategy {name!r} found no layer to project: no trainable Linear/Conv1D has both dims ≥ "
              f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "
              f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules.")
-    optimizer = optimizer_class(
+    try:
+        optimizer = _engine(optimizer_class, user_optimizer, layers, device, model, settings, placement, rank_shards)
+    except BaseException:
+        # A refused set-up (a setting the engine cannot take) gives the model back as it was.
+        for layer in layers:
+            if isinstance(layer, ProjectedWeight):
+                layer.detach()
+        for weight in placement.frozen:
+            weight.requires_grad_(True)
+        raise
+    setup = EngineSetup(model, optimizer, placement, guard=user_optimizer.register_step_pre_hook(_refuse_a_step))
+    setattr(model, ENGINE_ATTRIBUTE, setup)
+    return setup
+
+
+def _engine(optimizer_class: type[OffloadOptimizer], user_optimizer: Any, layers: list[Any], device: torch.device,
+            model: torch.nn.Module, settings: OffloadSettings, placement: Placement,
+            rank_shards: RankShards | None) -> OffloadOptimizer:
+    """The engine for ``layers`` and the placement, with the settings the engine takes."""
+    return optimizer_class(
         user_optimizer,
         layers,
         device,
@@ -191,6 +211,3 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
                         if id(m.weight) in placement.tied_projected],
         data_parallel=rank_shards,
     )
-    setup = EngineSetup(model, optimizer, placement, guard=user_optimizer.register_step_pre_hook(_refuse_a_step))
-    setattr(model, ENGINE_ATTRIBUTE, setup)
-    return setup
