@@ -91,6 +91,3 @@ class ScaledAdamWReference(torch.optim.Optimizer):
             weight.add_(update, alpha=-group["lr"] * math.sqrt(info["n"] / info["r"]))
             info["steps"] = t
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)

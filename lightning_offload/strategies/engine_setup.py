@@ -175,7 +175,24 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
              f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "
              f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules.")
     try:
-        optimizer = _engine(optimizer_class, user_optimizer, layers, device, model, settings, placement, rank_shards)
+        optimizer = optimizer_class(
+            user_optimizer,
+            layers,
+            device,
+            model=model,
+            pipelined=settings.pipelined,
+            link_dtype=settings.link_dtype,
+            on_nonfinite=settings.on_nonfinite,
+            rounding_seed=settings.seed,
+            update_buffers=settings.update_buffers,
+            speculative=settings.speculative,
+            keep_on_device=placement.device,
+            row_sparse=placement.row_sparse,
+            frozen=placement.frozen,
+            tied_projected=[m.weight for m in placement.projected_heads.values()
+                            if id(m.weight) in placement.tied_projected],
+            data_parallel=rank_shards,
+        )
     except BaseException:
         # A refused set-up (a setting the engine cannot take) gives the model back as it was.
         for layer in layers:
@@ -188,26 +205,3 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     setattr(model, ENGINE_ATTRIBUTE, setup)
     return setup
 
-
-def _engine(optimizer_class: type[OffloadOptimizer], user_optimizer: Any, layers: list[Any], device: torch.device,
-            model: torch.nn.Module, settings: OffloadSettings, placement: Placement,
-            rank_shards: RankShards | None) -> OffloadOptimizer:
-    """The engine for ``layers`` and the placement, with the settings the engine takes."""
-    return optimizer_class(
-        user_optimizer,
-        layers,
-        device,
-        model=model,
-        pipelined=settings.pipelined,
-        link_dtype=settings.link_dtype,
-        on_nonfinite=settings.on_nonfinite,
-        rounding_seed=settings.seed,
-        update_buffers=settings.update_buffers,
-        speculative=settings.speculative,
-        keep_on_device=placement.device,
-        row_sparse=placement.row_sparse,
-        frozen=placement.frozen,
-        tied_projected=[m.weight for m in placement.projected_heads.values()
-                        if id(m.weight) in placement.tied_projected],
-        data_parallel=rank_shards,
-    )
