@@ -90,6 +90,46 @@ def test_a_loop_equals_the_torch_reference_across_redraws_under_a_schedule_to_ze
     moved(model, tiny_hf_model(kind))
 
 
+class SharedAndFrozen(nn.Module):
+    """A weight shared by two modules, a frozen layer left in the optimizer, and a head (never projected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.frozen = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.second.weight = self.first.weight
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.second(torch.tanh(self.frozen(self.first(x))))))
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["plain_loop", "reads_state_dict_each_step"])
+def test_a_shared_weight_a_frozen_layer_and_reads_after_each_step(reads: bool) -> None:
+    """The shared weight is one scaled tensor (its gradient sums both uses), the frozen layer is left alone, and reading
+    ``model.state_dict()`` after every step (an EMA callback's habit) changes nothing: equal to the reference."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 32, generator=generator), torch.randn(16, 8, generator=generator)) for _ in range(6)]
+    reference = SharedAndFrozen()
+    optimizer = ScaledAdamWReference(reference, [reference.first], lr=LR, weight_decay=0.01, **RULE)
+    model = SharedAndFrozen()
+    engine = offload(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01), **SCALED)
+    for x, y in batches:
+        for net, opt in ((reference, optimizer), (model, engine)):
+            (net(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if reads:
+            read = {name: value.clone() for name, value in model.state_dict().items()}
+            torch.testing.assert_close(read["first.weight"], reference.first.weight.detach())
+    engine.close()
+    assert model.second.weight is model.first.weight and not model.frozen.weight.requires_grad
+    assert torch.equal(model.frozen.weight, SharedAndFrozen().frozen.weight)
+    assert_equal(model, reference)
+    assert not torch.equal(model.first.weight, SharedAndFrozen().first.weight)
+
+
 def test_the_limiter_changes_the_run() -> None:
     """The limiter is not idle in these runs: without it the weights differ (so the parametrisation above tests
     both arms of it)."""
