@@ -17,6 +17,7 @@ from lightning_offload.engine.clipping import NonFiniteGradientError
 from lightning_offload.engine.pipeline import HostWorkerError
 from lightning_offload.meft.routing import expert_key_scores, route, select_experts, select_neurons
 from lightning_offload.engine.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
+from lightning_offload.engine.native_row_adam import LandedRows
 from lightning_offload.models import tiny_gpt2, tiny_llama
 from lightning_offload.strategies.report import facts_of, figures_at_step_end
 from lightning_offload.tasks.causal_lm import CausalLMModule
@@ -654,11 +655,13 @@ def test_a_failing_row_fetch_surfaces_in_the_forward() -> None:
 
 
 def _full_size(optimizer: BlockRowAdam, blocks: torch.Tensor, grads: list[Any]) -> list[torch.Tensor]:
-    """The gradients a block Adam step was given (a full-size accumulator, or one gradient per stepped block), as
-    full-size ``[N, h]`` matrices, zero outside the stepped blocks."""
+    """The gradients a block Adam step was given (a full-size accumulator, one gradient per stepped block, or where
+    they landed), as full-size ``[N, h]`` matrices, zero outside the stepped blocks."""
     out = []
     for grad in grads:
-        if not isinstance(grad, torch.Tensor):
+        if isinstance(grad, LandedRows):  # read where they landed by the native kernel
+            grad = grad.dense(optimizer.params[0].shape[0])
+        elif not isinstance(grad, torch.Tensor):
             full = torch.zeros(optimizer.params[0].shape)
             full.view(optimizer.num_blocks, optimizer.block_rows, -1)[blocks] = torch.stack(list(grad))
             grad = full

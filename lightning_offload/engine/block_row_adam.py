@@ -43,8 +43,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.native_row_adam import LandedRows, native_row_adam, step_landed
 from lightning_offload.engine.row_adam_kernel import (
-    RENORMALIZE_BELOW, Clip, RowAdamSettings, RowWorkspace, decayed_scales, new_first_scales, scaled_kernel_calls)
+    RENORMALIZE_BELOW, Clip, RowAdamSettings, RowWorkspace, decayed_scales, new_first_scales, per_block_hyper,
+    scaled_kernel_calls)
 from lightning_offload.engine.row_adam_state import load_row_adam_state
 from lightning_offload.engine.row_decay import DecayLedger
 
@@ -176,7 +178,9 @@ class BlockRowAdam:
             blocks: sorted unique int64 block ids (:meth:`blocks_of`).
             grads: per matrix, its ``[N, h]`` fp32 gradient accumulator (zero outside the touched rows), or the
                 stepped blocks' gradients: one ``[block_rows, h]`` fp32 tensor per block of ``blocks``, in order
-                (where they already are: :class:`~lightning_offload.engine.row_landing.RowLanding`).
+                (where they already are: :class:`~lightning_offload.engine.row_landing.RowLanding`), or, for every
+                matrix, where its rows' gradients landed (:class:`~lightning_offload.engine.native_row_adam.LandedRows`,
+                stepped by the native kernel, with ``zero_grads=False``: nothing assembled, nothing written to them).
             settings: this step's hyper-parameters.
             clip: ``("norm", c)`` scales the gradients by ``c``; ``("value", b)`` clamps them to ``[−b, b]``.
             zero_grads: zero the stepped gradients (``False`` when the caller overwrites them at the next step's
@@ -193,7 +197,11 @@ class BlockRowAdam:
             self._end_step(settings)
             return []  # a step whose batch touched no row (all padding): the count and the decay owed advance
         params, exp_avgs, exp_avg_sqs = self._views()
-        grad_blocks = [self._grads_of_blocks(g, block_list) for g in grads]
+        landed = [g for g in grads if isinstance(g, LandedRows)]
+        if landed and (len(landed) != len(grads) or zero_grads or native_row_adam() is None):
+            raise ValueError("Gradients where they landed (LandedRows) are stepped by the native kernel, for every "
+                             "matrix at once, with zero_grads=False: a kernel that is not loaded reads tensors.")
+        grad_blocks = [] if landed else [self._grads_of_blocks(g, block_list) for g in grads]  # type: ignore[arg-type]
         if clip is not None and clip[0] == "value":
             for pieces in grad_blocks:
                 for piece in pieces:
@@ -209,6 +217,10 @@ class BlockRowAdam:
             lr = settings.lr * lr_scale
             calls = scaled_kernel_calls(positions, self._owed_decay(matrices, blocks, lr), scale1, scale2,
                                         new_scale1, settings, lr, self.step_count)
+            if landed:  # the same calls, each block's hyper-parameters a row, stepped where the gradients lie
+                step_landed(self, matrices, blocks, landed, per_block_hyper(calls, len(block_list), coefficient),
+                            settings, clip)
+                continue
             # The kernel divides the gradient by its grad_scale: every call's, made as one tensor (if any is not 1).
             grad_scales = [moment_scale / coefficient for _, moment_scale in calls]
             scale_tensors = torch.tensor(grad_scales, dtype=torch.float32).unbind(0) \
@@ -223,7 +235,7 @@ class BlockRowAdam:
         # The blocks' new scales, both in one write.
         self._scales.index_copy_(1, blocks, torch.tensor([new_scale1, scale2], dtype=torch.float64))
         self._scaled = self._scaled or any(s != 1.0 for s in new_scale1) or any(s != 1.0 for s in scale2)
-        if zero_grads:
+        if zero_grads and grad_blocks:
             torch._foreach_zero_([piece for pieces in grad_blocks for piece in pieces])
         self.last_step.index_fill_(0, blocks, self.step_count)
         self._end_step(settings, blocks)

@@ -65,3 +65,8 @@ def one_thread(small: bool = True) -> Iterator[None]:
         yield
     finally:
         runtime.omp_set_num_threads(threads)
+
+
+def team_size(small: bool) -> int:
+    """How many threads a torch op of the calling thread runs with inside ``one_thread(small)``."""
+    return 1 if small and _openmp() is not None else torch.get_num_threads()

@@ -110,6 +110,19 @@ def scaled_kernel_calls(blocks: list[int], owed: list[float], scale1: list[float
     return calls
 
 
+def per_block_hyper(calls: dict[tuple[KernelHyper, float], list[int]], count: int, coefficient: float) -> Tensor:
+    """The calls of :func:`scaled_kernel_calls` as one float64 row per block (its position among the ``count``
+    stepped): the call's ``lr``, ``β₁``, weight decay, ``ε`` and gradient divisor ``c / coefficient`` (the norm clip's
+    coefficient folded in, as the torch path's kernel call gets it)."""
+    rows: list[list[float]] = [[]] * count
+    for (pairs, c), members in calls.items():
+        values = dict(pairs)
+        row = [values["lr"], values["beta1"], values["weight_decay"], values["eps"], c / coefficient]
+        for member in members:
+            rows[member] = row
+    return torch.tensor(rows, dtype=torch.float64).reshape(count, 5)  # one tensor made, whatever the blocks
+
+
 def decayed_scales(blocks: Tensor, last_step: Tensor, scales: Tensor, step_count: int,
                    betas: tuple[float, float]) -> tuple[list[float], list[float]]:
     """Per block of ``blocks``, its moment scales (``scales``: ``[2, blocks of the matrix]``, the first moment's and

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
-from lightning_offload.engine.host_threads import one_thread
+from lightning_offload.engine.host_threads import one_thread, team_size
+from lightning_offload.engine.native_row_adam import native_row_adam, tail_free
 from lightning_offload.engine.pipeline import StepTimeline
 from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.row_landing import KeptLayout, RowLanding
@@ -72,9 +73,9 @@ class RowBlocksSlot(Slot):
                          for accumulator, written in zip(rows.accumulators, rows.written)]
         gradients.add_slot(self, self.landings)
         self.blocks = torch.zeros(0, dtype=torch.int64)
-        # Per matrix, the gradient of each touched block (prepared with the blocks, consumed by the step), and the
-        # rows touched then.
-        self.block_grads: list[list[Tensor]] = []
+        # Per matrix, the gradient of each touched block, or where they landed for the native kernel (prepared with
+        # the blocks, consumed by the step), and the rows touched then.
+        self.block_grads: list[Any] = []
         self.touched_rows = 0
         #: The latest step's figures: rows with a gradient, and rows stepped (whole blocks).
         self.rows_updated = 0
@@ -105,10 +106,22 @@ class RowBlocksSlot(Slot):
             layout = KeptLayout(None, counts.index_select(0, blocks).tolist())
             self.touched_rows = sum(layout.per_block)
             self.block_grads = []
+            native = self._native()
             for landing in self.landings:
-                grads, layout = landing.block_gradients(blocks, block_list, layout)
-                self.block_grads.append(grads)
+                if native:  # read where they landed by the kernel: nothing assembled
+                    landed, layout = landing.landed_rows(blocks, layout)
+                    self.block_grads.append(landed)
+                else:
+                    grads, layout = landing.block_gradients(blocks, block_list, layout)
+                    self.block_grads.append(grads)
         return blocks
+
+    def _native(self) -> bool:
+        """Whether the native kernel steps this slot's blocks: it is loaded, and torch's kernel would step a block
+        with the threads the step runs with in whole vectors (so both give the same bits)."""
+        landing = self.landings[0]
+        return native_row_adam() is not None and tail_free(landing.block_rows * landing.accumulator.shape[1],
+                                                           team_size(landing.small))
 
     def square_sum(self, blocks: Tensor) -> Tensor:
         """Σ g² (fp64) of the accumulated gradients over ``blocks`` (read in the accumulators, where every gradient of

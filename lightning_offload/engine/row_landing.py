@@ -12,7 +12,9 @@ sums are added there: a row's first gradient is copied in and marked ``written``
 zeroes the rows a step consumed).
 
 The numbers a block is stepped from are the same either way (the same gradient values, zeros where no gradient
-came), so the row Adam's results do not depend on which path the step took.
+came), so the row Adam's results do not depend on which path the step took. Where the row Adam's native kernel
+steps the blocks (:mod:`~lightning_offload.engine.native_row_adam`), nothing is assembled: it is told where the rows lie
+(:meth:`RowLanding.landed_rows`) and reads them there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.host_threads import SMALL_OP_ELEMENTS
+from lightning_offload.engine.native_row_adam import LandedRows
 
 # About what one small tensor op costs beside its work, in fp32 elements copied in the same time (~25 µs on this
 # project's CPU within a training step, its code and data out of the caches): how a step picks between copying rows
@@ -136,17 +139,44 @@ class RowLanding:
             The blocks' gradients, and the layout for the next landing: this one's when it kept its gradient, else
             the one given.
         """
-        if self.kept is not None:
-            rows, grad = self.kept
-            if layout is not None and layout.rows is None and sum(layout.per_block) == rows.numel():
-                layout = KeptLayout(rows, layout.per_block)  # every touched row got this gradient: the same layout
-            elif layout is None or layout.rows is not rows:
-                counts = torch.bincount(rows.div(self.block_rows, rounding_mode="floor"), minlength=self.num_blocks)
-                layout = KeptLayout(rows, counts.index_select(0, blocks).tolist())
-            if sum(layout.per_block) == rows.numel():  # every kept row lies in a stepped block (they were touched)
-                return self._from_kept(grad, block_list, layout), layout
-            self.materialize()
+        kept_layout = self._kept_layout(blocks, layout)
+        if kept_layout is not None:
+            return self._from_kept(self.kept[1], block_list, kept_layout), kept_layout  # type: ignore[index]
         return self._from_accumulator(blocks, block_list), layout
+
+    @torch.no_grad()
+    def landed_rows(self, blocks: Tensor, layout: KeptLayout | None = None) -> tuple[LandedRows, KeptLayout | None]:
+        """Main thread, at the step: where the gradients of ``blocks`` lie, for the native kernel to read them there
+        (nothing is copied or zeroed): the kept gradient and its rows, or the accumulator and the rows written.
+
+        Args:
+            blocks: the step's blocks (sorted).
+            layout: as for :meth:`block_gradients`.
+
+        Returns:
+            The gradients' place, and the layout for the next landing (as :meth:`block_gradients`).
+        """
+        kept_layout = self._kept_layout(blocks, layout)
+        if kept_layout is not None:
+            rows, grad = self.kept  # type: ignore[misc]
+            return LandedRows(grad.contiguous(), rows.contiguous(), None), kept_layout
+        return LandedRows(self.accumulator, None, self.written), layout
+
+    def _kept_layout(self, blocks: Tensor, layout: KeptLayout | None) -> KeptLayout | None:
+        """The kept gradient's layout among ``blocks`` when the step can read its blocks from it, else ``None`` (no
+        gradient kept, or one with rows outside the blocks: then put into the accumulator)."""
+        if self.kept is None:
+            return None
+        rows = self.kept[0]
+        if layout is not None and layout.rows is None and sum(layout.per_block) == rows.numel():
+            layout = KeptLayout(rows, layout.per_block)  # every touched row got this gradient: the same layout
+        elif layout is None or layout.rows is not rows:
+            counts = torch.bincount(rows.div(self.block_rows, rounding_mode="floor"), minlength=self.num_blocks)
+            layout = KeptLayout(rows, counts.index_select(0, blocks).tolist())
+        if sum(layout.per_block) == rows.numel():  # every kept row lies in a stepped block (they were touched)
+            return layout
+        self.materialize()
+        return None
 
     def _from_kept(self, grad: Tensor, block_list: list[int], layout: KeptLayout) -> list[Tensor]:
         # Rows are sorted, so a block's rows are consecutive in the kept gradient: a whole block is a view of it.
