@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import MEFTConfig, MEFTOffloadStrategy, inject_meft
+from lightning_offload.engine.native_row_adam import native_row_adam
 from lightning_offload.models import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -305,7 +306,9 @@ def main() -> None:
         if torch.get_num_threads() != 1:
             raise SystemExit("--cpu-clock counts this thread only: run it with --threads 1.")
         CLOCK[0] = time.thread_time
-    print(f"{args.shape}: {torch.get_num_threads()} threads, torch {torch.__version__}")
+    kernel = native_row_adam()  # which row kernel the run measures (LIGHTNING_OFFLOAD_NATIVE=0: torch's)
+    print(f"{args.shape}: {torch.get_num_threads()} threads, torch {torch.__version__}, row kernel: "
+          f"{'native (' + str(kernel.path) + ')' if kernel is not None else 'torch fused (assembled blocks)'}")
     report(run(args))
 
 

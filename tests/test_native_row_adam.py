@@ -100,18 +100,28 @@ def _land(landings: list[RowLanding], generator: torch.Generator, accumulate: bo
     return rows.div(BLOCK, rounding_mode="floor").unique()
 
 
+@pytest.fixture(params=[1, 4], ids=["1-thread", "4-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's thread count for the test (the kernel splits its blocks between as many); put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("accumulate", [False, True], ids=["kept", "accumulator"])
 @pytest.mark.parametrize("clip", [None, ("norm", 0.3), ("value", 0.5)], ids=["none", "norm", "value"])
 @pytest.mark.parametrize("decoupled,maximize", [(True, False), (False, True)], ids=["adamw", "adam-l2-maximize"])
 def test_landed_rows_step_as_torch_steps_the_assembled_blocks_bit_for_bit(accumulate: bool, clip, decoupled: bool,
-                                                                          maximize: bool) -> None:
-    assert native_row_adam() is not None
+                                                                          maximize: bool, threads: int) -> None:
+    assert native_row_adam() is not None and tail_free(BLOCK * WIDTH, threads)
     seed = torch.Generator().manual_seed(7)
     starts = [torch.randn(ROWS, WIDTH, generator=seed) for _ in range(2)]
     by_torch = BlockRowAdam([s.clone() for s in starts], BLOCK, lr_scales=[0.5, 1.0])
     by_kernel = BlockRowAdam([s.clone() for s in starts], BLOCK, lr_scales=[0.5, 1.0])
     torch_side, kernel_side = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
     torch_landings, kernel_landings = _landings(torch_side), _landings(kernel_side)
+    mirror = starts[0].to(torch.bfloat16)
     steps = 10
     for step in range(steps):
         # A schedule reaching lr 0 at the last step; blocks skipped for several steps are caught up (scaled moments).
@@ -127,6 +137,7 @@ def test_landed_rows_step_as_torch_steps_the_assembled_blocks_bit_for_bit(accumu
         for landing in kernel_landings:
             where, layout = landing.landed_rows(blocks, layout)
             landed.append(where)
+        landed[0].mirror = mirror  # the first matrix's bf16 copy, rewritten where stepped
         assert all((where.rows is None) == accumulate for where in landed)
         gradients_before = [where.grad.clone() for where in landed]
         by_torch.step(blocks, assembled, settings, clip, zero_grads=False)
@@ -138,6 +149,7 @@ def test_landed_rows_step_as_torch_steps_the_assembled_blocks_bit_for_bit(accumu
                     by_kernel.params + by_kernel.exp_avg + by_kernel.exp_avg_sq):
         assert torch.equal(a, b)
     assert torch.equal(by_torch.scale2, by_kernel.scale2) and (by_torch.scale2 != 1).any()  # gaps were caught up
+    assert torch.equal(mirror, by_torch.params[0].to(torch.bfloat16))
 
 
 def test_landed_rows_are_refused_where_the_kernel_cannot_step_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,12 +164,19 @@ def test_landed_rows_are_refused_where_the_kernel_cannot_step_them(monkeypatch: 
 
 def _train(tmp_path: Path, hidden: int, row_block: int | None) -> tuple[list[torch.Tensor], int]:
     """A few steps of meft_offload (gradient norm clipping on) at a hidden size and row block; the adapters' host
-    weights and how many row steps the native kernel took."""
+    weights and routing copies, and how many row steps the native kernel took."""
     torch.manual_seed(0)
     model = tiny_llama(hidden=hidden, intermediate=2 * hidden, heads=2)
     inject_meft(model, MEFTConfig(num_neurons=256, top_k=8, num_experts=16, experts_per_token=4,
                                   calibration_batches=1))
-    calls = []
+    calls, refreshed = [], []
+    for adapter in meft_adapters(model):  # the routing copy's refreshes after a row step (ranges given)
+        def counted(ranges=None, refresh=adapter.refresh_routing_keys) -> None:
+            if ranges is not None:
+                refreshed.append(ranges)
+            refresh(ranges)
+
+        adapter.refresh_routing_keys = counted
     kernel = native_row_adam()
     if kernel is not None:
         step = kernel.step_blocks
@@ -168,7 +187,12 @@ def _train(tmp_path: Path, hidden: int, row_block: int | None) -> tuple[list[tor
     finally:
         if kernel is not None:
             del kernel.step_blocks
-    return [t.clone() for a in meft_adapters(model) for t in (a.host.keys, a.host.values)], len(calls)
+    adapters = meft_adapters(model)
+    for adapter in adapters:  # the routing copy is the keys rounded to bf16, whoever refreshed it
+        assert torch.equal(adapter.routing_keys, adapter.host.keys.to(torch.bfloat16))
+    # With the kernel, it rewrote the routing copy's stepped rows itself: no refresh after a step.
+    assert (len(refreshed) == 0) == bool(calls)
+    return [t.clone() for a in adapters for t in (a.host.keys, a.host.values, a.routing_keys)], len(calls)
 
 
 @pytest.mark.parametrize("hidden,row_block", [(32, None), (12, 1)], ids=["whole-vectors", "torch-tail"])

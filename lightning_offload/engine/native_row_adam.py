@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -50,7 +51,7 @@ VECTOR_FLOATS = 16
 # Contraction off: the file's only fused multiply-adds are the ones it spells (fmaf), as torch's kernel has them. No
 # errno from sqrtf (a negative second moment cannot occur; NaN stays NaN either way), so it is one instruction and the
 # loop vectorizes.
-_FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
 
 
 @dataclass
@@ -62,11 +63,14 @@ class LandedRows:
         rows: ``grad``'s rows (sorted, unique int64; each in a stepped block), or ``None`` for the accumulator.
         written: with the accumulator, bool ``[N]``: the rows holding this step's gradient (any other row of a stepped
             block is stepped from zero); else ``None``.
+        mirror: a bf16 ``[N, h]`` host copy of the matrix (its owner's routing copy) whose stepped rows the kernel
+            rewrites as it steps them, or ``None``.
     """
 
     grad: Tensor
     rows: Tensor | None
     written: Tensor | None
+    mirror: Tensor | None = None
 
     def dense(self, num_rows: int) -> Tensor:
         """The gradients as a full-size ``[num_rows, h]`` matrix, zero where none lies (a copy, for reading)."""
@@ -95,12 +99,13 @@ class NativeRowAdam:
         self._step = library.lo_row_adam_blocks
         pointer, int64, double, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         self._step.argtypes = [pointer, pointer, pointer, int64, int64, pointer, int64, pointer, double, int64,
-                               flag, flag, flag, ctypes.c_float, pointer, pointer, int64, pointer]
+                               flag, flag, flag, ctypes.c_float, pointer, pointer, int64, pointer, pointer, flag]
         self._step.restype = int64
 
     def step_blocks(self, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, block_rows: int, blocks: Tensor,
                     hyper: Tensor, beta2: float, step: int, decoupled: bool, maximize: bool, bound: float | None,
-                    grad: Tensor, grad_rows: Tensor | None = None, written: Tensor | None = None) -> int:
+                    grad: Tensor, grad_rows: Tensor | None = None, written: Tensor | None = None,
+                    mirror: Tensor | None = None, threads: int = 1) -> int:
         """Adam on ``blocks`` of ``param`` and its moments (fp32 ``[N, h]``, contiguous), in place.
 
         Args:
@@ -113,6 +118,9 @@ class NativeRowAdam:
             bound: value clipping (gradients clamped to ``[−bound, bound]``), or ``None``.
             grad: the step's one landed gradient ``[R, h]`` of the sorted rows ``grad_rows``, or (with ``written``)
                 the accumulator ``[N, h]``, a row's gradient valid where ``written`` (bool ``[N]``).
+            mirror: a bf16 ``[N, h]`` copy of ``param`` (contiguous) whose stepped rows are rewritten from the new
+                weights in the same pass, rounded as torch rounds a copy into bf16; or ``None``.
+            threads: how many threads split the blocks (the calling one among them).
 
         Returns:
             How many of ``grad_rows`` were read (all of them lie in ``blocks``; 0 with ``written``).
@@ -123,7 +131,8 @@ class NativeRowAdam:
                           int(maximize), int(bound is not None), 0.0 if bound is None else bound, grad.data_ptr(),
                           0 if grad_rows is None else grad_rows.data_ptr(),
                           0 if grad_rows is None else grad_rows.numel(),
-                          0 if written is None else written.data_ptr())
+                          0 if written is None else written.data_ptr(), 0 if mirror is None else mirror.data_ptr(),
+                          threads)
 
 
 def step_landed(adam: Any, matrices: list[int], blocks: Tensor, landed: list[LandedRows], hyper: Tensor,
@@ -139,11 +148,13 @@ def step_landed(adam: Any, matrices: list[int], blocks: Tensor, landed: list[Lan
     assert kernel is not None, "the caller checked the kernel is loaded"
     bound = float(clip[1]) if clip is not None and clip[0] == "value" else None
     blocks = blocks.contiguous()
+    threads = torch.get_num_threads()  # the calling thread's team (one inside one_thread: small blocks)
     for index in matrices:
         source = landed[index]
         read = kernel.step_blocks(adam.params[index], adam.exp_avg[index], adam.exp_avg_sq[index], adam.block_rows,
                                   blocks, hyper, settings.betas[1], adam.step_count, settings.decoupled,
-                                  settings.maximize, bound, source.grad, source.rows, source.written)
+                                  settings.maximize, bound, source.grad, source.rows, source.written, source.mirror,
+                                  threads)
         if source.rows is not None and read != source.rows.numel():
             raise RuntimeError(f"The native row step read {read} of the {source.rows.numel()} landed rows: rows "
                                f"outside the stepped blocks.")
@@ -229,9 +240,14 @@ def _check(kernel: NativeRowAdam) -> str:
     rows, width, block_rows = 12, 32, 4
     cases = [(1e-3, 0.9, 0.999, 0.01, 1e-8, 1.0, True, False, 3), (3e-4, 0.9, 0.95, 0.0, 1e-8, 1.0, True, True, 1),
              (1e-2, 0.8, 0.99, 0.1, 1e-6, 0.37, False, False, 100), (2e-3, 0.3, 0.999, 0.05, 1e-3, 3.3, False, True, 7),
-             (5e-4, 0.6, 0.98, 0.2, 1e-8, 1.7, True, False, 40)]
+             (5e-4, 0.6, 0.98, 0.2, 1e-8, 1.7, True, False, 40), (0.0, 0.9, 0.999, 0.0, 1e-8, 1.0, True, False, 2)]
+    # Weights a step at lr 0 leaves as they are, whose bf16 copies are edge cases of the rounding: subnormals, signed
+    # zeros, a value that rounds up to infinity, infinities, ties to even.
+    edges = torch.tensor([1e-39, -1e-39, 3e-40, 0.0, -0.0, 1e38, 3.4e38, math.inf, -math.inf, 1.00390625, 1.01171875])
     for lr, beta1, beta2, decay, eps, divisor, decoupled, maximize, step in cases:
         param = torch.randn(rows, width, generator=generator)
+        if lr == 0.0:
+            param[0, :edges.numel()] = edges
         exp_avg = torch.randn(rows, width, generator=generator) * 0.1
         exp_avg_sq = torch.rand(rows, width, generator=generator) * 0.01
         grad = torch.randn(rows, width, generator=generator)
@@ -247,10 +263,14 @@ def _check(kernel: NativeRowAdam) -> str:
                   amsgrad=False, maximize=maximize,
                   grad_scale=None if divisor == 1.0 else torch.tensor(divisor), found_inf=None)
         hyper = torch.tensor([[lr, beta1, decay, eps, divisor]] * 2, dtype=torch.float64)
+        mirror = torch.zeros(rows, width, dtype=torch.bfloat16)
         kernel.step_blocks(param, exp_avg, exp_avg_sq, block_rows, torch.tensor([0, 2]), hyper, beta2, step,
-                           decoupled, maximize, None, grad[kept].contiguous(), kept)
-        for name, got, want in zip(("weights", "first moments", "second moments"), (param, exp_avg, exp_avg_sq),
-                                   expected):
+                           decoupled, maximize, None, grad[kept].contiguous(), kept, mirror=mirror, threads=1 + step % 2)
+        stepped = torch.cat([torch.arange(0, block_rows), torch.arange(2 * block_rows, 3 * block_rows)])
+        expected_mirror = torch.zeros(rows, width, dtype=torch.bfloat16)
+        expected_mirror[stepped] = expected[0][stepped].to(torch.bfloat16)
+        for name, got, want in zip(("weights", "first moments", "second moments", "bf16 copies"),
+                                   (param, exp_avg, exp_avg_sq, mirror), [*expected, expected_mirror]):
             if not torch.equal(got, want):
                 return f"{name} differ at lr={lr}, beta1={beta1}, decoupled={decoupled}, maximize={maximize}"
     return ""

@@ -36,7 +36,9 @@ class HostRowBlocks:
         block_rows: rows per block, the unit of stepping.
         lr_scales: per matrix, a factor on the learning rate.
         on_stepped: called on the worker with the ``[start, end)`` row ranges a step changed (a device copy of
-            them to refresh).
+            them to refresh), unless the native kernel rewrote ``mirror`` as it stepped them.
+        mirror: returns the owner's bf16 host copy of ``matrices[0]`` (``[N, h]``, contiguous), for the native
+            kernel to rewrite the stepped rows of in its pass, or ``None`` (the copy is elsewhere, or there is none).
     """
 
     name: str
@@ -47,6 +49,7 @@ class HostRowBlocks:
     block_rows: int
     lr_scales: list[float]
     on_stepped: Callable[[list[tuple[int, int]]], None]
+    mirror: Callable[[], Tensor | None] = lambda: None
 
 
 class RowBlocksSlot(Slot):
@@ -107,9 +110,10 @@ class RowBlocksSlot(Slot):
             self.touched_rows = sum(layout.per_block)
             self.block_grads = []
             native = self._native()
-            for landing in self.landings:
+            for index, landing in enumerate(self.landings):
                 if native:  # read where they landed by the kernel: nothing assembled
                     landed, layout = landing.landed_rows(blocks, layout)
+                    landed.mirror = self._mirror() if index == 0 else None
                     self.block_grads.append(landed)
                 else:
                     grads, layout = landing.block_gradients(blocks, block_list, layout)
@@ -122,6 +126,15 @@ class RowBlocksSlot(Slot):
         landing = self.landings[0]
         return native_row_adam() is not None and tail_free(landing.block_rows * landing.accumulator.shape[1],
                                                            team_size(landing.small))
+
+    def _mirror(self) -> Tensor | None:
+        """The owner's bf16 host copy of the first matrix, when the kernel can rewrite it in place."""
+        mirror = self.rows.mirror()
+        first = self.rows.matrices[0]
+        if mirror is None or mirror.dtype != torch.bfloat16 or mirror.device.type != "cpu" \
+                or mirror.shape != first.shape or not mirror.is_contiguous():
+            return None
+        return mirror
 
     def square_sum(self, blocks: Tensor) -> Tensor:
         """Σ g² (fp64) of the accumulated gradients over ``blocks`` (read in the accumulators, where every gradient of
@@ -157,9 +170,11 @@ class RowBlocksSlot(Slot):
         # A norm coefficient as the float the kernel's gradient scale is solved from (in float64).
         row_clip = None if clip is None else (clip[0], float(clip[1]))
         with one_thread(self.landings[0].small):  # a kernel call per small block: no parallel region each
+            mirrored = bool(self.block_grads) and getattr(self.block_grads[0], "mirror", None) is not None
             ranges = self.adam.step(self.blocks, self.block_grads, RowAdamSettings(**hparams), row_clip,
                                     zero_grads=False)
-            self.rows.on_stepped(ranges)
+            if not mirrored:  # the kernel rewrote the owner's copy of the stepped rows as it stepped them
+                self.rows.on_stepped(ranges)
             self.forget(self.blocks)
         self.gradients.record(time.perf_counter() - start)
 

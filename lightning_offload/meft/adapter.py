@@ -288,7 +288,13 @@ class MEFTAdapter(nn.Module):
         self._row_block = block_rows
         return HostRowBlocks(name, [h.keys, h.values],
                              [h.grad_keys, h.grad_values], [h.written_keys, h.written_values], h.touched, block_rows,
-                             [key_lr_scale, 1.0], self.refresh_routing_keys)
+                             [key_lr_scale, 1.0], self.refresh_routing_keys, self._host_routing_keys)
+
+    def _host_routing_keys(self) -> torch.Tensor | None:
+        """The routing copy of the keys when it lies on the host (a CPU device): the row step may rewrite the stepped
+        rows of it as it steps them, rounded to bf16 as a copy into it rounds them."""
+        keys = self.routing_keys
+        return keys if keys is not None and keys.device.type == "cpu" else None
 
     def _gradient_sink(self, rows: torch.Tensor, accumulator: torch.Tensor, written: torch.Tensor) -> Any:
         def sink(grad: torch.Tensor) -> None:
