@@ -68,16 +68,18 @@ static inline uint16_t bf16_of(float x) {
 }
 
 /* One row, in torch's order of operations, from the gradients `gi_value` (k: the block's constants). Options are
- * applied as operations that leave a value unchanged when off (a clamp to ±infinity, a division by 1, a product by 1),
- * which give the same bits as skipping them and keep the loop free of branches, so it vectorizes. Coupled L2, the
- * lerp's form and the bf16 mirror are literal constants of each loop (L2, SMALL, MIRROR): choices the vectorizer
- * cannot blend (and fmaf(w, 0, g) is not g for an infinite weight). */
-#define ADAM_ROW(gi_value, L2, SMALL, MIRROR)                                                                     \
+ * applied as operations that leave a value unchanged when off (a clamp to ±infinity, a product by 1), which give the
+ * same bits as skipping them and keep the loop free of branches, so it vectorizes. Coupled L2, the lerp's form, the
+ * bf16 mirror and the gradient's divisor are literal constants of each loop (L2, SMALL, MIRROR, SCALED): choices the
+ * vectorizer cannot blend (fmaf(w, 0, g) is not g for an infinite weight), or a division that costs as much as the
+ * rest of the element when the divisor is 1 (x / 1 is x, so skipping it changes no bit). */
+#define ADAM_ROW(gi_value, L2, SMALL, MIRROR, SCALED)                                                                     \
     for (int64_t i = 0; i < width; i++) {                                                                         \
         float gi = (gi_value);                                                                                    \
         gi = gi < k.lo ? k.lo : (gi > k.hi ? k.hi : gi); /* a NaN gradient stays NaN, as clamp_ leaves it */     \
         float w = p[i] * k.decay;                                                                                 \
-        gi = (gi / k.grad_scale) * k.sign;                                                                        \
+        if (SCALED) gi = gi / k.grad_scale;                                                                       \
+        gi = gi * k.sign;                                                                                         \
         if (L2) gi = fmaf(w, k.l2, gi);                                                                           \
         float mi = m[i];                                                                                          \
         mi = fmaf(k.coeff, gi - mi, (SMALL) ? mi : gi);                                                           \
@@ -90,8 +92,11 @@ static inline uint16_t bf16_of(float x) {
         if (MIRROR) mirror[i] = bf16_of(w);                                                                       \
     }
 
+#define ADAM_ROW_SCALED(gi_value, L2, SMALL, MIRROR)                                                              \
+    if (k.grad_scale != 1.0f) ADAM_ROW(gi_value, L2, SMALL, MIRROR, 1) else ADAM_ROW(gi_value, L2, SMALL, MIRROR, 0)
+
 #define ADAM_ROW_MIRRORED(gi_value, L2, SMALL)                                                                    \
-    if (mirror != NULL) ADAM_ROW(gi_value, L2, SMALL, 1) else ADAM_ROW(gi_value, L2, SMALL, 0)
+    if (mirror != NULL) ADAM_ROW_SCALED(gi_value, L2, SMALL, 1) else ADAM_ROW_SCALED(gi_value, L2, SMALL, 0)
 
 #define ADAM_ROW_FORMS(gi_value)                                                                                  \
     if (k.l2_on) {                                                                                                \
