@@ -1,7 +1,7 @@
 """The row Adam's native kernel: built where the machine has a C compiler, used only where it gives torch's results bit
 for bit, stepping whole blocks from gradients where they landed as torch's kernel steps the assembled blocks (kept
 gradients and accumulators, clipping, both decays, maximize, gaps and a schedule to lr 0), in a training run as with it
-turned off, and each fallback said in the log."""
+turned off, the same bits however many threads split a call, and each fallback said in the log."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from lightning_offload import MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
 from lightning_offload.engine import native_row_adam as native
 from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.host_threads import SMALL_OP_ELEMENTS, _openmp, one_thread
 from lightning_offload.engine.native_row_adam import LandedRows, native_row_adam, tail_free
 from lightning_offload.engine.row_landing import RowLanding
 from lightning_offload.models import tiny_llama
@@ -210,3 +211,45 @@ def test_training_with_the_kernel_equals_training_with_it_off(tmp_path: Path, mo
     assert none == 0
     for a, b in zip(with_kernel, without):
         assert torch.equal(a, b)
+
+
+def test_the_kernel_splits_a_large_call_between_the_steps_threads_with_the_same_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = native_row_adam()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(11)
+    rows, width, block = 64, 16, 4
+    blocks = torch.tensor([0, 2, 3, 5, 8, 9, 15])
+    kept = torch.cat([torch.arange(b * block, b * block + 3) for b in blocks.tolist()])
+    grad = torch.randn(kept.numel(), width, generator=generator)
+    hyper = torch.tensor([[1e-2, 0.9, 0.1, 1e-8, 1.0]] * blocks.numel(), dtype=torch.float64)
+    starts = [torch.randn(rows, width, generator=generator), torch.zeros(rows, width), torch.zeros(rows, width)]
+    results = []
+    for threads in (1, 3, 7):  # 7 threads: one block each
+        state = [t.clone() for t in starts]
+        mirror = torch.zeros(rows, width, dtype=torch.bfloat16)
+        read = kernel.step_blocks(*state, block, blocks, hyper, 0.999, 4, True, False, None, grad, kept,
+                                  mirror=mirror, threads=threads)
+        assert read == kept.numel()  # each share found its first kept row
+        results.append([*state, mirror])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    # Inside the engine, a call's threads are the step's: one for small blocks (run inside one_thread), else torch's.
+    step, threads_given = kernel.step_blocks, []
+
+    def recording(*args):
+        threads_given.append(args[-1])  # step_landed passes the thread count last
+        return step(*args)
+
+    monkeypatch.setattr(kernel, "step_blocks", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows_per_block in (4, 4096):  # blocks of 128 elements (small), then of 131,072
+            adam = BlockRowAdam([torch.zeros(4 * rows_per_block, 32)], rows_per_block)
+            landed = LandedRows(torch.ones(rows_per_block, 32), torch.arange(rows_per_block), None)
+            with one_thread(rows_per_block * 32 < SMALL_OP_ELEMENTS):  # as the slot's step runs
+                adam.step(torch.tensor([0]), [landed], RowAdamSettings(), zero_grads=False)
+    finally:
+        torch.set_num_threads(before)
+    assert threads_given == [1 if _openmp() is not None else 2, 2]
