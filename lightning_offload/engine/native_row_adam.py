@@ -52,6 +52,10 @@ VECTOR_FLOATS = 16
 # errno from sqrtf (a negative second moment cannot occur; NaN stays NaN either way), so it is one instruction and the
 # loop vectorizes.
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
+# For this CPU's instructions; on x86, vectors as wide as it has (gcc's tuning for some AVX-512 CPUs prefers 256 bits:
+# 512 made the step 15-25% faster on this project's EPYC, the same bits).
+_NATIVE_FLAGS = ["-march=native"] + (["-mprefer-vector-width=512"] if platform.machine().lower() in (
+    "x86_64", "amd64") else [])
 
 
 @dataclass
@@ -201,7 +205,7 @@ def _build() -> Path:
     source = SOURCE.read_bytes()
     # -march=native: the library is for this CPU only, so its features are in the key (a shared home directory
     # seen from another machine builds its own).
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(), _cpu().encode(),
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_NATIVE_FLAGS + _FLAGS).encode(), _cpu().encode(),
                                      platform.machine().encode(), sys.version.encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("LIGHTNING_OFFLOAD_CACHE") or Path.home() / ".cache" / "lightning_offload")
     path = cache / "native" / f"row_adam-{key}.so"
@@ -211,7 +215,7 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
         errors = ""
-        for flags in (["-march=native", *_FLAGS], _FLAGS):  # a compiler without -march=native still builds it
+        for flags in ([*_NATIVE_FLAGS, *_FLAGS], _FLAGS):  # a compiler without -march=native still builds it
             done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode == 0:
