@@ -198,8 +198,13 @@ def _train(tmp_path: Path, hidden: int, row_block: int | None) -> tuple[list[tor
 
 @pytest.mark.parametrize("hidden,row_block", [(32, None), (12, 1)], ids=["whole-vectors", "torch-tail"])
 def test_training_with_the_kernel_equals_training_with_it_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              hidden: int, row_block: int | None) -> None:
-    with_kernel, native_steps = _train(tmp_path / "on", hidden, row_block)
+                                                              caplog: pytest.LogCaptureFixture, hidden: int,
+                                                              row_block: int | None) -> None:
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        with_kernel, native_steps = _train(tmp_path / "on", hidden, row_block)
+    # A shape the kernel leaves to torch is said, once for each of the two adapters, however many steps.
+    said = "blocks of 12 elements are stepped by torch's fused kernel, not the native one"
+    assert caplog.text.count(said) == (2 if row_block == 1 else 0)
     # Blocks of one expert's 16 rows × 32 go to the kernel; of one row × 12, torch's kernel has a tail: torch steps.
     assert native_steps > 0 if row_block is None else native_steps == 0
     monkeypatch.setenv("LIGHTNING_OFFLOAD_NATIVE", "0")

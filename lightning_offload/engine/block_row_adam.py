@@ -199,8 +199,10 @@ class BlockRowAdam:
         params, exp_avgs, exp_avg_sqs = self._views()
         landed = [g for g in grads if isinstance(g, LandedRows)]
         if landed and (len(landed) != len(grads) or zero_grads or native_row_adam() is None):
-            raise ValueError("Gradients where they landed (LandedRows) are stepped by the native kernel, for every "
-                             "matrix at once, with zero_grads=False: a kernel that is not loaded reads tensors.")
+            raise ValueError(f"Gradients where they landed (LandedRows) are read by the native kernel only, for every "
+                             f"matrix and with zero_grads=False (they are not written); got {len(landed)} of "
+                             f"{len(grads)} matrices, zero_grads={zero_grads}, kernel loaded: "
+                             f"{native_row_adam() is not None}. Give per-block tensors or accumulators otherwise.")
         grad_blocks = [] if landed else [self._grads_of_blocks(g, block_list) for g in grads]  # type: ignore[arg-type]
         if clip is not None and clip[0] == "value":
             for pieces in grad_blocks:

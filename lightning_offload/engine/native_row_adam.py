@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.cache_root import cache_root
+
 log = logging.getLogger("lightning_offload")
 
 SOURCE = Path(__file__).parent / "native" / "row_adam.c"
@@ -205,10 +207,9 @@ def _build() -> Path:
     source = SOURCE.read_bytes()
     # -march=native: the library is for this CPU only, so its features are in the key (a shared home directory
     # seen from another machine builds its own).
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_NATIVE_FLAGS + _FLAGS).encode(), _cpu().encode(),
-                                     platform.machine().encode(), sys.version.encode()])).hexdigest()[:16]
-    cache = Path(os.environ.get("LIGHTNING_OFFLOAD_CACHE") or Path.home() / ".cache" / "lightning_offload")
-    path = cache / "native" / f"row_adam-{key}.so"
+    parts = [source, version, " ".join(_NATIVE_FLAGS + _FLAGS), _cpu(), platform.machine(), sys.version]
+    key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts)).hexdigest()[:16]
+    path = cache_root() / "native" / f"row_adam-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +270,8 @@ def _check(kernel: NativeRowAdam) -> str:
         hyper = torch.tensor([[lr, beta1, decay, eps, divisor]] * 2, dtype=torch.float64)
         mirror = torch.zeros(rows, width, dtype=torch.bfloat16)
         kernel.step_blocks(param, exp_avg, exp_avg_sq, block_rows, torch.tensor([0, 2]), hyper, beta2, step,
-                           decoupled, maximize, None, grad[kept].contiguous(), kept, mirror=mirror, threads=1 + step % 2)
+                           decoupled, maximize, None, grad[kept].contiguous(), kept, mirror=mirror,
+                           threads=1 + step % 2)
         stepped = torch.cat([torch.arange(0, block_rows), torch.arange(2 * block_rows, 3 * block_rows)])
         expected_mirror = torch.zeros(rows, width, dtype=torch.bfloat16)
         expected_mirror[stepped] = expected[0][stepped].to(torch.bfloat16)

@@ -5,6 +5,7 @@ engine's worker, under the engine's one norm, clip and skip decision."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from lightning_offload.engine.row_gradients import RowGradients
 from lightning_offload.engine.row_landing import KeptLayout, RowLanding
 from lightning_offload.engine.slot import Clip, JobSettings, Lanes, Slot
 from lightning_offload.engine.telemetry import StepTelemetry
+
+log = logging.getLogger("lightning_offload")
 
 
 @dataclass
@@ -83,6 +86,7 @@ class RowBlocksSlot(Slot):
         #: The latest step's figures: rows with a gradient, and rows stepped (whole blocks).
         self.rows_updated = 0
         self.rows_stepped = 0
+        self._said_torch_steps = False  # the log said once that the loaded native kernel does not fit these blocks
 
     # ------------------------------------------------------------------------------------------------ backward
     def gradient(self) -> Tensor | None:
@@ -124,8 +128,17 @@ class RowBlocksSlot(Slot):
         """Whether the native kernel steps this slot's blocks: it is loaded, and torch's kernel would step a block
         with the threads the step runs with in whole vectors (so both give the same bits)."""
         landing = self.landings[0]
-        return native_row_adam() is not None and tail_free(landing.block_rows * landing.accumulator.shape[1],
-                                                           team_size(landing.small))
+        if native_row_adam() is None:
+            return False  # the log said why when the kernel was looked up
+        elements, threads = landing.block_rows * landing.accumulator.shape[1], team_size(landing.small)
+        if tail_free(elements, threads):
+            return True
+        if not self._said_torch_steps:
+            self._said_torch_steps = True
+            log.info("%s: blocks of %d elements are stepped by torch's fused kernel, not the native one (it gives "
+                     "torch's bits only for blocks of a multiple of 16 × %d threads); the same results, slower.",
+                     self.name, elements, threads)
+        return False
 
     def _mirror(self) -> Tensor | None:
         """The owner's bf16 host copy of the first matrix, when the kernel can rewrite it in place."""

