@@ -12,7 +12,7 @@ optimizer::
 
 The public names load on first use (PEP 562), so a plain loop or Hugging Face's ``Trainer`` never imports Lightning
 (seconds at import): ``from lightning_offload import offload`` costs about ``import torch``, and the strategies'
-names reach Lightning's registries when Lightning is imported (:mod:`lightning_offload.faces.lightning_registries`).
+names reach Lightning's registries when Lightning is imported (:mod:`lightning_offload.registries`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_offload.faces.lightning_registries import register_with_lightning
+from lightning_offload.registries import register_with_lightning
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each name on first use
     from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
@@ -31,7 +31,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.engine.telemetry import OffloadTelemetry, StepTelemetry
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
-    from lightning_offload.faces.loop import LoopOffloadOptimizer, offload
+    from lightning_offload.faces.loop import offload
+    from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
+    from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
+    from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
+    from lightning_offload.faces.trainer.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
+    from lightning_offload.faces.trainer.refit import ProjectorRefit
     from lightning_offload.lsp.fit import FitSettings, reconstruction_error
     from lightning_offload.lsp.linear import ProjectedWeight
     from lightning_offload.lsp.projector import SparseProjector, random_projector, signed_permutation_projector
@@ -40,13 +45,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.meft.config import MEFTConfig
     from lightning_offload.meft.export import load_meft_adapters, meft_state_dict, save_meft_adapters, unload_meft
     from lightning_offload.meft.injection import inject_meft, meft_adapters
-    from lightning_offload.meft.strategy import MEFTOffloadStrategy
-    from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
-    from lightning_offload.strategies.hardware_precision import PrecisionChoice, hardware_precision
-    from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
-    from lightning_offload.strategies.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
-    from lightning_offload.strategies.refit import ProjectorRefit
-    from lightning_offload.strategies.settings import OffloadSettings
+    from lightning_offload.setup.hardware_precision import PrecisionChoice, hardware_precision
+    from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer
+    from lightning_offload.setup.settings import OffloadSettings
 
 #: Each public name and the module that defines it (the modules of Lightning-bound names import Lightning).
 _SOURCES: dict[str, str] = {
@@ -64,7 +65,7 @@ _SOURCES: dict[str, str] = {
     "FabricOffloadDDP": "lightning_offload.faces.fabric",
     "FabricZeroOffload": "lightning_offload.faces.fabric",
     "FabricZeroOffloadDDP": "lightning_offload.faces.fabric",
-    "LoopOffloadOptimizer": "lightning_offload.faces.loop",
+    "LoopOffloadOptimizer": "lightning_offload.setup.loop_optimizer",
     "offload": "lightning_offload.faces.loop",
     "FitSettings": "lightning_offload.lsp.fit",
     "reconstruction_error": "lightning_offload.lsp.fit",
@@ -81,18 +82,18 @@ _SOURCES: dict[str, str] = {
     "unload_meft": "lightning_offload.meft.export",
     "inject_meft": "lightning_offload.meft.injection",
     "meft_adapters": "lightning_offload.meft.injection",
-    "MEFTOffloadStrategy": "lightning_offload.meft.strategy",
-    "LSPOffloadDDPStrategy": "lightning_offload.strategies.ddp",
-    "ZeroOffloadDDPStrategy": "lightning_offload.strategies.ddp",
-    "PrecisionChoice": "lightning_offload.strategies.hardware_precision",
-    "hardware_precision": "lightning_offload.strategies.hardware_precision",
-    "LSPOffloadStrategy": "lightning_offload.strategies.offload",
-    "ZeroOffloadStrategy": "lightning_offload.strategies.offload",
-    "register_strategies": "lightning_offload.strategies.offload",
-    "PlainConversion": "lightning_offload.strategies.plain_checkpoint",
-    "to_plain_adamw_checkpoint": "lightning_offload.strategies.plain_checkpoint",
-    "ProjectorRefit": "lightning_offload.strategies.refit",
-    "OffloadSettings": "lightning_offload.strategies.settings",
+    "MEFTOffloadStrategy": "lightning_offload.faces.trainer.meft",
+    "LSPOffloadDDPStrategy": "lightning_offload.faces.trainer.ddp",
+    "ZeroOffloadDDPStrategy": "lightning_offload.faces.trainer.ddp",
+    "PrecisionChoice": "lightning_offload.setup.hardware_precision",
+    "hardware_precision": "lightning_offload.setup.hardware_precision",
+    "LSPOffloadStrategy": "lightning_offload.faces.trainer.offload",
+    "ZeroOffloadStrategy": "lightning_offload.faces.trainer.offload",
+    "register_strategies": "lightning_offload.faces.trainer.offload",
+    "PlainConversion": "lightning_offload.faces.trainer.plain_checkpoint",
+    "to_plain_adamw_checkpoint": "lightning_offload.faces.trainer.plain_checkpoint",
+    "ProjectorRefit": "lightning_offload.faces.trainer.refit",
+    "OffloadSettings": "lightning_offload.setup.settings",
 }
 
 __version__ = "0.1.0"

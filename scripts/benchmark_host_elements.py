@@ -1,7 +1,7 @@
 """Host elements and link bytes per step at a LLaMA shape, for each ``embeddings=``/``head=`` placement.
 
 The model is built on the ``meta`` device (no memory); the layers ``lsp_offload`` projects are picked by the
-strategy's own rule and the embeddings and head by :func:`~lightning_offload.strategies.embeddings_head.plan_placement`. Per
+strategy's own rule and the embeddings and head by :func:`~lightning_offload.setup.embeddings_head.plan_placement`. Per
 step, counted from the shapes:
 
 * host elements: what the host Adam reads and writes (compressed ``d_o × d_i`` for a projected weight, every element
@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.targets import select_projected_modules
-from lightning_offload.strategies.embeddings_head import EMBEDDING_PLACEMENTS, HEAD_PLACEMENTS, plan_placement
+from lightning_offload.setup.embeddings_head import EMBEDDING_PLACEMENTS, HEAD_PLACEMENTS, plan_placement
 
 SHAPES = {
     "llama_1b3": dict(hidden=2048, layers=24, heads=16, intermediate=5504, vocab=32000),

@@ -44,7 +44,7 @@ from lightning_offload.lsp.projector import SparseProjector, signed_permutation_
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
-from lightning_offload.strategies.offload import LSPOffloadStrategy
+from lightning_offload.faces.trainer.offload import LSPOffloadStrategy
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
 METHODS = {
@@ -208,7 +208,7 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                   "log_telemetry": False}
         if kind == "default":
             strategy = LSPOffloadStrategy(**common)
-            kind = strategy.projectors
+            kind = strategy.settings.projectors
         elif kind == "scaled":
             strategy = LSPOffloadStrategy(rank=rank, update="scaled", **common)
         elif kind == "lossless":

@@ -75,6 +75,6 @@ def test_the_step_clock_times_the_pipelined_mode_users_get():
     # A callback that may read the weights after each step turns pipelining off; the benchmarks' own clock reads none,
     # so the figures it takes are those of the default (pipelined) mode.
     from lightning_offload.cli.benchmark_run import StepClock
-    from lightning_offload.strategies.weight_readers import weight_readers
+    from lightning_offload.faces.trainer.weight_readers import weight_readers
 
     assert weight_readers([StepClock()]) == []

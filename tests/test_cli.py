@@ -181,7 +181,7 @@ def test_wandb_offline_run_is_written_inside_the_run_dir(tmp_path: Path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # nothing written beside it
     (events,) = wandb_run.glob("run-*.wandb")
     data = events.read_bytes()  # protobuf records: keys and config values are stored as plain strings
-    for key in (b"lightning_offload.strategies.offload.LSPOffloadStrategy", b"tiny_causal_lm",  # the config
+    for key in (b"lightning_offload.faces.trainer.offload.LSPOffloadStrategy", b"tiny_causal_lm",  # the config
                 b"offload/bytes_device_to_host", b"val/loss", b"train/loss", b"summary/loss_after"):
         assert key in data, key
 

@@ -18,10 +18,10 @@ from omegaconf import DictConfig, open_dict
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.train import CONFIG_DIR, compose_config, train
 from lightning_offload.reporting.summary import format_summary
-from lightning_offload.meft.strategy import MEFTOffloadStrategy
+from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
 from lightning_offload.models.builders import LanguageModel
 from lightning_offload.models.tiny import ByteTokenizer
-from lightning_offload.strategies.offload import LSPOffloadStrategy, ZeroOffloadStrategy
+from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule
 
@@ -141,13 +141,14 @@ def test_offload_policies_instantiate(tmp_path: Path) -> None:
         assert isinstance(policy.strategy, strategy_type) and policy.method == method
     # offload=lsp draws random projectors (the default) and adds no callback; lsp_learned is lsp with learned ones.
     lsp = instantiate(compose_cfg(["offload=lsp"], tmp_path).offload)
-    assert lsp.strategy.projectors == "random" and not lsp.learns_projectors and lsp.callbacks() == []
+    assert lsp.strategy.settings.projectors == "random" and not lsp.learns_projectors and lsp.callbacks() == []
     learned = instantiate(compose_cfg(["offload=lsp_learned"], tmp_path).offload)
-    assert learned.strategy.projectors == "learned" and learned.learns_projectors and len(learned.callbacks()) == 1
-    assert learned.strategy.rank == lsp.strategy.rank and learned.strategy.density == lsp.strategy.density
+    assert learned.strategy.settings.projectors == "learned" and learned.learns_projectors and len(learned.callbacks()) == 1
+    assert learned.strategy.settings.rank == lsp.strategy.settings.rank \
+        and learned.strategy.settings.density == lsp.strategy.settings.density
     # lsp_scaled is lsp's host bytes with the full-rank scaled update.
     scaled = instantiate(compose_cfg(["offload=lsp_scaled"], tmp_path).offload)
-    assert scaled.strategy.settings.update == "scaled" and scaled.strategy.settings.rank == lsp.strategy.rank
+    assert scaled.strategy.settings.update == "scaled" and scaled.strategy.settings.rank == lsp.strategy.settings.rank
     assert lsp.strategy.settings.update == "projected"
 
 

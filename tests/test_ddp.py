@@ -202,5 +202,5 @@ def test_ddp_settings_are_checked():
         LSPOffloadDDPStrategy(bucket_mb=0)
     with pytest.raises(TypeError, match="rnak"):
         LSPOffloadDDPStrategy(rnak=0.5)
-    assert LSPOffloadDDPStrategy().embeddings == "host"
-    assert ZeroOffloadDDPStrategy().projection is False
+    assert LSPOffloadDDPStrategy().placements.embeddings == "host"
+    assert ZeroOffloadDDPStrategy().settings.projection is False

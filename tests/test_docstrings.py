@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import lightning_offload as lo
-from lightning_offload.strategies.settings import PROJECTION_SETTINGS, OffloadSettings
+from lightning_offload.setup.settings import PROJECTION_SETTINGS, OffloadSettings
 
 # Lightning's own plumbing, filled in by the Trainer: documented as a group, not one by one.
 PLUMBING = {

@@ -260,7 +260,7 @@ def test_amsgrad_with_the_default_placement_steps_the_embedding_densely_and_says
                                       projector_factory=signed_permutation_projector)
         offloaded = amsgrad(_module())
         trainer(defaults, max_steps=3).fit(offloaded, token_data())
-    assert defaults.embeddings == "sparse" and not defaults.placement.row_sparse
+    assert defaults.placements.embeddings == "sparse" and not defaults.placement.row_sparse
     assert any("embed_tokens.weight is stepped densely on the host (embeddings='host'): its param group uses "
                "amsgrad=True" in r.getMessage() for r in caplog.records)
     for name, value in params_of(offloaded).items():

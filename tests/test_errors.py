@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.setup.settings import OffloadSettings
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 

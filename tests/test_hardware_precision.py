@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from lightning_offload.cli.precision import PRECISION_ENV, resolve_precision
 from lightning_offload.cli.train import CONFIG_DIR, compose_config
-from lightning_offload.strategies import hardware_precision as hp
+from lightning_offload.setup import hardware_precision as hp
 
 
 def test_the_probe_measures_a_positive_ratio() -> None:
@@ -38,7 +38,7 @@ def test_a_cpu_without_native_bf16_kernels_gets_fp32() -> None:
     """Not a mock: oneDNN capped at AVX2 runs bf16 matmuls in its reference kernel, as on an AVX2-only CPU (where a
     SmolLM2 head-shaped product took 93 s in bf16 against 0.44 s in fp32)."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    code = ("from lightning_offload.strategies.hardware_precision import hardware_precision as h; "
+    code = ("from lightning_offload.setup.hardware_precision import hardware_precision as h; "
             "c = h('cpu'); print(c.precision, c.bf16_to_fp32_time)")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

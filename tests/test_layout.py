@@ -1,8 +1,10 @@
-"""The package's layers, as the README's Layout states them: each module imports only its own layer and those below.
+"""The package's layers, as docs/design.md's Package layout states them: each module imports only its own layer and
+those below, and the faces are peers.
 
-lsp (projectors and projected layers) < engine (the offload optimizer; no Lightning) < strategies (the engine in a
-Trainer) < meft < faces (the engine in other loops) < the product (cli, tasks, reporting, models, data). Imports inside functions count too: a cycle
-hidden in a local import is still a cycle.
+lsp (projectors and projected layers) < engine (the offload optimizer; no Lightning) < setup (what every face shares;
+no Lightning) < meft (the adapters; no Lightning strategy) < faces (one per training loop: trainer, fabric, loop, hf;
+none imports another) < the product (registries, cli, tasks, reporting, models, data). Imports inside functions count
+too: a cycle hidden in a local import is still a cycle.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 import lightning_offload
 
 PACKAGE = Path(lightning_offload.__file__).parent
-LAYERS = {"lsp": 0, "engine": 1, "strategies": 2, "meft": 3, "faces": 4, "cli": 5, "tasks": 5, "reporting": 5,
-          "models": 5, "data": 5}
+LAYERS = {"lsp": 0, "engine": 1, "setup": 2, "meft": 3, "faces": 4, "registries": 5, "cli": 5, "tasks": 5,
+          "reporting": 5, "models": 5, "data": 5}
+#: The faces, peers in their layer: each is one kind of training loop.
+FACES = {"trainer", "fabric", "loop", "hf"}
 
 
 def _module_name(path: Path) -> str:
@@ -65,13 +69,38 @@ def _lightning_imports(path: Path) -> list[str]:
     return found
 
 
-def test_lsp_and_the_engine_do_not_use_lightning() -> None:
-    # lsp/ is torch math and engine/ the offload optimizer: either must run in any training loop, so Lightning (the
-    # refit callback, the strategies) lives in strategies/ and above.
+def test_lsp_the_engine_and_the_set_up_do_not_use_lightning() -> None:
+    # lsp/ is torch math, engine/ the offload optimizer and setup/ what every face shares: each must run in any
+    # training loop, so Lightning (its Trainer's strategies and callbacks, Fabric's strategies) lives in faces/.
     offending = {str(path.relative_to(PACKAGE)): _lightning_imports(path)
-                 for layer in ("lsp", "engine") for path in (PACKAGE / layer).rglob("*.py")}
+                 for layer in ("lsp", "engine", "setup") for path in (PACKAGE / layer).rglob("*.py")}
     offending = {path: names for path, names in offending.items() if names}
-    assert not offending, f"Lightning imported below the strategies: {offending}"
+    assert not offending, f"Lightning imported below the faces: {offending}"
+
+
+def _face(module: str) -> str | None:
+    """The face ``module`` belongs to (``trainer`` for ``lightning_offload.faces.trainer.ddp``), or ``None``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "faces" else None
+
+
+def test_every_face_module_belongs_to_a_known_face() -> None:
+    unknown = sorted(m for m in _graph() if _face(m) is not None and _face(m) not in FACES)
+    assert not unknown, f"modules under faces/ outside the faces {sorted(FACES)}: {unknown}"
+
+
+def test_no_face_imports_another() -> None:
+    # A face reaches what it shares with the others through setup/, so each can change (or go) alone.
+    crossing = [(module, imported) for module, imports in _graph().items() for imported in imports
+                if _face(module) is not None and _face(imported) is not None and _face(imported) != _face(module)]
+    assert not crossing, f"a face importing another: {crossing}"
+
+
+def test_reporting_imports_no_face() -> None:
+    # The run's reporting reads the strategies through the report port (setup/report.py) only.
+    found = [(module, imported) for module, imports in _graph().items() if module.startswith("lightning_offload.reporting")
+             for imported in imports if _face(imported) is not None]
+    assert not found, f"reporting importing a face: {found}"
 
 
 def test_the_lightning_check_sees_every_form_of_import(tmp_path: Path) -> None:
@@ -100,7 +129,7 @@ def test_no_import_cycles() -> None:
             visit(module, [module])
 
 
-#: What the strategies keep to themselves: the product reads them through strategies/report.py.
+#: What the strategies keep to themselves: the product reads them through lightning_offload/setup/report.py.
 STRATEGY_INTERNALS = {"offload_optimizer", "adapters", "attached", "row_optimizers", "last_metrics", "host_rows_bytes",
                       "host_trainable_parameters", "projected_layers", "telemetry"}
 
@@ -151,7 +180,7 @@ def test_no_module_is_over_its_size() -> None:
     long = {str(p.relative_to(PACKAGE)): _lines(p) for p in PACKAGE.rglob("*.py") if _lines(p) > MODULE_MAX_LINES}
     assert not long, f"modules over {MODULE_MAX_LINES} lines (split them by job): {long}"
     assert _lines(PACKAGE / "engine" / "orchestrator.py") <= ORCHESTRATOR_MAX_LINES
-    assert _lines(PACKAGE / "meft" / "strategy.py") <= MEFT_STRATEGY_MAX_LINES
+    assert _lines(PACKAGE / "faces" / "trainer" / "meft.py") <= MEFT_STRATEGY_MAX_LINES
 
 
 def _constructs(path: Path, names: set[str]) -> list[str]:
@@ -200,11 +229,11 @@ def _calls(path: Path) -> set[str]:
 def test_every_face_sets_up_through_one_function_and_builds_no_engine_part() -> None:
     # The Trainer strategies, Fabric's strategies and a plain loop share the engine (issue 30): each is set-up and
     # hooks only, so each builds the engine through build_engine, and nothing in a face builds a part of it.
-    faces = [PACKAGE / "strategies" / "offload_base.py", PACKAGE / "faces" / "fabric.py", PACKAGE / "faces" / "loop.py"]
+    faces = [PACKAGE / "faces" / "trainer" / "offload_base.py", PACKAGE / "faces" / "fabric.py",
+             PACKAGE / "faces" / "loop.py"]
     assert all("build_engine" in _calls(path) for path in faces)
     parts = {"OffloadOptimizer", "StepOrchestrator", "HostWorker", "GradientNorms", "GradientRouting", "Speculation",
              "LayerFit", "build_slots", "attach_projections", "plan_placement"}
     built = {str(p.relative_to(PACKAGE)): sorted(_calls(p) & parts)
-             for p in [*(PACKAGE / "faces").rglob("*.py"), *(PACKAGE / "strategies").glob("offload*.py"),
-                       PACKAGE / "strategies" / "ddp.py", PACKAGE / "strategies" / "refit.py"]}
+             for p in (PACKAGE / "faces").rglob("*.py")}
     assert not {path: names for path, names in built.items() if names}

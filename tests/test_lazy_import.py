@@ -74,7 +74,7 @@ ORDERS = {
     # Our Fabric module imports Lightning itself, and filling the registries needs that module whole.
     "a_strategy_name_first": "import lightning_offload\nlightning_offload.FabricMEFTOffload\n"
                              "import lightning.pytorch as pl\nimport lightning as L",
-    "a_strategy_module_first": "import lightning_offload.strategies.offload\nimport lightning_offload\n"
+    "a_strategy_module_first": "import lightning_offload.faces.trainer.offload\nimport lightning_offload\n"
                                "import lightning.pytorch as pl\nimport lightning as L",
 }
 
@@ -83,7 +83,7 @@ ORDER_CHECK = f"""
 import sys
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.fabric.strategies import STRATEGY_REGISTRY
-from lightning_offload.faces.lightning_registries import _FINDER
+from lightning_offload.registries import _FINDER
 assert all(name in StrategyRegistry and name in STRATEGY_REGISTRY for name in {NAMES!r})
 assert _FINDER not in sys.meta_path  # both registries filled: nothing left to watch for
 trainer = pl.Trainer(strategy="lsp_offload", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
@@ -114,7 +114,7 @@ def test_registration_runs_once_and_leaves_lightning_s_loader_alone() -> None:
         import sys
         from unittest import mock
         import lightning_offload
-        from lightning_offload.faces import lightning_registries as registries
+        from lightning_offload import registries
         with mock.patch.object(registries, "register_trainer_strategies",
                                wraps=registries.register_trainer_strategies) as trainer_calls:
             registries.REGISTRIES["Trainer"] = ("lightning.pytorch", trainer_calls)
@@ -131,7 +131,7 @@ def test_a_failed_registration_is_a_clear_error_from_lightning_s_import() -> Non
     out = _run("""
         import sys
         import lightning_offload
-        sys.modules["lightning_offload.strategies.offload"] = None  # its import now fails
+        sys.modules["lightning_offload.faces.trainer.offload"] = None  # its import now fails
         try:
             import lightning.pytorch
         except ImportError as error:

@@ -19,7 +19,7 @@ from lightning_offload.meft.routing import expert_key_scores, route, select_expe
 from lightning_offload.engine.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.engine.native_row_adam import LandedRows
 from lightning_offload.models import tiny_gpt2, tiny_llama
-from lightning_offload.strategies.report import facts_of, figures_at_step_end
+from lightning_offload.setup.report import facts_of, figures_at_step_end
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
 # Standardisation measured on the first batch alone: tests that compare runs fix it with one forward beforehand

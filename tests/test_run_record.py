@@ -8,7 +8,7 @@ import pytest
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.reporting.run_record import RunRecorder, read_history
-from lightning_offload.strategies.report import OffloadFacts, facts_of, figures_at_step_end, figures_of
+from lightning_offload.setup.report import OffloadFacts, facts_of, figures_at_step_end, figures_of
 from tiny_modules import TinyClassifier, classification_data, trainer
 
 

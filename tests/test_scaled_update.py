@@ -352,7 +352,7 @@ def test_bad_settings_are_refused_by_name(settings: dict, match: str) -> None:
 
 def test_what_the_rule_cannot_take_is_refused_by_name() -> None:
     from lightning_offload import ZeroOffloadStrategy
-    from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy
+    from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy
 
     with pytest.raises(ValueError, match="update='scaled'.*nothing is projected"):
         ZeroOffloadStrategy(update="scaled")

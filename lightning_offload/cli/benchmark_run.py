@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_offload.engine.phases import PHASES
-from lightning_offload.strategies.report import phase_clock_of
+from lightning_offload.setup.report import phase_clock_of
 
 
 class StepClock(pl.Callback):

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_offload.strategies.hardware_precision import uses_cuda
+from lightning_offload.setup.hardware_precision import uses_cuda
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from lightning_offload.cli.baselines import (
     galore_optimizer,
     layer_param_groups,
 )
-from lightning_offload.meft.injection import inject_meft
+from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
+from lightning_offload.faces.trainer.offload import LSPOffloadStrategy
 from lightning_offload.meft.config import MEFTConfig
-from lightning_offload.meft.strategy import MEFTOffloadStrategy
-from lightning_offload.strategies.offload import LSPOffloadStrategy
+from lightning_offload.meft.injection import inject_meft
 
 METHODS = ("full", "frozen", "lora", "galore", "meft", "adapter")
 

@@ -8,7 +8,7 @@ import warnings
 
 from omegaconf import DictConfig, open_dict
 
-from lightning_offload.strategies.hardware_precision import hardware_precision, uses_cuda
+from lightning_offload.setup.hardware_precision import hardware_precision, uses_cuda
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from lightning_offload.engine.checkpoint_kinds import (
     offload_state_without_offload,
     torch_state_under_offload,
 )
-from lightning_offload.strategies.offload_base import OffloadMixin
+from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.tasks.schedule import SettingsError
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -26,15 +27,16 @@ import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload.cli.failures import error_paragraph, log_to_files, remove_fresh_run_dir
 from lightning_offload.cli.interrupt import StopOnInterrupt
 from lightning_offload.cli.machine_size import size_to_machine
-from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
+from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
+from lightning_offload.faces.trainer.offload import SingleDeviceOffload
 from lightning_offload.models.builders import LanguageModel
+from lightning_offload.reporting.run_record import RunRecorder, write_summary
+from lightning_offload.reporting.summary import RunNames, format_summary, summarize
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.tasks.schedule import OptimSettings, SettingsError
-from lightning_offload.reporting.run_record import RunRecorder, write_summary
-from lightning_offload.reporting.summary import RunNames, format_summary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +147,15 @@ def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule 
     return heldout
 
 
-#: Single-device offload strategies and their forms on Lightning's DDP.
-_DATA_PARALLEL_FORMS = {
-    "lightning_offload.strategies.offload.LSPOffloadStrategy": "lightning_offload.strategies.ddp.LSPOffloadDDPStrategy",
-    "lightning_offload.strategies.offload.ZeroOffloadStrategy": "lightning_offload.strategies.ddp.ZeroOffloadDDPStrategy",
-}
+def _data_parallel_target(target: str) -> str | None:
+    """The class path of the DDP form (``data_parallel_form``, from Lightning's registry) of the single-device offload
+    strategy at ``target``; ``None`` for one without, or for another strategy."""
+    strategy_class = hydra.utils.get_class(target) if target.startswith("lightning_offload.") else None
+    if not (isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceOffload)
+            and strategy_class.data_parallel_form is not None):
+        return None
+    form = StrategyRegistry[strategy_class.data_parallel_form]["strategy"]
+    return f"{form.__module__}.{form.__qualname__}"
 
 
 def _device_count(devices: Any) -> int | None:
@@ -171,7 +177,7 @@ def _data_parallel_offload(cfg: DictConfig) -> None:
     strategy = cfg.offload.get("strategy")
     if (devices <= 1 and nodes <= 1) or not isinstance(strategy, DictConfig):
         return
-    target = _DATA_PARALLEL_FORMS.get(strategy.get("_target_", ""))
+    target = _data_parallel_target(strategy.get("_target_", ""))
     if target is None:
         return  # other strategies say themselves whether they run on several devices
     with open_dict(cfg):

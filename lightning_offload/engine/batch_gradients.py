@@ -1,7 +1,7 @@
 """Gradient passes over batches a caller hands in, for a projector fit in a loop of one's own: each batch's loss from
 ``loss_fn(model, batch)``, its backward delivering the projected layers' full gradients layer by layer
 (:func:`~lightning_offload.lsp.sampling.sample_gradients`). The Lightning callback's passes
-(:class:`~lightning_offload.strategies.gradient_sampling.GradientPasses`) are these with the Trainer's dataloader,
+(:class:`~lightning_offload.faces.trainer.gradient_sampling.GradientPasses`) are these with the Trainer's dataloader,
 ``training_step`` and precision context.
 """
 

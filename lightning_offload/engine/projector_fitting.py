@@ -4,7 +4,7 @@ layer's reconstruction error on fresh gradients and refits the layers above ``th
 moments into the new subspace (:meth:`~lightning_offload.engine.optimizer.OffloadOptimizer.replace_projectors`).
 
 Where the gradients come from is the caller's (:class:`GradientSource`): the Lightning callback
-(:class:`~lightning_offload.strategies.refit.ProjectorRefit`) samples the Trainer's dataloader with
+(:class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`) samples the Trainer's dataloader with
 ``training_step``; a plain loop hands batches and a loss function
 (:class:`~lightning_offload.engine.gradient_source.BatchGradients`). So is agreement between data-parallel ranks
 (:class:`FitAgreement`). Each gradient is consumed layer by layer as backward produces it
@@ -85,7 +85,7 @@ class OneProcess:
 
 @dataclass(frozen=True)
 class ProjectorFitting:
-    """How a fit runs (the Args of :class:`~lightning_offload.strategies.refit.ProjectorRefit`, which builds one,
+    """How a fit runs (the Args of :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`, which builds one,
     say more of what each does).
 
     Attributes:

@@ -1,4 +1,4 @@
-"""What one projector fit did (:class:`RefitRecord`): kept by :class:`~lightning_offload.strategies.refit.ProjectorRefit`
+"""What one projector fit did (:class:`RefitRecord`): kept by :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`
 in its history, and its figures for the loggers."""
 
 from __future__ import annotations

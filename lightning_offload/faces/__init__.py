@@ -1,2 +1,4 @@
-"""The engine's faces beyond the Trainer strategies: a loop of one's own (:mod:`~lightning_offload.faces.loop`, which
-Hugging Face's ``Trainer`` takes as its optimizer) and Lightning Fabric (:mod:`~lightning_offload.faces.fabric`)."""
+"""The engine's faces, one per kind of training loop and peers over :mod:`lightning_offload.setup` (none imports
+another): Lightning's Trainer (:mod:`~lightning_offload.faces.trainer`), Lightning Fabric
+(:mod:`~lightning_offload.faces.fabric`), a loop of one's own (:mod:`~lightning_offload.faces.loop`) and Hugging Face's
+``Trainer`` (:mod:`~lightning_offload.faces.hf`)."""

@@ -3,8 +3,8 @@
 strategy registry by ``import lightning_offload``.
 
 Set-up and hooks only: ``fabric.setup(model, optimizer)`` puts the engine in place of the user's Adam/AdamW through the
-same set-up as the Trainer strategies (:mod:`lightning_offload.strategies.engine_setup`) and hands back the loop's
-optimizer (:class:`~lightning_offload.faces.loop.LoopOffloadOptimizer`); ``fabric.clip_gradients`` clips through the
+same set-up as the Trainer strategies (:mod:`lightning_offload.setup.engine`) and hands back the loop's
+optimizer (:class:`~lightning_offload.setup.loop_optimizer.LoopOffloadOptimizer`); ``fabric.clip_gradients`` clips through the
 engine (projected gradients never fill ``param.grad``); ``fabric.save`` applies pending updates before reading the
 weights, and ``fabric.load`` restores the weights before the optimizer, whose fp32 masters are refreshed from them.
 """
@@ -32,15 +32,17 @@ from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankSha
 from lightning_offload.engine.projector_fitting import OneProcess, ProjectorFitting
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks, row_adam_settings
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.faces.loop import LoopOffloadOptimizer, loop_settings, offload_settings
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
-from lightning_offload.strategies.engine_setup import Placements, build_engine
-from lightning_offload.strategies.ddp import broadcast_projectors, broadcast_weights, bucket_bytes
-from lightning_offload.strategies.offload_base import as_offload_optimizer, check_precision, save_whole
+from lightning_offload.setup.data_parallel import broadcast_projectors, broadcast_weights, bucket_bytes
+from lightning_offload.setup.engine import Placements, build_engine
+from lightning_offload.setup.engine import as_offload_optimizer
+from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.setup.precision_check import check_precision
+from lightning_offload.setup.whole_save import save_whole
 
 class FabricOffloadMixin(OneProcess):
     """What Fabric's offload strategies share, single-device and data-parallel: the engine in place of the user's
-    Adam/AdamW (set up through :func:`~lightning_offload.strategies.engine_setup.build_engine`, handed back as the loop
+    Adam/AdamW (set up through :func:`~lightning_offload.setup.engine.build_engine`, handed back as the loop
     face's optimizer), precision checks, clipping through the engine, checkpoints, teardown. A strategy class mixes it
     in before its Fabric base; a fit's agreement between ranks is one process's unless the DDP form overrides it.
     """
@@ -254,7 +256,7 @@ class FabricMEFTOffload(FabricOffload):
 class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
     """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
 
-    As ``lsp_offload_ddp`` for the Trainer (:class:`~lightning_offload.strategies.ddp.LSPOffloadDDPStrategy`): the
+    As ``lsp_offload_ddp`` for the Trainer (:class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy`): the
     model is not wrapped in ``DistributedDataParallel``; the engine reduces each gradient (compressed, for projected
     weights) to the rank that owns its share of the host Adam, which steps it and broadcasts the update. Every rank
     starts from rank 0's weights, and a projector fit is rank 0's on the mean of the ranks' samples.

@@ -6,7 +6,7 @@
   and evaluates right after a step: the callback settles the optimizer first (every pending update, and the decay
   untouched embedding rows owe), so checkpoints and evaluations see that step's weights.
 * **Learned projectors.** It fits them on the Trainer's dataloader before the first step and refits them when due
-  (:attr:`~lightning_offload.faces.loop.LoopOffloadOptimizer.refit_due`), with ``loss_fn`` (by default the model's
+  (:attr:`~lightning_offload.LoopOffloadOptimizer.refit_due`), with ``loss_fn`` (by default the model's
   own loss on the batch, ``model(**batch).loss``).
 * **Clipping.** ``TrainingArguments.max_grad_norm`` (1.0 by default) becomes the offload's own clipping, over every
   gradient (projected ones included, which the Trainer's ``clip_grad_norm_`` over ``model.parameters()`` cannot see),
@@ -25,7 +25,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from lightning_offload.engine.batch_gradients import LossFn
-from lightning_offload.faces.loop import LoopOffloadOptimizer
+from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer
 
 log = logging.getLogger(__name__)
 

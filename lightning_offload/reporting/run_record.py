@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_offload.strategies.report import StepFigures, facts_of, figures_at_step_end, figures_of
+from lightning_offload.setup.report import StepFigures, facts_of, figures_at_step_end, figures_of
 
 HISTORY_FILE = "history.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -80,7 +80,7 @@ class RunRecorder(pl.Callback):
         start_step: the optimizer step training started from (0, or the checkpoint's).
     """
 
-    #: Reads no weights after a step, or applies pending updates itself first (see strategies/weight_readers.py).
+    #: Reads no weights after a step, or applies pending updates itself first (see lightning_offload/faces/trainer/weight_readers.py).
     leaves_weights_alone = True
 
     def __init__(self, run_dir: str | Path | None, resume: bool = False) -> None:

@@ -15,8 +15,7 @@ from lightning_offload.reporting.run_record import (
     host_peak_rss_bytes,
     optimizer_state_bytes,
 )
-from lightning_offload.strategies.refit import ProjectorRefit
-from lightning_offload.strategies.report import OffloadFacts, facts_of
+from lightning_offload.setup.report import OffloadFacts, facts_of, fit_records_of
 
 
 @dataclass(frozen=True)
@@ -116,9 +115,9 @@ def summarize(names: RunNames, module: pl.LightningModule, trainer: pl.Trainer, 
         "metric_before": before.get(metric),
         "metric_after": after.get(metric),
     }
-    refits = [c for c in trainer.callbacks if isinstance(c, ProjectorRefit) and c.history]
-    if refits:
-        first = refits[0].history[0]
+    fits = fit_records_of(trainer.callbacks)
+    if fits:
+        first = fits[0]
         summary["projector_fit_seconds"] = first.seconds
         summary["projector_error_drawn"] = statistics.fmean(first.errors.values())
         summary["projector_error_fitted"] = statistics.fmean(first.fitted_errors.values())

@@ -1,12 +1,11 @@
 """The offload machinery every offload strategy shares (:class:`OffloadMixin`): the engine in place of the user's
 Adam, precision checks, clipping, synchronisation, checkpoints, reporting and teardown. The single-device strategies
-(``lsp_offload``, ``zero_offload``) are in :mod:`lightning_offload.strategies.offload`, the data-parallel ones in
-:mod:`lightning_offload.strategies.ddp`.
+(``lsp_offload``, ``zero_offload``) are in :mod:`lightning_offload.faces.trainer.offload`, the data-parallel ones in
+:mod:`lightning_offload.faces.trainer.ddp`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,53 +21,16 @@ from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.projector_fitting import OneProcess
 from lightning_offload.engine.scaled_slot import ScaledSlot
+from lightning_offload.faces.trainer.refit import ProjectorRefit
+from lightning_offload.faces.trainer.weight_readers import weight_readers
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.strategies.embeddings_head import Placement
-from lightning_offload.strategies.engine_setup import EngineSetup, Placements, build_engine
-from lightning_offload.strategies.projection import compressed_dim
-from lightning_offload.strategies.refit import ProjectorRefit
-from lightning_offload.strategies.report import OffloadFacts, StepFigures
-from lightning_offload.strategies.settings import OffloadSettings
-from lightning_offload.strategies.weight_readers import weight_readers
-
-_PRECISION_ADVICE = {
-    "16-mixed": (
-        "fp16 loss scaling only unscales param.grad, but projected weights deliver their gradient compressed and "
-        "never fill param.grad. Use precision='bf16-mixed' (bf16 needs no loss scaling) or 'bf16-true'."
-    ),
-    "16-true": "fp16 weights without loss scaling underflow. Use precision='bf16-true' or 'bf16-mixed'.",
-}
-_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
-
-
-def check_precision(strategy_name: str, plugin: Any, plain: type, half: tuple[type, ...]) -> None:
-    """Refuse a precision plugin the offload cannot train under (Lightning's and Fabric's plugins alike: ``plain`` is
-    the framework's fp32 plugin, ``half`` its bf16/fp16 ones).
-
-    Raises:
-        ValueError: naming the precision and what to use instead.
-    """
-    name = str(getattr(plugin, "precision", "32-true"))
-    supported = type(plugin) is plain or (isinstance(plugin, half) and name in _SUPPORTED_PRECISION)
-    if not supported or name not in _SUPPORTED_PRECISION:
-        advice = _PRECISION_ADVICE.get(
-            name, f"Use one of {', '.join(_SUPPORTED_PRECISION)} (the host Adam and its state are fp32).")
-        raise ValueError(f"strategy {strategy_name!r} does not support precision={name!r}: {advice}")
-
-
-def save_whole(path: _PATH, write: Callable[[_PATH], None]) -> None:
-    """``write(target)`` a checkpoint to ``path`` beside it first, then renamed: an interrupted save never leaves a
-    half-written checkpoint (remote paths, ``"://"``, are written directly)."""
-    if "://" in str(path):
-        write(path)
-        return
-    partial = f"{path}.partial"
-    try:
-        write(partial)
-        os.replace(partial, str(path))
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+from lightning_offload.setup.embeddings_head import Placement
+from lightning_offload.setup.engine import EngineSetup, Placements, as_offload_optimizer, build_engine
+from lightning_offload.setup.precision_check import check_precision
+from lightning_offload.setup.projection import compressed_dim
+from lightning_offload.setup.report import OffloadFacts, StepFigures
+from lightning_offload.setup.settings import OffloadSettings
+from lightning_offload.setup.whole_save import save_whole
 
 
 class OffloadMixin(OneProcess):
@@ -85,32 +47,24 @@ class OffloadMixin(OneProcess):
 
     def _configure_offload(self, settings: OffloadSettings) -> None:
         """Keep the offload settings, validated when ``settings`` was built (the Args of
-        :class:`LSPOffloadStrategy`)."""
+        :class:`LSPOffloadStrategy`): the one value every reader reads them from."""
         self.settings = settings
-        self.projection = settings.projection
         self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
         self._settle_each_step = False  # set at set-up: whether a callback needs each step's weights right after it
         self._step_end_figures: dict[str, float] = {}  # the latest step's figures_at_step_end()
-        self.rank = settings.rank
-        self.density = settings.density
-        self.min_dim = settings.min_dim
-        self.target_modules = list(settings.target_modules) if settings.target_modules is not None else None
-        self.exclude_modules = list(settings.exclude_modules)
-        self.projectors = settings.projectors
-        self.projector_factory = settings.projector_factory
-        self.seed = settings.seed
-        self.on_nonfinite = settings.on_nonfinite
-        self.log_telemetry = settings.log_telemetry
-        self.pipelined = settings.pipelined
-        self.link_dtype = settings.link_dtype
-        self.update_buffers = settings.update_buffers
-        self.speculative = settings.speculative
-        self.placements = Placements.of(settings, self.sparse_embeddings_by_default)
-        self.embeddings = self.placements.embeddings
-        self.head = self.placements.head
-        self.placement = Placement()
         self.offload_optimizer: OffloadOptimizer | None = None
         self._engine: EngineSetup | None = None  # the engine and what its set-up changed on the model
+
+    @property
+    def placements(self) -> Placements:
+        """Where embeddings and the head train, as asked (the settings, with this strategy's default for
+        ``embeddings=None``)."""
+        return Placements.of(self.settings, self.sparse_embeddings_by_default)
+
+    @property
+    def placement(self) -> Placement:
+        """Where embeddings and the head train, as set up (empty before set-up and after teardown)."""
+        return self._engine.placement if self._engine is not None else Placement()
 
     # ------------------------------------------------------------------------------------------------ precision
     @property
@@ -139,9 +93,9 @@ class OffloadMixin(OneProcess):
     def _add_refit_callback(self, trainer: pl.Trainer | None) -> None:
         # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
         # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
-        if self.projection and self.projectors == "learned" and trainer is not None:
+        if self.settings.projection and self.settings.projectors == "learned" and trainer is not None:
             if not any(isinstance(callback, ProjectorRefit) for callback in trainer.callbacks):
-                refit = ProjectorRefit(seed=self.seed)
+                refit = ProjectorRefit(seed=self.settings.seed)
                 trainer.callbacks.append(refit)
                 rank_zero_info(
                     f"{self.strategy_name}: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits "
@@ -178,7 +132,7 @@ class OffloadMixin(OneProcess):
                 f"for different hyper-parameters."
             )
         self._compiled_forward = self._runs_compiled_code()  # configure_model (where users compile) has run
-        readers = weight_readers(trainer.callbacks) if self.pipelined else []
+        readers = weight_readers(trainer.callbacks) if self.settings.pipelined else []
         self._settle_each_step = bool(readers)
         if readers:
             rank_zero_info(f"{self.strategy_name}: {', '.join(readers)} may read or write the weights after each step, "
@@ -191,7 +145,6 @@ class OffloadMixin(OneProcess):
         self._engine = build_engine(self.lightning_module, self.optimizers[0], self.settings, self.placements,
                                     self.root_device, self.strategy_name, rank_zero_info, rank_zero_warn,
                                     rank_shards=self._rank_shards())
-        self.placement = self._engine.placement
         self.offload_optimizer = self._engine.optimizer
         self.optimizers = [self.offload_optimizer]
 
@@ -223,7 +176,7 @@ class OffloadMixin(OneProcess):
             self.synchronize()  # a callback reads or writes the weights after the step: they must be this step's
         if self.offload_optimizer is not None:
             self._step_end_figures = self._take_step_end_figures()
-        if self.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
+        if self.settings.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
             telemetry = self.offload_optimizer.telemetry
             telemetry.device_state_bytes = self.offload_optimizer.device_state_bytes()
             if self.lightning_module._trainer is not None:
@@ -281,7 +234,7 @@ class OffloadMixin(OneProcess):
 
     # ---------------------------------------------------------------------------------------------- reporting
     def offload_facts(self) -> OffloadFacts:
-        """What a run's summary needs of this strategy beyond its logged figures (see strategies/report.py)."""
+        """What a run's summary needs of this strategy beyond its logged figures (see lightning_offload/setup/report.py)."""
         scaled = sum(isinstance(slot, ScaledSlot) for slot in self.offload_optimizer.slots) \
             if self.offload_optimizer is not None else 0
         return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
@@ -330,7 +283,7 @@ class OffloadMixin(OneProcess):
         # Give the user back plain modules: after fit, forward and autograd behave as without the strategy.
         if self._engine is not None:
             self._engine.release()
-        self.placement = Placement()
+            self._engine = None  # what it changed on the model is undone: nothing is placed any more
         super().teardown()
 
     @classmethod
@@ -338,12 +291,3 @@ class OffloadMixin(OneProcess):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
-
-def as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:
-    """The engine inside a framework's optimizer wrapper (Lightning's and Fabric's keep it as ``_optimizer``)."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
-    if not isinstance(inner, OffloadOptimizer):
-        raise TypeError(f"Expected the strategy's OffloadOptimizer, got {type(inner).__name__}.")
-    return inner

@@ -11,12 +11,11 @@ do not duplicate it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
@@ -26,48 +25,20 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_offload.engine.clipping import NonFinitePolicy
+from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.scaled_slot import scaled_across_ranks_error
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
-from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
-from lightning_offload.engine.clipping import NonFinitePolicy
+from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
-from lightning_offload.strategies.offload_base import OffloadMixin
-from lightning_offload.strategies.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
-
-
-def bucket_bytes(bucket_mb: float) -> int:
-    """``bucket_mb`` MiB as bytes (at least one).
-
-    Raises:
-        ValueError: for a value that is not a positive number.
-    """
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be a positive number of MiB per gradient bucket, got {bucket_mb!r}.")
-    return max(1, int(bucket_mb * 2**20))
-
-
-@torch.no_grad()
-def broadcast_weights(module: torch.nn.Module) -> None:
-    """Every rank's parameters and buffers made rank 0's (what DistributedDataParallel's wrapper does at set-up)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=0)
-
-
-def broadcast_projectors(broadcast: Callable[[Any, int], Any], proj_out: SparseProjector, proj_in: SparseProjector,
-                         norm_ratio: float, second_moment_scale: float
-                         ) -> tuple[SparseProjector, SparseProjector, float, float]:
-    """Rank 0's fitted projectors and figures on every rank, through ``broadcast(obj, src)`` (a strategy's)."""
-    device = proj_out.indices.device
-    # Through the CPU: a pickled device tensor would be restored on rank 0's device number on every rank.
-    payload = (proj_out.to("cpu"), proj_in.to("cpu"), float(norm_ratio), float(second_moment_scale))
-    out, inp, ratio, scale = broadcast(payload, 0)
-    return out.to(device), inp.to(device), ratio, scale
+from lightning_offload.setup.data_parallel import broadcast_projectors, broadcast_weights, bucket_bytes
+from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
 
 
 class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
-    Takes every offload argument of :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy` (``rank``,
+    Takes every offload argument of :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy` (``rank``,
     ``density``, ``projectors``, ``link_dtype``, ``embeddings``, ``head``, …; gradients cross between ranks in
     ``link_dtype``) and these of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`. Registered as
     ``strategy="lsp_offload_ddp"``.
@@ -88,7 +59,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
         projectors: ``"random"`` (the seeded draw, never fitted) or ``"learned"`` (fitted, then refitted on a schedule
-            by a :class:`~lightning_offload.strategies.refit.ProjectorRefit`). Default: ``"random"``.
+            by a :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`). Default: ``"random"``.
         projector_factory: draws each projector at set-up. Default: ``random_projector``.
         seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
@@ -103,7 +74,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         embeddings: ``"host"``, ``"device"`` or ``"frozen"``: the row-sparse embedding (``"sparse"``) is
             single-device only, since each rank's batch touches different rows. Default: ``None`` (``"host"``).
         head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``. Default: ``None`` (``"host"``).
-        update: ``"projected"`` only: ``"scaled"`` (see :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy`)
+        update: ``"projected"`` only: ``"scaled"`` (see :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy`)
             trains on one process and is refused here. Default: ``"projected"``.
 
     Every rank must draw the same projectors: they are seeded by ``seed``, and learned fits are made on the mean of
@@ -171,7 +142,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         )
         self.bucket_bytes = bucket_bytes(bucket_mb)
         self._configure_offload(settings)
-        if self.embeddings == "sparse":
+        if self.placements.embeddings == "sparse":
             refuse_rows_across_ranks()
 
     @override

@@ -19,9 +19,9 @@ from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.slot import is_decoupled
 from lightning_offload.engine.user_optimizer import validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.strategies.embeddings_head import Placement, plan_placement
-from lightning_offload.strategies.projection import attach_projections
-from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.setup.embeddings_head import Placement, plan_placement
+from lightning_offload.setup.projection import attach_projections
+from lightning_offload.setup.settings import OffloadSettings
 
 
 @dataclass(frozen=True)
@@ -205,3 +205,10 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     setattr(model, ENGINE_ATTRIBUTE, setup)
     return setup
 
+
+def as_offload_optimizer(optimizer: Any) -> OffloadOptimizer:
+    """The engine inside a framework's optimizer wrapper (Lightning's and Fabric's keep it as ``_optimizer``)."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(inner, OffloadOptimizer):
+        raise TypeError(f"Expected the strategy's OffloadOptimizer, got {type(inner).__name__}.")
+    return inner

@@ -10,8 +10,8 @@ import torch
 from lightning_offload.lsp.channel_scales import ScaledRule, ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.targets import compressed_size, select_projected_modules
-from lightning_offload.strategies.embeddings_head import Placement
-from lightning_offload.strategies.settings import OffloadSettings
+from lightning_offload.setup.embeddings_head import Placement
+from lightning_offload.setup.settings import OffloadSettings
 
 
 def attach_projections(model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: OffloadSettings,

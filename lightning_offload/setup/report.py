@@ -1,4 +1,5 @@
-"""What the offload strategies tell a run's reporting: their per-step figures and a few facts, as typed values.
+"""What the offload strategies tell a run's reporting: their per-step figures, a few facts and the projector fits' records,
+as typed values.
 
 The CLI and :mod:`lightning_offload.reporting` build the run summary and the per-step records from these alone:
 they never read a strategy's optimizer, adapters or other internals. A strategy that is not an offload strategy
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from lightning_offload.engine.phases import PhaseClock
+from lightning_offload.engine.refit_record import RefitRecord
 
 #: ``(optimizer step number, figures)``: the figures the engine filed when the step's host work completed.
 StepFigures = tuple[int, dict[str, float]]
@@ -56,6 +58,22 @@ class ReportsOffload(Protocol):
     def completed_step_figures(self, settle: bool = False) -> Sequence[StepFigures]:
         """The engine's figures of recently completed steps, oldest first (a pipelined step completes during the
         next one). ``settle=True`` first finishes the step in flight, so that its figures are among them."""
+
+
+@runtime_checkable
+class RecordsFits(Protocol):
+    """The reporting face of a projector-fit schedule (the Trainer's ``ProjectorRefit`` callback provides it)."""
+
+    def fit_history(self) -> Sequence[RefitRecord]:
+        """What each fit or refit check did, oldest first."""
+
+
+def fit_records_of(callbacks: Sequence[Any]) -> Sequence[RefitRecord]:
+    """The fit records of the first of ``callbacks`` that fitted projectors, oldest first; none when none did."""
+    for callback in callbacks:
+        if isinstance(callback, RecordsFits) and callback.fit_history():
+            return callback.fit_history()
+    return ()
 
 
 def facts_of(strategy: Any) -> OffloadFacts:

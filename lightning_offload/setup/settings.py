@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from lightning_offload.engine.user_optimizer import LINK_DTYPES
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
-from lightning_offload.strategies.embeddings_head import validate_placements
+from lightning_offload.setup.embeddings_head import validate_placements
 
 PROJECTOR_KINDS = ("learned", "random")
 UPDATE_RULES = ("projected", "scaled")
@@ -33,7 +33,7 @@ SCALED_ONLY_SETTINGS = ("redraw_every", "norm_growth_limit")
 @dataclass(frozen=True)
 class OffloadSettings:
     """What an offload strategy was asked to do (the Args of
-    :class:`~lightning_offload.strategies.offload.LSPOffloadStrategy`, which documents each one).
+    :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy`, which documents each one).
 
     Attributes:
         projection: compress the selected weights' gradients (LSP); ``False`` sends every gradient in full.
@@ -64,7 +64,7 @@ class OffloadSettings:
 
     Example::
 
-        from lightning_offload.strategies.settings import OffloadSettings
+        from lightning_offload.setup.settings import OffloadSettings
 
         settings = OffloadSettings(rank=0.125, projectors="random")
         OffloadSettings(projection=False, rank=0.1)  # ValueError: rank does not apply without projection

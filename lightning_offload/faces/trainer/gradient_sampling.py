@@ -1,7 +1,7 @@
 """Extra forward/backward passes over training batches that hand the projected layers' full gradients to a consumer.
 
-Both the projector fit (:class:`~lightning_offload.strategies.refit.ProjectorRefit`) and the measurement of
-``ρ = ‖S‖/‖G‖`` for the clipping norm (:mod:`lightning_offload.strategies.norm_ratio`) need full gradients of real
+Both the projector fit (:class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`) and the measurement of
+``ρ = ‖S‖/‖G‖`` for the clipping norm (:mod:`lightning_offload.lsp.norm_ratio`) need full gradients of real
 training batches outside the training loop. :class:`GradientPasses` draws the batches from the training dataloader,
 prepares each as the loop would, runs ``training_step`` (or a ``loss_fn``) with logging muted and backward inside
 :func:`~lightning_offload.lsp.sampling.sample_gradients`; the caller decides what a gradient is for.

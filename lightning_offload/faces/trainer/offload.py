@@ -1,6 +1,6 @@
 """The single-device offload strategies: ``lsp_offload`` (:class:`LSPOffloadStrategy`) and ``zero_offload``
 (:class:`ZeroOffloadStrategy`), the shared offload machinery
-(:class:`~lightning_offload.strategies.offload_base.OffloadMixin`) on Lightning's single-device strategy, and their
+(:class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin`) on Lightning's single-device strategy, and their
 registration under those names.
 
 ``Trainer(strategy="lsp_offload")`` trains any LightningModule with LSP-Offload: at set-up the strategy rebinds the
@@ -23,9 +23,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_offload.engine.clipping import NonFinitePolicy
+from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
-from lightning_offload.strategies.offload_base import OffloadMixin
-from lightning_offload.strategies.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
 
 
 def default_device() -> torch.device:
@@ -129,7 +129,7 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
         projectors: ``"random"`` keeps the seeded draw, never fitted; ``"learned"`` fits the projector values to
             sampled gradients before the first update and refits stale ones on a schedule (a
-            :class:`~lightning_offload.strategies.refit.ProjectorRefit` with its defaults is added unless the Trainer
+            :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` with its defaults is added unless the Trainer
             has one). At rank 0.25 random draws kept as much of AdamW's gain as learned ones or more in most measured
             settings, at no fit cost; at rank 0.125 the measurements split, so try both there (docs/benchmarks.md,
             "Projectors at the user's own learning rate"). Default: ``"random"``.
@@ -156,7 +156,7 @@ class LSPOffloadStrategy(SingleDeviceOffload):
             the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
             decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
             under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. See
-            :mod:`lightning_offload.strategies.embeddings_head`. Default: ``None`` (``"sparse"`` for
+            :mod:`lightning_offload.setup.embeddings_head`. Default: ``None`` (``"sparse"`` for
             ``lsp_offload``, ``"host"`` for ``zero_offload``).
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input

@@ -24,8 +24,9 @@ from typing_extensions import override
 
 from lightning_offload.engine.projector_fitting import ProjectorFitting, fit_projectors
 from lightning_offload.engine.refit_record import RefitRecord
+from lightning_offload.faces.trainer.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.strategies.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
+from lightning_offload.setup.settings import OffloadSettings
 
 
 @runtime_checkable
@@ -34,8 +35,7 @@ class ProjectedTraining(Protocol):
     layers' optimizer, and agreement between ranks on what was sampled and fitted. A protocol, so this module does not
     import the strategies (which add this callback)."""
 
-    projection: bool
-    projectors: str
+    settings: OffloadSettings
     offload_optimizer: Any
 
     def synchronize(self) -> None:
@@ -94,7 +94,7 @@ class ProjectorRefit(Callback):
         trainer.fit(module)  # refit.history then holds a RefitRecord per fit or check
     """
 
-    #: Reads no weights after a step, or applies pending updates itself first (see strategies/weight_readers.py).
+    #: Reads no weights after a step, or applies pending updates itself first (see lightning_offload/faces/trainer/weight_readers.py).
     leaves_weights_alone = True
 
     def __repr__(self) -> str:
@@ -150,16 +150,16 @@ class ProjectorRefit(Callback):
         self._initial_fit_done = False
         self._last_checked_step = -1
         strategy = trainer.strategy
-        if not isinstance(strategy, ProjectedTraining) or not strategy.projection:
+        if not isinstance(strategy, ProjectedTraining) or not strategy.settings.projection:
             raise ValueError(
                 f"ProjectorRefit fits the projectors of strategy='lsp_offload', but this Trainer uses "
-                f"{type(strategy).__name__}{'' if getattr(strategy, 'projection', True) else ' (projection off)'}. "
+                f"{type(strategy).__name__}{' (projection off)' if isinstance(strategy, ProjectedTraining) else ''}. "
                 f"Remove the callback or use strategy='lsp_offload'."
             )
-        if strategy.projectors != "learned":
+        if strategy.settings.projectors != "learned":
             raise ValueError(
                 f"ProjectorRefit fits learned projectors, but this Trainer's {type(strategy).__name__} keeps "
-                f"projectors={strategy.projectors!r} (the default), which are never fitted. Use "
+                f"projectors={strategy.settings.projectors!r} (the default), which are never fitted. Use "
                 f"LSPOffloadStrategy(projectors='learned') (offload=lsp_learned on the CLI), or remove the callback."
             )
         if self.loss_fn is None and not pl_module.automatic_optimization:
@@ -211,6 +211,11 @@ class ProjectorRefit(Callback):
         if self.log:
             for logger in trainer.loggers:
                 logger.log_metrics({**record.metrics(), "projector_refit/fits_done": float(self.fits_done)}, step=step)
+
+    def fit_history(self) -> list[RefitRecord]:
+        """What each fit or refit check did, oldest first (the run's reporting reads it through
+        :class:`~lightning_offload.setup.report.RecordsFits`)."""
+        return self.history
 
     # ------------------------------------------------------------------------------------------- persistence
     @override

@@ -43,9 +43,9 @@ def register_trainer_strategies() -> None:
     with the Trainer's ``StrategyRegistry`` (imports Lightning; idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_offload.meft.strategy import MEFTOffloadStrategy
-    from lightning_offload.strategies.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
-    from lightning_offload.strategies.offload import register_strategies
+    from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
+    from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
+    from lightning_offload.faces.trainer.offload import register_strategies
 
     register_strategies()
     for strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy):

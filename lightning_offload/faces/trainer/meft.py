@@ -20,12 +20,12 @@ from typing_extensions import override
 from lightning_offload.engine.block_row_adam import RowAdamSettings
 from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.engine.user_optimizer import row_adam_settings
+from lightning_offload.faces.trainer.offload import SingleDeviceOffload
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters
-from lightning_offload.strategies.offload import SingleDeviceOffload
-from lightning_offload.strategies.report import OffloadFacts
-from lightning_offload.strategies.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.report import OffloadFacts
+from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
 
 
 class MEFTOffloadStrategy(SingleDeviceOffload):
@@ -120,7 +120,7 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
         return self.attached.step_figures(self.offload_optimizer.telemetry.skipped_steps, self.root_device)
 
     def offload_facts(self) -> OffloadFacts:
-        """The dense offload's facts and the adapters' host rows (see strategies/report.py)."""
+        """The dense offload's facts and the adapters' host rows (see lightning_offload/setup/report.py)."""
         adapters = self.adapters
         return replace(super().offload_facts(), host_trainable_parameters=host_trainable_parameters(adapters),
                        host_rows_bytes=host_rows_bytes(adapters),

@@ -1,0 +1,309 @@
+"""The engine driven by a training loop that steps it itself: what Lightning Fabric's strategies, a plain PyTorch loop
+and Hugging Face's ``Trainer`` share (:class:`LoopOffloadOptimizer`, set up by :func:`lightning_offload.offload` or
+Fabric's strategies).
+
+It is the engine of the Trainer strategies (:class:`~lightning_offload.engine.optimizer.OffloadOptimizer`), set up
+from the same settings (:mod:`lightning_offload.setup.engine`), plus what a loop has no callback for: clipping at every
+step (``max_grad_norm``), the projector fit and its refits as calls (:meth:`LoopOffloadOptimizer.fit_projectors`), and
+handing the model back (:meth:`LoopOffloadOptimizer.close`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from lightning_offload.engine.batch_gradients import BatchGradients, LossFn
+from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.projector_fitting import FitAgreement, OneProcess, ProjectorFitting, fit_projectors
+from lightning_offload.engine.refit_record import RefitRecord
+from lightning_offload.setup.engine import EngineSetup
+from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
+
+log = logging.getLogger(__name__)
+
+#: What a loop face takes besides the offload settings (the keyword arguments of :func:`~lightning_offload.offload`).
+LOOP_SETTINGS = ("device", "max_grad_norm", "fitting", "refit_every", "accumulation_steps")
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What a loop face adds to the offload settings (the Args of :func:`~lightning_offload.offload`), validated at construction, before
+    anything is set up.
+
+    Attributes:
+        max_grad_norm: clip every step to this global norm unless a clipping call came first. Default: ``None``.
+        accumulation_steps: training forwards per optimizer step, or ``None``. Default: ``1``.
+        refit_every: steps between refit checks; 0 for none. Default: ``500``.
+        fitting: how projector fits run. Default: ``ProjectorFitting()``.
+    """
+
+    max_grad_norm: float | None = None
+    accumulation_steps: int | None = 1
+    refit_every: int = 500
+    fitting: ProjectorFitting = field(default_factory=ProjectorFitting)
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be positive (or None: no clipping unless "
+                             f"clip_grad_norm_ is called).")
+        if not isinstance(self.refit_every, int) or self.refit_every < 0:
+            raise ValueError(f"refit_every={self.refit_every!r} must be an int ≥ 0 (0: no refits after the first "
+                             f"fit).")
+        steps = self.accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"accumulation_steps={steps!r} must be the number of micro-batches per optimizer step "
+                             f"(an int ≥ 1), or None: gradients cross at the step.")
+
+
+@dataclass
+class LoopControl:
+    """What a loop's optimizer keeps beside the engine: its set-up, clipping, fits and the step's micro-batches.
+
+    One object the optimizer holds (not attributes of the optimizer), so that Fabric's optimizer wrapper, which
+    forwards reads to the optimizer but keeps writes to itself, sees and changes the same state.
+    """
+
+    setup: EngineSetup
+    settings: LoopSettings
+    name: str
+    wants_fit: bool
+    fits: list[RefitRecord] = field(default_factory=list)
+    last_fit_step: int = -1  # the step count at the latest fit (-1: none yet)
+    forwards: int = 0  # training forwards since the last step
+    warned_unfitted: bool = False
+    warned_unsettled_save: bool = False
+    forward_counter: Any = None
+    #: Called first at close, newest first: what was attached to the engine after it was built (MEFT's adapters).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+    #: How the ranks agree on a projector fit (one process: every value its own).
+    agreement: FitAgreement = field(default_factory=OneProcess)
+
+
+class LoopOffloadOptimizer(OffloadOptimizer):
+    """The engine as the optimizer of a loop of one's own (built by :func:`~lightning_offload.offload`, or by the Fabric strategies).
+
+    Beside what :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` does, it sends the last micro-batch's
+    gradients during its backward (``accumulation_steps``), clips every step to ``max_grad_norm`` unless a clipping
+    call came first, fits and refits the projectors when asked (:meth:`fit_projectors`, :attr:`refit_due`), and
+    gives the model back at :meth:`close`.
+    """
+
+    loop: LoopControl
+
+    def configure_loop(self, setup: EngineSetup, settings: OffloadSettings, loop: LoopSettings, name: str,
+                       agreement: FitAgreement | None = None) -> None:
+        """Called once by the set-up that built it (:func:`~lightning_offload.offload`, the Fabric strategies; ``agreement``: how the
+        ranks agree on a projector fit, one process's by default)."""
+        wants_fit = settings.projection and settings.projectors == "learned" and bool(self.projected_layers)
+        self.loop = LoopControl(setup, loop, name, wants_fit)
+        if agreement is not None:
+            self.loop.agreement = agreement
+        if loop.accumulation_steps is not None:
+            # The backward of the step's last micro-batch delivers final gradients: they may cross during it, as in
+            # the Trainer strategies' closure. Its forward is how a loop of one's own says which backward that is.
+            self.loop.forward_counter = setup.model.register_forward_pre_hook(self._count_forward)
+        else:
+            self.routing.measure_every_backward = True  # any backward may be the step's last
+
+    def _count_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return  # an evaluation forward: no backward follows
+        self.loop.forwards += 1
+        if self.loop.forwards == self.loop.settings.accumulation_steps:
+            for layer in self.projected_layers:
+                layer.reset_forward_count()  # as at the start of the Trainer's closure
+            self.routing.collecting = True
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps taken (skipped ones, and one whose host work is still running, included); restored by
+        :meth:`load_state_dict`."""
+        return self.telemetry.steps + self.telemetry.skipped_steps + int(self.step_in_flight)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global norm every step is clipped to unless a clipping call came first (``None``: no clipping unless
+        asked); set it to change the limit from the next step on (Hugging Face's ``OffloadCallback`` does)."""
+        return self.loop.settings.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self.loop.settings = replace(self.loop.settings, max_grad_norm=value)  # validated as at construction
+
+    @property
+    def fits(self) -> list[RefitRecord]:
+        """What each projector fit did, oldest first."""
+        return self.loop.fits
+
+    # ------------------------------------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One step: clipped to ``max_grad_norm`` when no clipping call came since the last step, then the engine's
+        step (see :meth:`OffloadOptimizer.step`)."""
+        loop = self.loop
+        self.routing.collecting, loop.forwards = False, 0  # the next step's micro-batches count afresh
+        if self.needs_first_fit and not loop.warned_unfitted:
+            loop.warned_unfitted = True
+            warnings.warn(f"{loop.name}: projectors='learned' but fit_projectors() was not called before the first "
+                          f"step, so the projectors are still their random draw. Call opt.fit_projectors(batches, "
+                          f"loss_fn) before training, or use projectors='random'.", stacklevel=2)
+        loss = self.orchestrator.collect(closure) if closure is not None else None
+        if loop.settings.max_grad_norm is not None and self.norms.clip is None:
+            self.clip_grad_norm_(loop.settings.max_grad_norm)
+        super().step()
+        return loss
+
+    def settle(self) -> None:
+        """Apply every pending update, and the decay untouched row-sparse embedding rows owe: the model's weights are
+        then AdamW's (but for those rows' momentum drift). Call before reading or saving the weights outside a
+        forward (with ``pipelined=True`` a step's updates otherwise wait for each module's next forward)."""
+        self.synchronize()
+        self.settle_row_decay()
+
+    # ------------------------------------------------------------------------------------------ projector fits
+    @property
+    def needs_first_fit(self) -> bool:
+        """Whether learned projectors are still their random draw (no fit yet, none restored by a resume)."""
+        return self.loop.wants_fit and self.loop.last_fit_step < 0
+
+    @property
+    def refit_due(self) -> bool:
+        """Whether ``refit_every`` steps have passed since the latest fit (always ``False`` with ``refit_every=0``
+        or nothing to fit)."""
+        loop = self.loop
+        if not loop.wants_fit or not loop.settings.refit_every or loop.last_fit_step < 0:
+            return False
+        return self.steps_taken - loop.last_fit_step >= loop.settings.refit_every
+
+    def fit_projectors(self, batches: Iterable[Any], loss_fn: LossFn) -> RefitRecord:
+        """Fit the projectors now: every projected layer at the first call (the initial fit), then a check that
+        refits the layers whose error on fresh gradients exceeds the threshold.
+
+        The passes draw ``num_samples`` batches for the fit and ``norm_samples`` more to measure the new projectors'
+        norm ratio (for clipping), from the start of ``batches``, under an RNG forked and seeded by the seed and
+        the step (the loop's own random stream is untouched; a resumed run fits alike). Gradients are not kept.
+
+        Args:
+            batches: training batches (a DataLoader, a list).
+            loss_fn: ``loss_fn(model, batch) -> loss`` (it moves the batch to the device); ``None`` skips a batch.
+
+        Returns:
+            What the fit did (also appended to :attr:`fits`).
+
+        Raises:
+            ValueError: for random projectors (``projectors="random"``, the default): they are never fitted, and
+                fitting them would silently make them another kind.
+        """
+        loop = self.loop
+        if self.projected_layers and not loop.wants_fit:
+            raise ValueError(f"{loop.name}: fit_projectors() fits learned projectors, but this optimizer was built "
+                             f"with projectors='random' (the default), which are never fitted. Pass "
+                             f"projectors='learned' to offload() (or to the Fabric strategy) to fit them.")
+        step = self.steps_taken
+        initial = loop.last_fit_step < 0
+        fitting = loop.settings.fitting
+        source = BatchGradients(loop.setup.model, batches, loss_fn, fitting.num_samples + fitting.norm_samples)
+        log.info(fitting.describe(len(self.projected_layers), step, initial))
+        # The passes' forwards are no micro-batches of the loop's: its count is as it was after the fit.
+        forwards, collecting = loop.forwards, self.routing.collecting
+        try:
+            record = fit_projectors(loop.setup.optimizer, source, fitting, step, initial, agreement=loop.agreement,
+                                    show_progress=False,
+                                    sampling=lambda: _forked_rng(self.device, fitting.seed * 1_000_003 + step))
+        finally:
+            loop.forwards, self.routing.collecting = forwards, collecting
+        loop.last_fit_step = step
+        loop.fits.append(record)
+        log.info(record.summary_line(len(self.projected_layers)))
+        for message in (fitting.missing_measurement_warning(record), record.stuck_warning(fitting.threshold)):
+            if message is not None:
+                warnings.warn(message, stacklevel=2)
+        return record
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The engine's state (:meth:`OffloadOptimizer.state_dict`) and when the projectors were last fitted.
+
+        Warns once when the latest step's updates were still pending: reads of the weights through the model
+        (``model.state_dict()``, ``named_parameters()``, ``save_pretrained``) apply them first, so none happened since
+        that step, and a checkpoint that read the weights by other means (tensors held from before) holds the step
+        before.
+        """
+        loop = self.loop
+        if not loop.warned_unsettled_save and any(slot.pending for slot in self.slots):
+            loop.warned_unsettled_save = True
+            warnings.warn(f"{loop.name}: state_dict() was called with the latest step's updates still pending (they "
+                          f"are applied before each module's next forward, or when the weights are read through the "
+                          f"model): weights read since that step from tensors held outside the model lack them. Read "
+                          f"them through the model (model.state_dict()), or call optimizer.settle() first.",
+                          stacklevel=2)
+        return {**super().state_dict(), "loop": {"last_fit_step": loop.last_fit_step}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict` output. Load the model's weights first: the fp32 masters are refreshed from
+        them."""
+        state = dict(state_dict)
+        saved = state.pop("loop", {})
+        super().load_state_dict(state)
+        self.loop.last_fit_step = int(saved.get("last_fit_step", self.loop.last_fit_step))
+
+    def close(self) -> None:
+        """Apply what is pending and give the model back as it was (plain modules, no hooks; idempotent)."""
+        loop = self.loop
+        if loop.forward_counter is not None:
+            loop.forward_counter.remove()
+            loop.forward_counter = None
+        try:
+            while loop.on_close:
+                loop.on_close.pop()()
+        finally:
+            loop.setup.release()
+
+
+@contextmanager
+def _forked_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """The block under a forked RNG seeded with ``seed``: the passes' dropout and shuffling neither disturb the loop's
+    own random stream nor differ between an uninterrupted and a resumed run."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def loop_settings(settings: OffloadSettings, max_grad_norm: float | None, accumulation_steps: int | None,
+                  refit_every: int, fitting: ProjectorFitting | None) -> LoopSettings:
+    """A loop face's own settings beside ``settings`` (validated; the fit's seed is the offload's by default).
+
+    Raises:
+        ValueError: for a bad value, or a fit setting where nothing is projected (``zero_offload``, ``meft_offload``).
+    """
+    if not settings.projection and (fitting is not None or refit_every != LoopSettings.refit_every):
+        given = "fitting" if fitting is not None else f"refit_every={refit_every!r}"
+        raise ValueError(f"{given}: nothing is projected without projection (zero_offload, meft_offload), so there "
+                         f"are no projectors to fit. Remove it, or use strategy='lsp_offload'.")
+    return LoopSettings(max_grad_norm, accumulation_steps, refit_every,
+                        fitting if fitting is not None else ProjectorFitting(seed=settings.seed))
+
+
+def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str, Any]) -> OffloadSettings:
+    """The settings value of a loop face (:func:`~lightning_offload.offload`, Fabric's strategies) named ``name``, which sets ``forced``
+    itself.
+
+    Raises:
+        ValueError: for a setting the face sets itself, or ``log_telemetry`` (a loop has no logger: it reads
+            ``opt.telemetry``), a projection setting where nothing is projected, or a bad value; an unknown one is a
+            ``TypeError`` naming the closest known one.
+    """
+    refused = sorted((set(forced) | {"log_telemetry"}) & set(settings))
+    if refused:
+        raise ValueError(f"{name} does not take {refused[0]}=: "
+                         + ("a loop of one's own has no logger; read opt.telemetry (its figures) instead."
+                            if refused[0] == "log_telemetry" else "it sets it itself. Leave it out, or use another "
+                                                                  "strategy."))
+    return loop_face_settings(name, settings, forced, LOOP_SETTINGS)
