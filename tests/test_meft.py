@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+import multiprocessing
+import os
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -109,6 +110,32 @@ def test_injected_model_equals_the_base_model(factory) -> None:
         expected = base(**batch).logits
         got = injected(**batch).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _forward_in_child(model: torch.nn.Module, batch: dict, results: Any) -> None:
+    torch.set_num_threads(1)  # the parent's OpenMP team is not in the child either; the fetch thread is what is tested
+    with torch.no_grad():
+        results.put(model(**batch).logits.tolist())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is a POSIX call")
+def test_a_forked_child_gathers_rows_on_a_thread_of_its_own() -> None:
+    # fork copies only the calling thread: the parent's row-fetch thread (started by its forward) is not in the child,
+    # whose forwards must gather on a thread of their own rather than wait on that one forever (DDP's fork launcher).
+    model, batch = meft_model(), batches(1)[0]
+    with torch.no_grad():
+        expected = model(**batch).logits.tolist()
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_forward_in_child, args=(model, batch, results))
+    child.start()
+    child.join(timeout=60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung, "the forked child's forward waited for the parent's row-fetch thread"
+    assert child.exitcode == 0
+    assert results.get(timeout=10) == expected
 
 
 def test_only_adapter_routers_are_trainable_on_the_device() -> None:

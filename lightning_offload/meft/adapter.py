@@ -18,6 +18,7 @@ thread while the FFN computes. :func:`~lightning_offload.meft.injection.inject_m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class _Prefetch:
     gathered: Future
 
 
+#: The process's one fetch thread, started at the first gather. It is the process's, not an adapter's or a model's:
+#: an idle thread costs nothing, an adapter may be copied or pickled (a thread cannot), and concurrent.futures joins it
+#: when the interpreter exits.
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -52,6 +56,17 @@ def _fetch_pool() -> ThreadPoolExecutor:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meft-fetch")
     return _POOL
+
+
+def _forget_fetch_pool() -> None:
+    # A forked child (DDP's fork launcher, a fork of one's own) has the pool but not its thread (fork copies only the
+    # calling thread), and the pool believes that thread idle: a gather submitted to it would never run, and the
+    # forward would wait for it forever. The child starts its own thread at its first gather.
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_fetch_pool)
 
 
 @dataclass
