@@ -11,14 +11,17 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import pydoc
 import re
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import lightning_offload as lo
 from lightning_offload.setup.settings import PROJECTION_SETTINGS, OffloadSettings
+from lightning_offload.setup.settings_docs import SETTINGS_MARKER
 
 # Lightning's own plumbing, filled in by the Trainer: documented as a group, not one by one.
 PLUMBING = {
@@ -29,10 +32,13 @@ PLUMBING = {
 STRATEGIES = [lo.LSPOffloadStrategy, lo.ZeroOffloadStrategy, lo.LSPOffloadDDPStrategy, lo.ZeroOffloadDDPStrategy,
               lo.MEFTOffloadStrategy]
 # These set projection=False themselves and take none of the projection settings.
-NO_PROJECTION = {lo.ZeroOffloadStrategy, lo.ZeroOffloadDDPStrategy, lo.MEFTOffloadStrategy}
+NO_PROJECTION = {lo.ZeroOffloadStrategy, lo.ZeroOffloadDDPStrategy, lo.MEFTOffloadStrategy, lo.FabricZeroOffload,
+                 lo.FabricZeroOffloadDDP, lo.FabricMEFTOffload}
 DATACLASSES = [OffloadSettings, lo.MEFTConfig, lo.FitSettings, lo.RowAdamSettings, lo.RefitRecord, lo.ProjectorFitting]
+FABRIC_STRATEGIES = [lo.FabricOffload, lo.FabricZeroOffload, lo.FabricMEFTOffload, lo.FabricOffloadDDP,
+                     lo.FabricZeroOffloadDDP]
 CLASSES = [lo.ProjectorRefit, lo.SparseProjector, lo.BlockRowAdam, lo.OffloadOptimizer, lo.MEFTAdapter,
-           lo.FabricOffload, lo.FabricMEFTOffload, lo.FabricOffloadDDP]
+           *FABRIC_STRATEGIES]
 FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector, lo.offload]
 PUBLIC = STRATEGIES + DATACLASSES + CLASSES + FUNCTIONS
 
@@ -88,6 +94,9 @@ def _example(doc: str) -> str:
 def _own_parameters(obj: Any) -> dict[str, Any]:
     """Named parameters of a function, or of the ``__init__`` of a class and of the package's classes it forwards
     ``**kwargs`` to: name → default (``inspect.Parameter.empty`` when required)."""
+    if inspect.isclass(obj) and "__signature__" in vars(obj):  # the signature it shows help() (settings included)
+        return {name: param.default for name, param in inspect.signature(obj).parameters.items()
+                if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL) and name not in PLUMBING}
     if not inspect.isclass(obj):
         functions = [obj]
     else:
@@ -205,3 +214,79 @@ def test_entries_parser_reads_grouped_and_wrapped_entries() -> None:
     assert entries["a"] == entries["b"] == "first and second. Default: ``1``."
     assert entries["c"] == 'a long entry that wraps. Default: ``"x"``.'
     assert "nothing" not in entries
+
+
+def _registered_strategies() -> list[type]:
+    """Every strategy class this package registers, in Lightning's Trainer and Fabric registries."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = ("lsp_offload", "zero_offload", "meft_offload", "lsp_offload_ddp", "zero_offload_ddp")
+    trainer = [StrategyRegistry[name]["strategy"] for name in names]
+    fabric = [STRATEGY_REGISTRY[name]["strategy"] for name in names if name in STRATEGY_REGISTRY]
+    return trainer + fabric
+
+
+def test_help_of_every_registered_strategy_lists_its_settings_with_defaults() -> None:
+    # Written once (OffloadSettings), shown by every face: help() gives each setting the face takes by name, with its
+    # default in the signature and its entry under Args.
+    strategies = _registered_strategies()
+    assert len(strategies) == 10 and set(FABRIC_STRATEGIES) <= set(strategies)
+    for cls in strategies:
+        text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        signature = inspect.signature(cls)
+        fields = {f.name: f.default for f in dataclasses.fields(OffloadSettings)}
+        # The settings its docstring lists are exactly those its constructor takes.
+        assert set(cls.offload_setting_names) == set(signature.parameters) & set(fields), cls.__name__
+        assert {"seed", "pipelined", "link_dtype", "embeddings", "head"} <= set(cls.offload_setting_names)
+        assert (cls in NO_PROJECTION) != ({"rank", "density", "projectors"} <= set(cls.offload_setting_names))
+        for name in cls.offload_setting_names:
+            default = fields[name]
+            assert signature.parameters[name].default == default, f"{cls.__name__}: {name}'s default"
+            shown = f"<function {default.__name__}" if inspect.isfunction(default) else repr(default)
+            pattern = rf"\b{name}(?:: (?:'[^']*'|\"[^\"]*\"))? = {re.escape(shown)}"
+            assert re.search(pattern, text), f"{cls.__name__}'s help() does not show {name}={shown}"
+        assert not missing_defaults(cls), f"{cls.__name__}: {missing_defaults(cls)}"
+        assert SETTINGS_MARKER not in text
+
+
+def test_a_face_without_the_marker_is_refused() -> None:
+    from lightning_offload.setup.settings_docs import documents_settings
+
+    class Face:
+        """A face.
+
+        Args:
+            device: where. Default: ``None``.
+        """
+
+    with pytest.raises(ValueError, match="no '<offload settings>' line"):
+        documents_settings()(Face)
+
+
+def _readme_settings_rows() -> dict[str, str]:
+    """The README's settings table: each setting named in a row's first cell mapped to the row's default cell."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("| setting | default | meaning |"):].split("\n\n", 1)[0]
+    rows: dict[str, str] = {}
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        defaults = re.findall(r"`([^`]+)`", cells[1]) or ["—"]
+        for i, name in enumerate(re.findall(r"`(\w+)`", cells[0])):
+            rows[name] = defaults[min(i, len(defaults) - 1)]
+    return rows
+
+
+def test_the_readme_settings_table_matches_the_settings() -> None:
+    # The table is the user's first view of OffloadSettings: every setting a strategy takes (projection is implied by
+    # the strategy's name), each literal default as the field's (None is resolved per strategy in the table).
+    rows = _readme_settings_rows()
+    fields = {f.name: f.default for f in dataclasses.fields(OffloadSettings)}
+    assert set(rows) == set(fields) - {"projection"}, "README settings table and OffloadSettings differ"
+    for name, text in rows.items():
+        try:
+            stated = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            continue  # described in words ("seeded random", "—")
+        if fields[name] is not None:
+            assert stated == fields[name], f"README: {name}'s default is {text}, OffloadSettings says {fields[name]!r}"

@@ -183,6 +183,31 @@ def test_no_module_is_over_its_size() -> None:
     assert _lines(PACKAGE / "faces" / "trainer" / "meft.py") <= MEFT_STRATEGY_MAX_LINES
 
 
+FUNCTION_MAX_LINES = 80  # a function past it (docstring included) holds steps that want names of their own
+
+
+def _long_functions(path: Path) -> list[str]:
+    """The functions and methods of ``path`` longer than :data:`FUNCTION_MAX_LINES`, with their lengths."""
+    return [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > FUNCTION_MAX_LINES]
+
+
+def test_no_function_is_over_its_size() -> None:
+    long = {str(p.relative_to(PACKAGE)): _long_functions(p) for p in PACKAGE.rglob("*.py")}
+    long = {path: names for path, names in long.items() if names}
+    assert not long, f"functions over {FUNCTION_MAX_LINES} lines (give their steps names): {long}"
+
+
+def test_the_function_size_check_counts_docstrings_and_methods(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_MAX_LINES - 2))
+    module.write_text(f'def short():\n    """Doc."""\n{body}\n\n'
+                      f'class C:\n    def long(self):\n        """Doc."""\n        y = 0\n'
+                      + "\n".join(f"        x{i} = {i}" for i in range(FUNCTION_MAX_LINES - 2)) + "\n")
+    assert _long_functions(module) == [f"long ({FUNCTION_MAX_LINES + 1} lines)"]
+
+
 def _constructs(path: Path, names: set[str]) -> list[str]:
     """Calls in ``path`` that construct one of ``names`` (by its bare or dotted name)."""
     return [f"line {node.lineno}: {ast.unparse(node.func)}" for node in ast.walk(ast.parse(path.read_text()))

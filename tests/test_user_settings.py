@@ -122,14 +122,15 @@ class _SendLog(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizer: OffloadOptimizer = trainer.strategy.offload_optimizer
-        send = optimizer._send_gradient
+        for slot in optimizer.slots:  # each slot's gradient crosses through its send
+            send = slot.send
 
-        def logged(slot: Any) -> None:
-            # During the closure's backward, _collecting is on; a send after it is the step's fallback.
-            self.sends.append((slot.name, optimizer._collecting))
-            send(slot)
+            def logged(*args: Any, slot: Any = slot, send: Any = send) -> None:
+                # During the closure's backward, _collecting is on; a send after it is the step's fallback.
+                self.sends.append((slot.name, optimizer._collecting))
+                send(*args)
 
-        optimizer._send_gradient = logged
+            slot.send = logged
 
 
 class TwiceUsed(TinyClassifier):

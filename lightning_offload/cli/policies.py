@@ -91,7 +91,7 @@ class OffloadPolicy:
     @property
     def learns_projectors(self) -> bool:
         """Whether the strategy projects gradients with learned projectors (so ``refit`` applies)."""
-        return self._projects and self.strategy.settings.projectors == "learned"
+        return isinstance(self.strategy, LSPOffloadStrategy) and self.strategy.settings.learns_projectors
 
     @property
     def _projects(self) -> bool:

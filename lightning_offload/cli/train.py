@@ -7,33 +7,29 @@ then evaluates, trains, evaluates, and prints and writes a summary. See the READ
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
+from lightning_offload.cli.devices import data_parallel_offload
 from lightning_offload.cli.failures import error_paragraph, log_to_files, remove_fresh_run_dir
-from lightning_offload.cli.interrupt import StopOnInterrupt
-from lightning_offload.cli.machine_size import size_to_machine
+from lightning_offload.cli.fit_run import build_trainer, fit_between_evaluations, report
+from lightning_offload.cli.machine_size import RunSize, size_to_machine
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
-from lightning_offload.faces.trainer.offload import SingleDeviceOffload
 from lightning_offload.models.builders import LanguageModel
-from lightning_offload.reporting.run_record import RunRecorder, write_summary
-from lightning_offload.reporting.summary import RunNames, format_summary, summarize
+from lightning_offload.reporting.summary import RunNames, summarize
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
 from lightning_offload.tasks.schedule import OptimSettings, SettingsError
@@ -90,54 +86,6 @@ def primary_metric(module: pl.LightningModule) -> str:
     return "val/loss"
 
 
-def _instantiate_dict(node: DictConfig | None, what: str) -> list[Any]:
-    """Instantiates every ``_target_`` entry of a ``name: {...}`` group (callbacks, loggers)."""
-    if not node:
-        return []
-    if not isinstance(node, DictConfig):
-        raise TypeError(f"{what} must be a mapping of name -> {{_target_: ...}}, got {node!r}.")
-    objects = []
-    for name, entry in node.items():
-        if isinstance(entry, DictConfig) and "_target_" in entry:
-            objects.append(hydra.utils.instantiate(entry, _convert_="all"))
-        elif entry is not None:
-            raise TypeError(f"{what}.{name} has no _target_; every entry must name the class to build.")
-    return objects
-
-
-@contextlib.contextmanager
-def _without_lightning_banner() -> Iterator[None]:
-    """Builds an evaluation Trainer without Lightning's info lines ("GPU available", tips): the run's own Trainer
-    printed them once already."""
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _evaluate(cfg: DictConfig, module: pl.LightningModule, datamodule: pl.LightningDataModule,
-              trainer: pl.Trainer) -> dict[str, float]:
-    if trainer.world_size > 1:
-        # Several ranks: every rank evaluates its share with the run's own trainer (the metrics are all-reduced); a
-        # trainer of rank 0's alone would wait forever in that reduction.
-        (metrics,) = trainer.validate(module, datamodule=datamodule, verbose=False)
-        return {key: float(value) for key, value in metrics.items()}
-    # A plain single-device trainer: evaluation needs no offload machinery, and logs nothing by itself (the
-    # recorder writes the result into the run's history and train() logs it). No inference mode: metric states reset
-    # under it would become inference tensors that the fit loop's own validations could no longer update.
-    fast = bool(cfg.trainer.get("fast_dev_run"))
-    with _without_lightning_banner():
-        trainer = pl.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                             limit_val_batches=1 if fast else cfg.trainer.get("limit_val_batches"), logger=False,
-                             enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                             inference_mode=False)
-    (metrics,) = trainer.validate(module, datamodule=datamodule, verbose=False)
-    return {key: float(value) for key, value in metrics.items()}
-
-
 def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule | None:
     """The data of ``heldout_data`` (text the run never trains on), prepared; ``None`` when not configured."""
     if cfg.get("heldout_data") is None:
@@ -145,48 +93,6 @@ def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule 
     heldout: pl.LightningDataModule = hydra.utils.instantiate(cfg.heldout_data, tokenizer=lm.tokenizer)
     heldout.prepare_data()
     return heldout
-
-
-def _data_parallel_target(target: str) -> str | None:
-    """The class path of the DDP form (``data_parallel_form``, from Lightning's registry) of the single-device offload
-    strategy at ``target``; ``None`` for one without, or for another strategy."""
-    strategy_class = hydra.utils.get_class(target) if target.startswith("lightning_offload.") else None
-    if not (isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceOffload)
-            and strategy_class.data_parallel_form is not None):
-        return None
-    form = StrategyRegistry[strategy_class.data_parallel_form]["strategy"]
-    return f"{form.__module__}.{form.__qualname__}"
-
-
-def _device_count(devices: Any) -> int | None:
-    """How many devices a Trainer ``devices`` setting names (``None`` for "auto" or -1, decided by Lightning)."""
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if isinstance(devices, str) and devices.strip().isdigit():
-        return int(devices)
-    if isinstance(devices, (list, tuple, ListConfig)):
-        return len(devices)
-    return None
-
-
-def _data_parallel_offload(cfg: DictConfig) -> None:
-    """With ``trainer.devices`` > 1 or ``trainer.num_nodes`` > 1, switch ``lsp``/``zero`` to their DDP strategies
-    (``lsp_offload_ddp``/``zero_offload_ddp``), which cannot step embeddings row-sparsely: said in the log."""
-    devices = _device_count(cfg.trainer.get("devices", 1)) or 1
-    nodes = int(cfg.trainer.get("num_nodes", 1) or 1)
-    strategy = cfg.offload.get("strategy")
-    if (devices <= 1 and nodes <= 1) or not isinstance(strategy, DictConfig):
-        return
-    target = _data_parallel_target(strategy.get("_target_", ""))
-    if target is None:
-        return  # other strategies say themselves whether they run on several devices
-    with open_dict(cfg):
-        strategy._target_ = target
-        if strategy.get("embeddings") == "sparse":
-            strategy.embeddings = "host"
-    _say("%d device(s) × %d node(s): offload=%s runs as %s (embeddings=%s: row-sparse embeddings are "
-             "single-device only).", devices, nodes, cfg.offload.get("name"), target.rsplit(".", 1)[1],
-             strategy.get("embeddings"))
 
 
 def _output_dir(cfg: DictConfig) -> Path:
@@ -207,18 +113,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         objects built (``cfg``, ``model``, ``datamodule``, ``policy``, ``module``, ``trainer``, ``callbacks``,
         ``loggers``, ``recorder``) with the run's ``summary`` (what ``summary.json`` holds).
     """
-    # The settings first, before anything is built: a bad one costs no model load, and leaves no run directory.
-    optim = check_optim(cfg.optim)
-    resolve_precision(cfg)
-    run_size = size_to_machine(cfg)  # before anything is built from the run's length and block size
-    if cfg.get("seed") is not None:
-        pl.seed_everything(cfg.seed, workers=True)
-    _data_parallel_offload(cfg)
-    try:
-        policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
-    except Exception as error:  # the policy's and strategy's constructors validate their settings
-        raise SettingsError(str(error)) from error
-    check_checkpoint_fits_strategy(cfg, policy)
+    optim, policy, run_size = _checked_settings(cfg)
     run_dir = _output_dir(cfg)
     _say("Run directory: %s", run_dir)
 
@@ -233,80 +128,52 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         module.load_state_dict(read_checkpoint(cfg.weights_from)["state_dict"])
         _say("Weights loaded from %s; the optimizer starts afresh at step 0.", cfg.weights_from)
 
-    resuming = cfg.get("ckpt_path") is not None
-    recorder = RunRecorder(run_dir, resume=resuming)
-    interrupt = StopOnInterrupt(run_dir / "checkpoints" / "last.ckpt")
-    callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks") + policy.callbacks() + [recorder, interrupt]
-    loggers = _instantiate_dict(cfg.get("logger"), "logger")
-    if not loggers:
-        # Lightning refuses a LearningRateMonitor without a logger; with `logger=null` there is nothing to monitor into.
-        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
-    has_checkpoints = any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks)
-    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, strategy=policy.strategy, callbacks=callbacks,
-                                                  logger=loggers or False, enable_checkpointing=has_checkpoints)
-    for logger in loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-
-    before: dict[str, float] = {}
-    heldout_before: float | None = None
-    if cfg.get("eval_before", True) and cfg.get("ckpt_path") is None:
-        before = _evaluate(cfg, module, datamodule, trainer)
-        recorder.record_validation(step=0, metrics=before)
-        if heldout is not None:
-            # After the task's own evaluation: MEFT fixes its input statistics on the first batch it sees.
-            heldout_before = _evaluate(cfg, module, heldout, trainer).get("val/loss")
-    start = time.perf_counter()
-    with interrupt.catching_ctrl_c():
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    train_seconds = time.perf_counter() - start
-    if resuming:
-        # The evaluation before training is the one at step 0 in the run's history, when it is there.
-        first = next((r for r in recorder.previous if r["kind"] == "val" and r["step"] == 0), None)
-        before = {k: v for k, v in first.items() if k.startswith("val/")} if first else {}
-    last = recorder.last_validation()
-    interrupted = interrupt.stopped_at_step is not None
-    if last is not None and last["step"] == trainer.global_step:
-        after = {k: v for k, v in last.items() if k.startswith("val/")}
-    elif interrupted:
-        # Stopped by Ctrl-C at a step without a validation: no evaluation delays the stop (minutes on a CPU); the
-        # resumed run evaluates on its schedule and at its end.
-        after = {}
-    else:
-        after = _evaluate(cfg, module, datamodule, trainer)
-        recorder.record_validation(step=trainer.global_step, metrics=after)
-    heldout_after = (_evaluate(cfg, module, heldout, trainer).get("val/loss")
-                     if heldout is not None and not interrupted else None)
+    run = build_trainer(cfg, policy, run_dir)
+    evaluations = fit_between_evaluations(cfg, module, datamodule, heldout, run)
     if rank_zero_only.rank != 0:
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
-        return {}, {"cfg": cfg, "trainer": trainer, "module": module}
+        return {}, {"cfg": cfg, "trainer": run.trainer, "module": module}
 
-    summary = summarize(RunNames(lm.name, getattr(datamodule, "task", None) or type(datamodule).__name__,
-                                 cfg.offload.name, primary_metric(module)),
-                        module, trainer, recorder, before, after, train_seconds)
+    names = RunNames(lm.name, getattr(datamodule, "task", None) or type(datamodule).__name__, cfg.offload.name,
+                     primary_metric(module))
+    summary = summarize(names, module, run.trainer, run.recorder, evaluations.before, evaluations.after,
+                        evaluations.train_seconds)
     summary["run_size"] = run_size.record(cfg)
-    if interrupted:
-        summary.update({"interrupted": True, "checkpoint": str(interrupt.checkpoint),
-                        "resume_command": resume_command(interrupt.checkpoint)})
+    if run.interrupted:
+        summary.update({"interrupted": True, "checkpoint": str(run.interrupt.checkpoint),
+                        "resume_command": resume_command(run.interrupt.checkpoint)})
     if heldout is not None:
         summary.update({"heldout_task": getattr(heldout, "task", None) or type(heldout).__name__,
-                        "heldout_loss_before": heldout_before, "heldout_loss_after": heldout_after})
-    write_summary(run_dir, summary)
-    if interrupted:
-        # Into the run's log file too (the summary below goes to the terminal only).
-        log.warning("Resume with: %s", summary["resume_command"])
-    print("\n" + format_summary(summary))
-    scalars = {f"summary/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
-    for logger in loggers:
-        logger.log_metrics(scalars, step=trainer.global_step)
-        logger.save()
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    metrics.update({f"val_before/{k.removeprefix('val/')}": v for k, v in before.items()})
-    metrics.update(after)
-    metrics.update(scalars)
+                        "heldout_loss_before": evaluations.heldout_before,
+                        "heldout_loss_after": evaluations.heldout_after})
+    metrics = report(run_dir, summary, run, evaluations)
     objects = {"cfg": cfg, "model": lm, "datamodule": datamodule, "policy": policy, "module": module,
-               "trainer": trainer, "callbacks": callbacks, "loggers": loggers, "recorder": recorder,
+               "trainer": run.trainer, "callbacks": run.callbacks, "loggers": run.loggers, "recorder": run.recorder,
                "summary": summary}
     return metrics, objects
+
+
+def _checked_settings(cfg: DictConfig) -> tuple[OptimSettings, OffloadPolicy, RunSize]:
+    """The run's settings validated, its size fitted to the machine and the offload policy built, before anything
+    else is: a bad setting costs no model load, and leaves no run directory.
+
+    Raises:
+        SettingsError: naming the setting refused.
+    """
+    optim = check_optim(cfg.optim)
+    resolve_precision(cfg)
+    run_size = size_to_machine(cfg)  # before anything is built from the run's length and block size
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    switched = data_parallel_offload(cfg)
+    if switched is not None:
+        _say(switched)
+    try:
+        policy: OffloadPolicy = hydra.utils.instantiate(cfg.offload)
+    except Exception as error:  # the policy's and strategy's constructors validate their settings
+        raise SettingsError(str(error)) from error
+    check_checkpoint_fits_strategy(cfg, policy)
+    return optim, policy, run_size
 
 
 def _finish_wandb() -> None:

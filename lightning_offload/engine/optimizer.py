@@ -28,7 +28,6 @@ from lightning_offload.engine.phases import PhaseClock
 from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
 from lightning_offload.engine.gradient_edits import GradientEdits
-from lightning_offload.engine.gradients import GradientRouting
 from lightning_offload.engine.pipeline import HostWorker, UpdateRing
 from lightning_offload.engine.block_row_adam import RowAdamSettings
 from lightning_offload.engine.orchestrator import StepOrchestrator
@@ -142,6 +141,35 @@ class OffloadOptimizer(Optimizer):
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
 
+        self._build_slots(optimizer, projected, model, keep_on_device, frozen, row_sparse, rounding_seed)
+        self.norms = GradientNorms(self.device, self.ranks)
+        if self.ranks is None:
+            self.norms.edits = GradientEdits(self.slots)
+        # On the CPU the "device" and the host share the cores: host work started during backward only competes
+        # with it (and the state copies cost extra), so speculation is for accelerators.
+        self.speculation = Speculation(speculative if speculative is not None else self.device.type != "cpu",
+                                       self.slots, self.lanes.worker)
+        self.orchestrator = StepOrchestrator(
+            self.lanes, self.slots, self.device_adam, self.speculation, self.norms, self.figures, on_nonfinite,
+            pipelined, lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
+                                self.lanes.ring.fallbacks if self.lanes.ring is not None else 0),
+            model, {id(p) for p in tied_projected})
+        self.routing = self.orchestrator.routing
+        if update_buffers is None:
+            update_buffers = 4 if self.device.type != "cpu" else 0
+        if update_buffers and self.projected_layers:
+            largest = max(math.prod(layer.compressed_shape) for layer in self.projected_layers)
+            self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
+        self.telemetry.host_state_bytes = self.host_state_bytes()
+        self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
+        self.telemetry.data_parallel = self.ranks is not None
+        self.closed = False
+
+    def _build_slots(self, optimizer: Optimizer, projected: Iterable[ProjectedWeight | ScaledWeight],
+                     model: torch.nn.Module | None, keep_on_device: Sequence[Tensor], frozen: Sequence[Tensor],
+                     row_sparse: Sequence[Tensor], rounding_seed: int) -> None:
+        """Each parameter's slot (the Args of the constructor say which kind), and the device Adam of those kept on
+        the device."""
         on_device = {id(p) for p in keep_on_device}
         # Parameters that do not require gradients (the user's frozen layers left in the optimizer, and those the
         # strategy froze) get no host state and are never stepped, as torch.optim skips a parameter whose grad is
@@ -162,32 +190,6 @@ class OffloadOptimizer(Optimizer):
         kept = [(p, group, is_decoupled(optimizer, group)) for group in self.param_groups for p in group["params"]
                 if id(p) in on_device]
         self.device_adam: DeviceAdam | None = DeviceAdam(kept) if kept else None
-        self.norms = GradientNorms(self.device, self.ranks)
-        if self.ranks is None:
-            self.norms.edits = GradientEdits(self.slots)
-        # On the CPU the "device" and the host share the cores: host work started during backward only competes
-        # with it (and the state copies cost extra), so speculation is for accelerators.
-        self.speculation = Speculation(speculative if speculative is not None else self.device.type != "cpu",
-                                       self.slots, self.lanes.worker)
-        self.orchestrator = StepOrchestrator(
-            self.lanes, self.slots, self.device_adam, self.speculation, self.norms, self.figures, on_nonfinite,
-            pipelined, lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
-                                self.lanes.ring.fallbacks if self.lanes.ring is not None else 0))
-        # _send_gradient is looked up at each call, so a wrapper set on the instance (a test's log) sees every send.
-        self.orchestrator.send = lambda slot: self._send_gradient(slot)
-        self.routing = GradientRouting(self.slots, model, self.ranks, self.orchestrator.device_params,
-                                       {id(p) for p in tied_projected}, self.orchestrator.send,
-                                       self.orchestrator.finish, self.norms.edits, self.phases)
-        self.orchestrator.routing = self.routing
-        if update_buffers is None:
-            update_buffers = 4 if self.device.type != "cpu" else 0
-        if update_buffers and self.projected_layers:
-            largest = max(math.prod(layer.compressed_shape) for layer in self.projected_layers)
-            self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
-        self.telemetry.host_state_bytes = self.host_state_bytes()
-        self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
-        self.telemetry.data_parallel = self.ranks is not None
-        self.closed = False
 
     # ----------------------------------------------------------------------------------------------- the parts
     @property
@@ -236,10 +238,6 @@ class OffloadOptimizer(Optimizer):
         check_still_frozen(self._frozen_at_setup)
         self.orchestrator.decide_and_launch(self.grad_norm, self.wrapped)
         return loss
-
-    def _send_gradient(self, slot: Slot) -> None:
-        """``slot``'s gradient is final: it crosses now (see :meth:`StepOrchestrator.send_gradient`)."""
-        self.orchestrator.send_gradient(slot)
 
     def synchronize(self) -> None:
         """Apply every pending update now (before reading weights outside training, saving, or evaluating)."""

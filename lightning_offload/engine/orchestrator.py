@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -44,11 +45,14 @@ class StepOrchestrator:
         pipelined: apply updates before the owning modules' next forwards (else before the step returns).
         sizes: host state bytes, device persistent bytes by category and update-ring fallbacks, measured when a
             step's figures complete (:meth:`~lightning_offload.engine.step_figures.StepFigures.complete`).
+        model: the module whose forwards apply pending updates (``None``: updates land at the step).
+        tied: ids of projected weights tied to another parameter (their gradient arrives in two parts).
     """
 
     def __init__(self, lanes: Lanes, slots: list[Slot], device_adam: DeviceAdam | None, speculation: Speculation,
                  norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
-                 sizes: Callable[[], tuple[int, dict[str, int], int]]) -> None:
+                 sizes: Callable[[], tuple[int, dict[str, int], int]], model: torch.nn.Module | None = None,
+                 tied: AbstractSet[int] = frozenset()) -> None:
         self.lanes = lanes
         self.slots = slots
         self.device_adam = device_adam
@@ -64,11 +68,10 @@ class StepOrchestrator:
         self.last_step_skipped = False
         self.warned_resent = False  # said once: gradients edited after they crossed cross again
         self._finishing: set[int] = set()  # slots whose update is being applied right now
-        # Set by the optimizer once its hooks exist: they say whether the closure's backward is running, and
-        # route each final gradient to `send` (looked up on the optimizer at each call, so a wrapper set there sees
-        # every send).
-        self.routing: GradientRouting | None = None
-        self.send: Callable[[Slot], None] = self.send_gradient
+        # The hooks on the model: they say whether the closure's backward is running, route each final gradient to
+        # send_gradient, and have each module's next forward finish its pending update.
+        self.routing = GradientRouting(slots, model, lanes.ranks, self.device_params, tied, self.send_gradient,
+                                       self.finish, norms.edits, lanes.phases)
 
     @property
     def device_params(self) -> list[Tensor]:
@@ -203,7 +206,7 @@ class StepOrchestrator:
         settings = slot.settings()
         confirmed = speculation.holds(slot, self.round, clip, settings)
         if not slot.is_sent(self.round):
-            self.send(slot)  # manual optimization, or a gradient that changed after it was sent
+            self.send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
         slot.prepare(step)
         if confirmed:
             step.speculative_steps += 1
@@ -246,8 +249,7 @@ class StepOrchestrator:
         self.lanes.worker.check()
         with self.lanes.phases.phase("telemetry"):
             self.figures.complete(self.sizes)
-        if self.routing is not None:
-            self.routing.expose()  # the modules settled give back their plain dicts
+        self.routing.expose()  # the modules settled give back their plain dicts
 
     def abandon(self) -> None:
         """Forget a step that will not be taken: its speculative host steps and its reductions."""

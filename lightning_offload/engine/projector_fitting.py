@@ -177,114 +177,166 @@ def fit_projectors(optimizer: OffloadOptimizer, source: GradientSource, fitting:
     Raises:
         ValueError: when no pass delivered a gradient.
     """
-    agreement = agreement if agreement is not None else OneProcess()
-    layers: list[ProjectedWeight] = list(optimizer.projected_layers)
-    record = RefitRecord(step=step, initial=initial)
-    if not layers:
-        return record
+    if not optimizer.projected_layers:
+        return RefitRecord(step=step, initial=initial)
     # Pending updates belong to the current projectors and must land before the weights are sampled.
     optimizer.synchronize()
     optimizer.settle_row_decay()
     start = time.perf_counter()
-    fits: dict[str, LayerFit] = {}
-    # ρ of the projectors in use on the check's samples, pooled: every one is held out for them.
-    old_pool = NormRatioPool()
-    skipped: set[str] = set()
-    iters_per_sample = math.ceil(fitting.fit.max_iters / fitting.num_samples)
-    order = {layer.name: i for i, layer in enumerate(layers)}
+    fit = ProjectorFit(list(optimizer.projected_layers), fitting, step, initial,
+                       agreement if agreement is not None else OneProcess(), stop)
+    # Fits take from seconds to minutes before the training bar moves: a bar of its own, when bars are shown.
+    with tqdm(total=fitting.num_samples * len(fit.layers), desc="Projector fit", unit="layer", leave=False,
+              disable=not show_progress) as progress:
+        fit.progress = progress
+        with sampling():
+            fit.sample_and_fit(source)
+            fit.measure_ratios(source)
+    fit.install(optimizer)
+    fit.record.seconds = time.perf_counter() - start
+    # The fit has its own figure (projector_refit/seconds); the next step's device time must not include it.
+    optimizer.restart_step_clock()
+    return fit.record
 
-    def consume(layer: ProjectedWeight, grad: Tensor) -> None:
-        stop()  # a fit takes minutes on a CPU: a preempted job stops between layers
-        progress.update(1)
+
+class ProjectorFit:
+    """One fit or refit check over projected layers, in its named steps: :meth:`sample_and_fit` (each sampled
+    gradient checks, starts or continues a layer's fit), :meth:`measure_ratios` (``ρ`` of the fitted projectors on
+    batches the fit did not use) and :meth:`install` (the projectors every rank agrees on put in the engine, with the
+    second-moment scale that keeps Adam's step size). :func:`fit_projectors` runs them.
+
+    Args:
+        layers: the engine's projected layers.
+        fitting: how the fit runs.
+        step: the optimizer step before which it runs (seeds the indices redrawn at a refit).
+        initial: fit every layer from its current projectors (else: check each, refit those above the threshold).
+        agreement: how ranks agree.
+        stop: called before each layer's sample (raises to stop a preempted run between layers).
+    """
+
+    def __init__(self, layers: list[ProjectedWeight], fitting: ProjectorFitting, step: int, initial: bool,
+                 agreement: FitAgreement, stop: Callable[[], None]) -> None:
+        self.layers = layers
+        self.fitting = fitting
+        self.step = step
+        self.initial = initial
+        self.agreement = agreement
+        self.stop = stop
+        self.record = RefitRecord(step=step, initial=initial)
+        self.progress: Any = None  # the progress bar, set by the caller for the sampling
+        self._order = {layer.name: i for i, layer in enumerate(layers)}
+        self._iters_per_sample = math.ceil(fitting.fit.max_iters / fitting.num_samples)
+        self._fits: dict[str, LayerFit] = {}
+        self._skipped: set[str] = set()  # layers a check found good enough: no more samples for them
+        # ρ of the projectors in use on the check's samples, pooled: every one is held out for them.
+        self._old_ratios = NormRatioPool()
+        self._fitted: dict[str, tuple[SparseProjector, SparseProjector]] = {}
+        self._measured = NormRatioPool()
+
+    # ------------------------------------------------------------------------------------------- the fit
+    def sample_and_fit(self, source: GradientSource) -> None:
+        """Fit on ``num_samples`` sampled gradients, then move each fitted layer's projectors to its device.
+
+        Raises:
+            ValueError: when no pass delivered a gradient.
+        """
+        if source.run(self.fitting.num_samples, lambda: self._active(source), self._consume) == 0:
+            raise ValueError(source.no_gradients_error())
+        for name, fit in self._fits.items():
+            if fit.samples_seen > 0:  # where the gradients are: a fit's state may wait on the host
+                device = self.layers[self._order[name]].proj_out.indices.device
+                self._fitted[name] = tuple(projector.to(device) for projector in fit.projectors())  # type: ignore
+
+    def _active(self, source: GradientSource) -> list[ProjectedWeight]:
+        """The layers still fitting (asked before each pass), the progress bar's total updated to them."""
+        remaining = [layer for layer in self.layers if layer.name not in self._skipped]
+        self.progress.total = self.progress.n + (self.fitting.num_samples - source.used) * len(remaining)
+        self.progress.refresh()
+        return remaining
+
+    def _consume(self, layer: ProjectedWeight, grad: Tensor) -> None:
+        """One sampled gradient of ``layer``: its fit started (after a check, at a refit) or continued."""
+        self.stop()  # a fit takes minutes on a CPU: a preempted job stops between layers
+        self.progress.update(1)
         # With data parallelism every rank fits to the mean of the ranks' samples, as to one larger batch.
-        grad = agreement.reduce_sampled_gradient(grad)
-        fit = fits.get(layer.name)
-        with _threads(_threads_for(grad, fitting.fit_threads)):
+        grad = self.agreement.reduce_sampled_gradient(grad)
+        with _threads(_threads_for(grad, self.fitting.fit_threads)):
+            fit = self._fits.get(layer.name)
             if fit is None:
-                if not initial:
-                    # Rank 0's figure decides, so every rank skips the same layers (and so issues the same
-                    # reductions afterwards).
-                    error = agreement.agree(reconstruction_error(layer.proj_out, layer.proj_in, grad))
-                    if math.isnan(error):
-                        return  # a zero or non-finite gradient: wait for a usable sample
-                    record.errors[layer.name] = error
-                    if error <= fitting.threshold:
-                        skipped.add(layer.name)
-                        return
-                    proj_out, proj_in = redraw_projectors(layer, fitting.seed, step, order[layer.name])
-                else:
-                    proj_out, proj_in = layer.proj_out, layer.proj_in
-                fit = fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
-                                                  fitting.fit)
-            if not initial:
+                fit = self._start(layer, grad)
+                if fit is None:
+                    return
+            if not self.initial:
                 # How much of the check's gradients the stale projectors keep: the carried Adam v is rescaled by how
                 # much more the new ones keep, so Adam's step size stays where it was.
-                old_pool.add(layer.name, layer.proj_out, layer.proj_in, grad)
-            before, after = fit.fit(grad, iters_per_sample)
-            held = sum(f.nbytes() for f in fits.values() if f.device == grad.device)
-            record.device_fit_state_bytes = max(record.device_fit_state_bytes, held)
+                self._old_ratios.add(layer.name, layer.proj_out, layer.proj_in, grad)
+            before, after = fit.fit(grad, self._iters_per_sample)
+            held = sum(f.nbytes() for f in self._fits.values() if f.device == grad.device)
+            self.record.device_fit_state_bytes = max(self.record.device_fit_state_bytes, held)
             park = _park_device(grad)
             if park is not None:
                 # Until this layer's next sample, its fit state waits on the host: the device holds one layer's.
                 fit.to(park)
         if not math.isnan(before):
-            if initial and fit.samples_seen == 1:
-                record.errors[layer.name] = before  # the norm-scaled random start, on the first usable gradient
+            if self.initial and fit.samples_seen == 1:
+                self.record.errors[layer.name] = before  # the norm-scaled random start, on the first usable gradient
             # The error before fitting on a sample the fit has not seen yet is a held-out error.
-            record.fitted_errors[layer.name] = before if fit.samples_seen > 1 else after
+            self.record.fitted_errors[layer.name] = before if fit.samples_seen > 1 else after
 
-    # Fits take from seconds to minutes before the training bar moves: a bar of its own, when bars are shown.
-    progress = tqdm(total=fitting.num_samples * len(layers), desc="Projector fit", unit="layer", leave=False,
-                    disable=not show_progress)
-    fitted: dict[str, tuple[SparseProjector, SparseProjector]] = {}
-    measured = NormRatioPool()
+    def _start(self, layer: ProjectedWeight, grad: Tensor) -> LayerFit | None:
+        """``layer``'s fit, from its projectors (initial) or, at a check that finds them above the threshold, from a
+        fresh draw; ``None`` while it waits for a usable sample or once the check found it good enough."""
+        if self.initial:
+            proj_out, proj_in = layer.proj_out, layer.proj_in
+        else:
+            # Rank 0's figure decides, so every rank skips the same layers (and so issues the same reductions
+            # afterwards).
+            error = self.agreement.agree(reconstruction_error(layer.proj_out, layer.proj_in, grad))
+            if math.isnan(error):
+                return None  # a zero or non-finite gradient: wait for a usable sample
+            self.record.errors[layer.name] = error
+            if error <= self.fitting.threshold:
+                self._skipped.add(layer.name)
+                return None
+            proj_out, proj_in = redraw_projectors(layer, self.fitting.seed, self.step, self._order[layer.name])
+        fit = self._fits[layer.name] = LayerFit(fit_initial_values(proj_out), fit_initial_values(proj_in),
+                                                self.fitting.fit)
+        return fit
 
-    def measure(layer: ProjectedWeight, grad: Tensor) -> None:
-        proj_out, proj_in = fitted[layer.name]
-        measured.add(layer.name, proj_out, proj_in, agreement.reduce_sampled_gradient(grad))
+    # ------------------------------------------------------------------------------------------- ρ
+    def measure_ratios(self, source: GradientSource) -> None:
+        """``ρ = ‖S‖/‖G‖`` of the fitted projectors on up to ``norm_samples`` batches the fit never used
+        (see lsp/norm_ratio.py)."""
+        if not self._fitted or not self.fitting.norm_samples:
+            return
+        measuring = [layer for layer in self.layers if layer.name in self._fitted]
+        source.run(self.fitting.norm_samples, lambda: measuring, self._measure)
 
-    def active() -> list[ProjectedWeight]:
-        remaining = [layer for layer in layers if layer.name not in skipped]
-        progress.total = progress.n + (fitting.num_samples - source.used) * len(remaining)  # skipped: none
-        progress.refresh()
-        return remaining
+    def _measure(self, layer: ProjectedWeight, grad: Tensor) -> None:
+        proj_out, proj_in = self._fitted[layer.name]
+        self._measured.add(layer.name, proj_out, proj_in, self.agreement.reduce_sampled_gradient(grad))
 
-    try:
-        with sampling():
-            if source.run(fitting.num_samples, active, consume) == 0:
-                raise ValueError(source.no_gradients_error())
-            for name, fit in fits.items():
-                if fit.samples_seen > 0:  # where the gradients are: a fit's state may wait on the host
-                    device = layers[order[name]].proj_out.indices.device
-                    fitted[name] = tuple(projector.to(device) for projector in fit.projectors())  # type: ignore
-            if fitted and fitting.norm_samples:
-                # ρ of the new projectors on batches the fit never used (see lsp/norm_ratio.py).
-                measuring = [layer for layer in layers if layer.name in fitted]
-                source.run(fitting.norm_samples, lambda: measuring, measure)
-    finally:
-        progress.close()
-    for layer in layers:
-        if layer.name not in fitted:
-            continue
-        fit = fits[layer.name]
-        ratio = measured.ratio(layer.name)
-        if not ratio > 0:
-            # No batch was left for the measurement (a small dataloader, or norm_samples=0): the fit's own held-out
-            # figure, the last sample before fitting on it, one batch's worth.
-            ratio = fit.norm_ratio
-            record.norm_ratio_from_fit.append(layer.name)
-        old = old_pool.ratio(layer.name)
-        scale = (ratio / old) ** 2 if old > 0 else 1.0
-        proj_out, proj_in = fitted[layer.name]
-        # Every rank must hold the same projectors (the ranks' S are summed): rank 0's fit is installed.
-        proj_out, proj_in, ratio, scale = agreement.agree_projectors(proj_out, proj_in, ratio, scale)
-        optimizer.replace_projectors(layer, proj_out, proj_in, norm_ratio=ratio, second_moment_scale=scale)
-        record.norm_ratios[layer.name] = ratio
-        record.refit.append(layer.name)
-    record.seconds = time.perf_counter() - start
-    # The fit has its own figure (projector_refit/seconds); the next step's device time must not include it.
-    optimizer.restart_step_clock()
-    return record
+    # ------------------------------------------------------------------------------------------- installing
+    def install(self, optimizer: OffloadOptimizer) -> None:
+        """Put each fitted layer's projectors in ``optimizer``: rank 0's, with their ``ρ`` and the scale of the
+        carried second moments."""
+        for layer in self.layers:
+            if layer.name not in self._fitted:
+                continue
+            ratio = self._measured.ratio(layer.name)
+            if not ratio > 0:
+                # No batch was left for the measurement (a small dataloader, or norm_samples=0): the fit's own
+                # held-out figure, the last sample before fitting on it, one batch's worth.
+                ratio = self._fits[layer.name].norm_ratio
+                self.record.norm_ratio_from_fit.append(layer.name)
+            old = self._old_ratios.ratio(layer.name)
+            scale = (ratio / old) ** 2 if old > 0 else 1.0
+            proj_out, proj_in = self._fitted[layer.name]
+            # Every rank must hold the same projectors (the ranks' S are summed): rank 0's fit is installed.
+            proj_out, proj_in, ratio, scale = self.agreement.agree_projectors(proj_out, proj_in, ratio, scale)
+            optimizer.replace_projectors(layer, proj_out, proj_in, norm_ratio=ratio, second_moment_scale=scale)
+            self.record.norm_ratios[layer.name] = ratio
+            self.record.refit.append(layer.name)
 
 
 def _park_device(grad: Tensor) -> torch.device | None:

@@ -36,8 +36,9 @@ from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.setup.data_parallel import broadcast_projectors, broadcast_weights, bucket_bytes
 from lightning_offload.setup.engine import Placements, build_engine
 from lightning_offload.setup.engine import as_offload_optimizer
-from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LoopOffloadOptimizer, loop_settings, offload_settings
 from lightning_offload.setup.precision_check import check_precision
+from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 from lightning_offload.setup.whole_save import save_whole
 
 class FabricOffloadMixin(OneProcess):
@@ -152,6 +153,7 @@ class FabricOffloadMixin(OneProcess):
 
 
 
+@documents_settings(exclude=LOOP_REFUSED, signature=True)
 class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
     """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host.
 
@@ -164,8 +166,7 @@ class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
         fitting: how projector fits run (``optimizer.fit_projectors``). Default: ``None`` (the seed's defaults).
         refit_every: steps between refit checks. Default: ``500``.
         accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
-        settings: the offload settings of the Trainer strategy of the same name (the README's settings table).
-            Default: none (its defaults).
+        <offload settings>
 
     Registered as ``Fabric(strategy="lsp_offload")``; pass an instance for settings. Call ``optimizer.close()`` when
     done (it applies what is pending and gives the model back).
@@ -193,16 +194,32 @@ class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
                          precision=precision)
 
 
+@documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
 class FabricZeroOffload(FabricOffload):
     """Fabric's single-device strategy with dense gradients to a host Adam (ZeRO-Offload style).
 
     ``Fabric(strategy="zero_offload")``; the arguments of :class:`FabricOffload` but the projection settings.
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU).
+        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
+        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
+        fitting: refused (nothing is projected). Default: ``None``.
+        refit_every: refused unless left at its default (nothing is projected). Default: ``500``.
+        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
+        <offload settings>
+
+    Example::
+
+        fabric = L.Fabric(strategy=FabricZeroOffload(link_dtype="bf16", max_grad_norm=1.0))  # or "zero_offload"
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     """
 
     strategy_name = "zero_offload"
     forced = {"projection": False}
 
 
+@documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
 class FabricMEFTOffload(FabricOffload):
     """Fabric's single-device strategy for MEFT adapters whose rows and Adam state live on the host.
 
@@ -222,7 +239,7 @@ class FabricMEFTOffload(FabricOffload):
         fitting: refused (nothing is projected). Default: ``None``.
         refit_every: refused unless left at its default (nothing is projected). Default: ``500``.
         accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
-        kwargs: the other settings of :class:`FabricOffload` (the projection settings do not apply). Default: none.
+        <offload settings>
 
     Example::
 
@@ -253,6 +270,7 @@ class FabricMEFTOffload(FabricOffload):
         optimizer.loop.on_close.append(lambda attached=self.attached: attached.release(finish=True))
 
 
+@documents_settings(exclude=LOOP_REFUSED, signature=True)
 class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
     """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
 
@@ -269,8 +287,7 @@ class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
         refit_every: as for :class:`FabricOffload`. Default: ``500``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
             timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
-        settings: the offload settings of ``lsp_offload_ddp`` (``embeddings="sparse"`` is single-device only).
-            Default: none (its defaults).
+        <offload settings>
 
     Example::
 
@@ -327,10 +344,27 @@ class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
         return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
 
 
+@documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
 class FabricZeroOffloadDDP(FabricOffloadDDP):
     """Fabric's data-parallel strategy with dense gradients reduced to the rank that owns each tensor's host Adam.
 
     ``Fabric(strategy="zero_offload_ddp")``; the arguments of :class:`FabricOffloadDDP` but the projection settings.
+
+    Args:
+        bucket_mb: as for :class:`FabricOffloadDDP`. Default: ``25.0``.
+        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
+        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
+        fitting: refused (nothing is projected). Default: ``None``.
+        refit_every: refused unless left at its default (nothing is projected). Default: ``500``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
+            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
+        <offload settings>
+
+    Example::
+
+        fabric = L.Fabric(devices=2, strategy=FabricZeroOffloadDDP(bucket_mb=50))  # or "zero_offload_ddp"
+        fabric.launch()
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     """
 
     strategy_name = "zero_offload_ddp"

@@ -4,8 +4,8 @@ Fabric's strategies).
 
 It is the engine of the Trainer strategies (:class:`~lightning_offload.engine.optimizer.OffloadOptimizer`), set up
 from the same settings (:mod:`lightning_offload.setup.engine`), plus what a loop has no callback for: clipping at every
-step (``max_grad_norm``), the projector fit and its refits as calls (:meth:`LoopOffloadOptimizer.fit_projectors`), and
-handing the model back (:meth:`LoopOffloadOptimizer.close`).
+step (``max_grad_norm``), the projector fit and its refits as calls (:meth:`LoopOffloadOptimizer.fit_projectors`),
+and handing the model back (:meth:`LoopOffloadOptimizer.close`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: What a loop face takes besides the offload settings (the keyword arguments of :func:`~lightning_offload.offload`).
 LOOP_SETTINGS = ("device", "max_grad_norm", "fitting", "refit_every", "accumulation_steps")
+#: The offload settings a loop face refuses: a loop of one's own has no logger (it reads ``opt.telemetry``).
+LOOP_REFUSED = ("log_telemetry",)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
                        agreement: FitAgreement | None = None) -> None:
         """Called once by the set-up that built it (:func:`~lightning_offload.offload`, the Fabric strategies; ``agreement``: how the
         ranks agree on a projector fit, one process's by default)."""
-        wants_fit = settings.projection and settings.projectors == "learned" and bool(self.projected_layers)
+        wants_fit = settings.learns_projectors and bool(self.projected_layers)
         self.loop = LoopControl(setup, loop, name, wants_fit)
         if agreement is not None:
             self.loop.agreement = agreement
@@ -300,7 +302,7 @@ def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str
             ``opt.telemetry``), a projection setting where nothing is projected, or a bad value; an unknown one is a
             ``TypeError`` naming the closest known one.
     """
-    refused = sorted((set(forced) | {"log_telemetry"}) & set(settings))
+    refused = sorted((set(forced) | set(LOOP_REFUSED)) & set(settings))
     if refused:
         raise ValueError(f"{name} does not take {refused[0]}=: "
                          + ("a loop of one's own has no logger; read opt.telemetry (its figures) instead."

@@ -32,35 +32,70 @@ SCALED_ONLY_SETTINGS = ("redraw_every", "norm_growth_limit")
 
 @dataclass(frozen=True)
 class OffloadSettings:
-    """What an offload strategy was asked to do (the Args of
-    :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy`, which documents each one).
+    """What an offload strategy was asked to do: every face's offload settings, documented here once (the strategies'
+    docstrings and Fabric's signatures are generated from this, :func:`documents_settings`).
 
     Attributes:
-        projection: compress the selected weights' gradients (LSP); ``False`` sends every gradient in full.
-            Default: ``True``.
-        rank: compressed size of each side of a projected weight (a fraction in ``(0, 1]`` or an int ≥ 1).
-            Default: ``0.25``.
-        density: nonzeros per projector column. Default: ``8``.
-        min_dim: both dims at least this are projected, by default. Default: ``128``.
-        target_modules: regular expressions of exactly the modules to project. Default: ``None``.
+        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
+            full to a dense host Adam (ZeRO-Offload style, as ``zero_offload``). Default: ``True``.
+        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
+            dimension (``d = ceil(rank · dim)``), an int is an absolute size. Default: ``0.25`` (1/16 of a layer's
+            gradient crosses the link).
+        density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
+            Default: ``8``.
+        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
+            heads (:func:`~lightning_offload.lsp.targets.output_heads`). Default: ``128``.
+        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
+            (heads included, when they match). Default: ``None`` (the ``min_dim`` rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"random"`` or ``"learned"``. Default: ``"random"``.
-        projector_factory: draws each projector at set-up. Default: ``random_projector``.
-        seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
-        on_nonfinite: ``"skip"`` or ``"raise"``. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
-        pipelined: overlap host work with device compute. Default: ``True``.
-        link_dtype: ``"fp32"`` or ``"bf16"``. Default: ``"fp32"``.
-        update_buffers: device buffers for updates in flight, or ``None`` for the device's default.
-            Default: ``None``.
-        speculative: start host Adam during backward; ``None`` for on with a GPU, off on the CPU. Default: ``None``.
-        embeddings: ``"host"``, ``"sparse"``, ``"device"``, ``"frozen"`` or ``None`` for the strategy's default.
-            Default: ``None``.
-        head: ``"host"``, ``"projected"``, ``"device"``, ``"frozen"`` or ``None`` (``"host"``). Default: ``None``.
-        update: ``"projected"`` (LSP's ``c·AᵀUB``) or ``"scaled"`` (full-rank: the gradient scaled per channel from
-            compressed host moments, :mod:`lightning_offload.lsp.channel_scales`). Default: ``"projected"``.
-        redraw_every: steps between draws of the scaled rule's projection. Default: ``200``.
-        norm_growth_limit: the most the scaled rule's update norm may grow per step, or ``None``. Default: ``1.01``.
+        projectors: ``"random"`` keeps the seeded draw, never fitted; ``"learned"`` fits the projector values to
+            sampled gradients before the first update and refits stale ones on a schedule (under the Trainer a
+            :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` with its defaults is added unless the
+            Trainer has one; a loop calls ``fit_projectors``). At rank 0.25 random draws kept as much of AdamW's gain
+            as learned ones or more in most measured settings, at no fit cost; at rank 0.125 the measurements split,
+            so try both there (docs/benchmarks.md, "Projectors at the user's own learning rate").
+            Default: ``"random"``.
+        projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
+            ``random_projector`` (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
+        seed: seed of the projector draw and of stochastic rounding (every rank draws the same projectors from it).
+            Default: ``0``.
+        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
+            the figures of the latest *completed* step, i.e. one step behind; the CLI's ``history.jsonl`` files
+            each step's figures under its own number). A loop of one's own has no logger and refuses it: it reads
+            ``opt.telemetry``. Default: ``True``.
+        pipelined: overlap the host work with device compute: each update is applied right before its module's
+            next forward. ``False`` applies every update before the optimizer step returns (same results).
+            Default: ``True``.
+        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back (and
+            between ranks). Default: ``"fp32"``.
+        update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
+            layers' updates are prefetched into free ones). Default: ``None`` (4 on an accelerator; none on the CPU,
+            where updates are read where the host step wrote them).
+        speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
+            back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
+            non-speculative path bit for bit (see :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`).
+            Default: ``None`` (on for a GPU, off on the CPU, where host and device share the cores).
+        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
+            the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
+            decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
+            under dense Adam; one process only, since each rank's batch touches different rows), ``"device"`` (a
+            device Adam; its state is device memory) or ``"frozen"``. See :mod:`lightning_offload.setup.embeddings_head`.
+            Default: ``None`` (``"sparse"`` for ``lsp_offload`` on one device, else ``"host"``).
+        head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
+            like any Linear; not without projection), ``"device"`` or ``"frozen"``. A weight tied to the input
+            embedding takes this setting. Default: ``None`` (``"host"``).
+        update: how a projected weight's host moments become its update. ``"projected"``: LSP's ``c·AᵀUB``, a
+            low-rank update from Adam in the compressed space (the device never forms the weight's gradient).
+            ``"scaled"``: a full-rank update, the weight's gradient scaled per channel from Adam's moments of a random
+            projection ``R = G·Pᵀ`` of the same host bytes as ``rank`` gives (APOLLO's rule,
+            :mod:`lightning_offload.lsp.channel_scales`); the device forms ``G`` and keeps it until the step's
+            scales return, as native training keeps its gradients. One process only; AdamW's decoupled decay (not
+            Adam's L2). Default: ``"projected"``.
+        redraw_every: under ``update="scaled"``, steps between draws of the projection ``P`` (the moments are kept).
+            Default: ``200``.
+        norm_growth_limit: under ``update="scaled"``, the most the update's norm may grow from one step to the next
+            (``None``: no limit). Default: ``1.01``.
 
     Example::
 
@@ -117,6 +152,12 @@ class OffloadSettings:
         if self.head == "projected" and not self.projection:
             raise ValueError("head='projected' needs projection, which this strategy does not do. Use head='host', "
                              "'device' or 'frozen', or strategy='lsp_offload'.")
+
+    @property
+    def learns_projectors(self) -> bool:
+        """Whether projectors are fitted (``projectors="learned"`` where something is projected): what every face
+        asks to decide whether a fit is wanted."""
+        return self.projection and self.projectors == "learned"
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, object]) -> OffloadSettings:

@@ -32,9 +32,12 @@ from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
 from lightning_offload.setup.data_parallel import broadcast_projectors, broadcast_weights, bucket_bytes
-from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.settings import (
+    SCALED_ONLY_SETTINGS, OffloadSettings, keyword_settings, refuse_unknown_settings)
+from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 
+@documents_settings(exclude=SCALED_ONLY_SETTINGS)  # the scaled rule trains on one process
 class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
@@ -48,34 +51,7 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
         bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
             (DDP's own default).
-        projection: compress the gradients of selected weights; ``False`` is :class:`ZeroOffloadDDPStrategy`.
-            Default: ``True``.
-        rank: compressed size of each side of a projected weight (a float fraction in ``(0, 1]`` or an int).
-            Default: ``0.25``.
-        density: nonzeros per projector column. Default: ``8``.
-        min_dim: Linear/Conv1D modules with both dims ≥ ``min_dim`` are projected (heads excepted).
-            Default: ``128``.
-        target_modules: regular expressions of exactly the modules to project. Default: ``None`` (the ``min_dim``
-            rule).
-        exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"random"`` (the seeded draw, never fitted) or ``"learned"`` (fitted, then refitted on a schedule
-            by a :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`). Default: ``"random"``.
-        projector_factory: draws each projector at set-up. Default: ``random_projector``.
-        seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
-        on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
-        pipelined: apply each update right before its module's next forward. Default: ``True``.
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients and compressed updates, over the link and between ranks.
-            Default: ``"fp32"``.
-        update_buffers: device buffers that compressed updates land in. Default: ``None`` (4 on an accelerator;
-            none on the CPU).
-        speculative: start each tensor's host Adam during backward, rolled back when needed (same results).
-            Default: ``None`` (on for a GPU, off on the CPU).
-        embeddings: ``"host"``, ``"device"`` or ``"frozen"``: the row-sparse embedding (``"sparse"``) is
-            single-device only, since each rank's batch touches different rows. Default: ``None`` (``"host"``).
-        head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``. Default: ``None`` (``"host"``).
-        update: ``"projected"`` only: ``"scaled"`` (see :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy`)
-            trains on one process and is refused here. Default: ``"projected"``.
+        <offload settings>
 
     Every rank must draw the same projectors: they are seeded by ``seed``, and learned fits are made on the mean of
     the ranks' sampled gradients and installed from rank 0.
@@ -178,13 +154,15 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
 
 
+@documents_settings(exclude=NOT_WITHOUT_PROJECTION)
 class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
     """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
     rank that owns each tensor's share of the sharded host Adam.
 
     Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings (``projection`` is ``False``
     here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``, ``projectors``,
-    ``projector_factory`` and ``update_buffers`` would change nothing and are refused). Registered as
+    ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every`` and ``norm_growth_limit`` would change
+    nothing and are refused). Registered as
     ``strategy="zero_offload_ddp"``.
 
     Args:
@@ -192,16 +170,7 @@ class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
         bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
             (DDP's own default).
-        seed: seed of stochastic rounding. Default: ``0``.
-        on_nonfinite: ``"skip"`` or ``"raise"`` on inf/nan gradients. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures every step. Default: ``True``.
-        pipelined: apply each update right before its module's next forward. Default: ``True``.
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients over the link and between ranks. Default: ``"fp32"``.
-        speculative: start each tensor's host Adam during backward, rolled back when needed (same results).
-            Default: ``None`` (on for a GPU, off on the CPU).
-        embeddings: ``"host"``, ``"device"`` or ``"frozen"`` (``"sparse"`` is single-device only).
-            Default: ``None`` (``"host"``).
-        head: ``"host"``, ``"device"`` or ``"frozen"``. Default: ``None`` (``"host"``).
+        <offload settings>
 
     Example::
 

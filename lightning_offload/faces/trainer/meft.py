@@ -26,15 +26,20 @@ from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters
 from lightning_offload.setup.report import OffloadFacts
 from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 
+@documents_settings(exclude=NOT_WITHOUT_PROJECTION)
 class MEFTOffloadStrategy(SingleDeviceOffload):
     """Single-device training of MEFT adapters with their rows and Adam state on the host.
 
     Registered as ``strategy="meft_offload"``. Call :func:`~lightning_offload.meft.injection.inject_meft` on the
     model first; ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW`` over the trainable parameters
     (the routers), whose first param group also sets the rows' hyper-parameters unless ``lr``/``weight_decay`` do.
-    The other settings are ``zero_offload``'s, for the dense parameters; the projection settings do not apply.
+    The other settings are ``zero_offload``'s, for the dense parameters (``embeddings`` and ``head`` when left
+    trainable); the projection settings do not apply. For the rows: ``on_nonfinite`` applies to them as to the dense
+    parameters, ``log_telemetry`` logs their ``meft/*`` figures too, ``pipelined`` also lets their updates run on the
+    host while the next forward starts, and fetched rows cross in the forward's compute dtype whatever ``link_dtype``.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU).
@@ -46,15 +51,7 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
         row_block: rows per block of the row Adam, the unit it steps (a touched block is stepped whole, its untouched
             rows with a zero gradient as dense AdamW would); divides ``num_neurons``. Default: ``None`` (the neurons
             of one expert, which the routing touches together).
-        seed: as for ``zero_offload``. Default: ``0``.
-        on_nonfinite: as for ``zero_offload``, for the dense parameters and the rows alike. Default: ``"skip"``.
-        log_telemetry: as for ``zero_offload``, plus the rows' ``meft/*`` figures. Default: ``True``.
-        pipelined: as for ``zero_offload``; ``True`` also lets the row updates run on the host while the next forward
-            starts. Default: ``True``.
-        link_dtype: as for ``zero_offload`` (fetched rows cross in the forward's compute dtype). Default: ``"fp32"``.
-        speculative: as for ``zero_offload``. Default: ``None``.
-        embeddings: as for ``zero_offload``, when the embeddings are left trainable. Default: ``None``.
-        head: as for ``zero_offload``, when the output head is left trainable. Default: ``None``.
+        <offload settings>
         accelerator, checkpoint_io, precision_plugin: filled in by the Trainer. Default: ``None``.
         unknown: refused: ``LSPOffloadStrategy``'s projection settings do not apply (nothing is projected), and any
             other keyword is refused naming the closest setting. Default: none.

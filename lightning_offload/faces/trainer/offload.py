@@ -26,6 +26,7 @@ from lightning_offload.engine.clipping import NonFinitePolicy
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 
 def default_device() -> torch.device:
@@ -103,6 +104,7 @@ class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
         self.model = self._setup_model(self.model)
 
 
+@documents_settings()
 class LSPOffloadStrategy(SingleDeviceOffload):
     """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
 
@@ -115,63 +117,7 @@ class LSPOffloadStrategy(SingleDeviceOffload):
             ``accelerator`` when that names one).
         accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (filled in by the
             Trainer). Default: ``None``.
-        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
-            full to a dense host Adam (ZeRO-Offload style, as :class:`ZeroOffloadStrategy`). Default: ``True``.
-        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
-            dimension (``d = ceil(rank · dim)``), an int is an absolute size. Default: ``0.25`` (1/16 of a layer's
-            gradient crosses the link).
-        density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
-            Default: ``8``.
-        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
-            heads (:func:`~lightning_offload.lsp.targets.output_heads`). Default: ``128``.
-        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
-            (heads included, when they match). Default: ``None`` (the ``min_dim`` rule).
-        exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"random"`` keeps the seeded draw, never fitted; ``"learned"`` fits the projector values to
-            sampled gradients before the first update and refits stale ones on a schedule (a
-            :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` with its defaults is added unless the Trainer
-            has one). At rank 0.25 random draws kept as much of AdamW's gain as learned ones or more in most measured
-            settings, at no fit cost; at rank 0.125 the measurements split, so try both there (docs/benchmarks.md,
-            "Projectors at the user's own learning rate"). Default: ``"random"``.
-        projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
-            ``random_projector`` (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
-        seed: seed of the projector draw and of stochastic rounding. Default: ``0``.
-        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
-            the figures of the latest *completed* step, i.e. one step behind; the CLI's ``history.jsonl`` files
-            each step's figures under its own number). Default: ``True``.
-        pipelined: overlap the host work with device compute: each update is applied right before its module's
-            next forward. ``False`` applies every update before the optimizer step returns (same results).
-            Default: ``True``.
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back.
-            Default: ``"fp32"``.
-        update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
-            layers' updates are prefetched into free ones). Default: ``None`` (4 on an accelerator; none on the CPU,
-            where updates are read where the host step wrote them).
-        speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
-            back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
-            non-speculative path bit for bit (see :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`).
-            Default: ``None`` (on for a GPU, off on the CPU, where host and device share the cores).
-        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
-            the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
-            decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
-            under dense Adam), ``"device"`` (a device Adam; its state is device memory) or ``"frozen"``. See
-            :mod:`lightning_offload.setup.embeddings_head`. Default: ``None`` (``"sparse"`` for
-            ``lsp_offload``, ``"host"`` for ``zero_offload``).
-        head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
-            like any Linear; not for ``zero_offload``), ``"device"`` or ``"frozen"``. A weight tied to the input
-            embedding takes this setting. Default: ``None`` (``"host"``).
-        update: how a projected weight's host moments become its update. ``"projected"``: LSP's ``c·AᵀUB``, a
-            low-rank update from Adam in the compressed space (the device never forms the weight's gradient).
-            ``"scaled"``: a full-rank update, the weight's gradient scaled per channel from Adam's moments of a random
-            projection ``R = G·Pᵀ`` of the same host bytes as ``rank`` gives (APOLLO's rule,
-            :mod:`lightning_offload.lsp.channel_scales`); the device forms ``G`` and keeps it until the step's
-            scales return, as native training keeps its gradients. One process only; AdamW's decoupled decay (not
-            Adam's L2). Default: ``"projected"``.
-        redraw_every: under ``update="scaled"``, steps between draws of the projection ``P`` (the moments are kept).
-            Default: ``200``.
-        norm_growth_limit: under ``update="scaled"``, the most the update's norm may grow from one step to the next
-            (``None``: no limit). Default: ``1.01``.
+        <offload settings>
 
     Example::
 
@@ -222,32 +168,19 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         self._configure_offload(settings)
 
 
+@documents_settings(exclude=NOT_WITHOUT_PROJECTION)
 class ZeroOffloadStrategy(LSPOffloadStrategy):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
     Same machinery as :class:`LSPOffloadStrategy` with ``projection=False`` (set here); takes its arguments except
     the projection settings (``projection``, ``rank``, ``density``, ``min_dim``, ``target_modules``,
-    ``exclude_modules``, ``projectors``, ``projector_factory``, ``update_buffers``), which would change nothing and
-    are refused. Registered as ``strategy="zero_offload"``.
+    ``exclude_modules``, ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every``,
+    ``norm_growth_limit``), which would change nothing and are refused. Registered as ``strategy="zero_offload"``.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
             ``accelerator`` when that names one).
-        seed: seed of stochastic rounding. Default: ``0``.
-        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (one step behind when
-            pipelined). Default: ``True``.
-        pipelined: overlap the host work with device compute: each update is applied right before its module's
-            next forward. ``False`` applies every update before the optimizer step returns (same results).
-            Default: ``True``.
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host (updates come back in each
-            parameter's own dtype). Default: ``"fp32"``.
-        speculative: start each tensor's host Adam during backward and roll it back when the step turns out clipped
-            by norm or non-finite (same results). Default: ``None`` (on for a GPU, off on the CPU).
-        embeddings: where the ``nn.Embedding`` weights train: ``"host"``, ``"sparse"``, ``"device"`` or
-            ``"frozen"`` (see :class:`LSPOffloadStrategy`). Default: ``None`` (``"host"``).
-        head: where the output head trains: ``"host"``, ``"device"`` or ``"frozen"`` (``"projected"`` is refused).
-            Default: ``None`` (``"host"``).
+        <offload settings>
         accelerator, checkpoint_io, precision_plugin: as for :class:`LSPOffloadStrategy` (filled in by the
             Trainer). Default: ``None``.
 

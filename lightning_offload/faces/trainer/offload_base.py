@@ -93,7 +93,7 @@ class OffloadMixin(OneProcess):
     def _add_refit_callback(self, trainer: pl.Trainer | None) -> None:
         # Learned projectors need the refit callback. It is added here, before Lightning restores callback states
         # from a checkpoint (and before `setup` hooks), so a resumed run continues the same schedule.
-        if self.settings.projection and self.settings.projectors == "learned" and trainer is not None:
+        if self.settings.learns_projectors and trainer is not None:
             if not any(isinstance(callback, ProjectorRefit) for callback in trainer.callbacks):
                 refit = ProjectorRefit(seed=self.settings.seed)
                 trainer.callbacks.append(refit)
