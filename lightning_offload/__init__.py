@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from lightning_offload.registries import register_with_lightning
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports each name on first use
-    from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
-    from lightning_offload.engine.clipping import NonFiniteGradientError, NonFiniteStepWarning
+    from lightning_offload.engine.figures.refit_record import RefitRecord
+    from lightning_offload.engine.figures.telemetry import OffloadTelemetry, StepTelemetry
+    from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting
     from lightning_offload.engine.optimizer import OffloadOptimizer
-    from lightning_offload.engine.projector_fitting import ProjectorFitting
-    from lightning_offload.engine.refit_record import RefitRecord
-    from lightning_offload.engine.telemetry import OffloadTelemetry, StepTelemetry
+    from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
+    from lightning_offload.engine.step.clipping import NonFiniteGradientError, NonFiniteStepWarning
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
     from lightning_offload.faces.loop import offload
@@ -51,15 +51,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 
 #: Each public name and the module that defines it (the modules of Lightning-bound names import Lightning).
 _SOURCES: dict[str, str] = {
-    "BlockRowAdam": "lightning_offload.engine.block_row_adam",
-    "RowAdamSettings": "lightning_offload.engine.block_row_adam",
-    "NonFiniteGradientError": "lightning_offload.engine.clipping",
-    "NonFiniteStepWarning": "lightning_offload.engine.clipping",
+    "BlockRowAdam": "lightning_offload.engine.rows.block_row_adam",
+    "RowAdamSettings": "lightning_offload.engine.rows.block_row_adam",
+    "NonFiniteGradientError": "lightning_offload.engine.step.clipping",
+    "NonFiniteStepWarning": "lightning_offload.engine.step.clipping",
     "OffloadOptimizer": "lightning_offload.engine.optimizer",
-    "ProjectorFitting": "lightning_offload.engine.projector_fitting",
-    "RefitRecord": "lightning_offload.engine.refit_record",
-    "OffloadTelemetry": "lightning_offload.engine.telemetry",
-    "StepTelemetry": "lightning_offload.engine.telemetry",
+    "ProjectorFitting": "lightning_offload.engine.fitting.projector_fitting",
+    "RefitRecord": "lightning_offload.engine.figures.refit_record",
+    "OffloadTelemetry": "lightning_offload.engine.figures.telemetry",
+    "StepTelemetry": "lightning_offload.engine.figures.telemetry",
     "FabricMEFTOffload": "lightning_offload.faces.fabric",
     "FabricOffload": "lightning_offload.faces.fabric",
     "FabricOffloadDDP": "lightning_offload.faces.fabric",

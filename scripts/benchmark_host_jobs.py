@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.engine.row_slot import RowSlot
+from lightning_offload.engine.slots.row_slot import RowSlot
 from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import MEFTConfig, MEFTOffloadStrategy, inject_meft
-from lightning_offload.engine.native_row_adam import native_row_adam
+from lightning_offload.engine.rows.native_row_adam import native_row_adam
 from lightning_offload.models import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -73,21 +73,21 @@ def now() -> float:
 #: worker, the step's blocks, norm and preparation on the main thread, the row Adam step on the worker. Each is
 #: (module, class, function).
 ENTRY_POINTS = (
-    ("lightning_offload.engine.row_gradients", "RowGradients", "_add_rows"),
-    ("lightning_offload.engine.row_gradients", "RowGradients", "step_blocks"),
-    ("lightning_offload.engine.row_gradients", "RowGradients", "norm"),
-    ("lightning_offload.engine.row_blocks_slot", "RowBlocksSlot", "settings"),
-    ("lightning_offload.engine.row_blocks_slot", "RowBlocksSlot", "prepare"),
-    ("lightning_offload.engine.row_blocks_slot", "RowBlocksSlot", "host_step"),
+    ("lightning_offload.engine.rows.row_gradients", "RowGradients", "_add_rows"),
+    ("lightning_offload.engine.rows.row_gradients", "RowGradients", "step_blocks"),
+    ("lightning_offload.engine.rows.row_gradients", "RowGradients", "norm"),
+    ("lightning_offload.engine.slots.row_blocks_slot", "RowBlocksSlot", "settings"),
+    ("lightning_offload.engine.slots.row_blocks_slot", "RowBlocksSlot", "prepare"),
+    ("lightning_offload.engine.slots.row_blocks_slot", "RowBlocksSlot", "host_step"),
 )
 #: The row path's functions timed by ``--sections``: the entry points and what they call.
 SECTIONS = ENTRY_POINTS + (
-    ("lightning_offload.engine.row_blocks_slot", "RowBlocksSlot", "touched_blocks"),
-    ("lightning_offload.engine.row_blocks_slot", "RowBlocksSlot", "forget"),
-    ("lightning_offload.engine.block_row_adam", "BlockRowAdam", "step"),
-    ("lightning_offload.engine.block_row_adam", "BlockRowAdam", "_decayed_scales"),
-    ("lightning_offload.engine.row_landing", "RowLanding", "land"),
-    ("lightning_offload.engine.row_landing", "RowLanding", "block_gradients"),
+    ("lightning_offload.engine.slots.row_blocks_slot", "RowBlocksSlot", "touched_blocks"),
+    ("lightning_offload.engine.slots.row_blocks_slot", "RowBlocksSlot", "forget"),
+    ("lightning_offload.engine.rows.block_row_adam", "BlockRowAdam", "step"),
+    ("lightning_offload.engine.rows.block_row_adam", "BlockRowAdam", "_decayed_scales"),
+    ("lightning_offload.engine.rows.row_landing", "RowLanding", "land"),
+    ("lightning_offload.engine.rows.row_landing", "RowLanding", "block_gradients"),
     ("lightning_offload.meft.adapter", "MEFTAdapter", "refresh_routing_keys"),
     ("lightning_offload.meft.attached", "AttachedAdapters", "step_figures"),
 )

@@ -1,6 +1,6 @@
 """Host nanoseconds per element of the engine's row Adam against torch's fused AdamW on the same number of elements.
 
-One process, interleaved repeats, medians, two tables of :class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`:
+One process, interleaved repeats, medians, two tables of :class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`:
 
 * a row-sparse embedding's step, ``--rows`` of an ``--height × --width`` matrix of one-row blocks: gathered
   (``step_rows``: the touched rows read into preallocated workspaces, their moments caught up, one kernel call,
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 

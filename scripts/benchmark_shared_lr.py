@@ -38,13 +38,13 @@ import torch
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload import ProjectorRefit
 from lightning_offload.data.bible import BibleLMDataModule
-from lightning_offload.engine.projector_fitting import redraw_projectors
+from lightning_offload.engine.fitting.projector_fitting import redraw_projectors
+from lightning_offload.faces.trainer.offload import LSPOffloadStrategy
 from lightning_offload.lsp import linear
 from lightning_offload.lsp.projector import SparseProjector, signed_permutation_projector
 from lightning_offload.lsp.targets import select_projected_modules
 from lightning_offload.models.smollm2 import load_smollm2_tokenizer
 from lightning_offload.models.tiny import ByteTokenizer, tiny_gpt2, tiny_llama
-from lightning_offload.faces.trainer.offload import LSPOffloadStrategy
 from lightning_offload.tasks.causal_lm import CausalLMModule
 
 METHODS = {

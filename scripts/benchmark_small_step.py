@@ -10,7 +10,7 @@ offload machinery adds (per-tensor Python, synchronisation, small kernels), whic
     python scripts/benchmark_small_step.py --precision bf16-mixed
 
 After the ratios it prints where each offload configuration's step goes: the engine's own phases
-(lightning_offload/engine/phases.py: projections, hooks, sends, host Adam, updates applied, launch, telemetry, waits)
+(lightning_offload/engine/figures/phases.py: projections, hooks, sends, host Adam, updates applied, launch, telemetry, waits)
 and the rest (the model's forward and backward).
 """
 
@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.cli.benchmark_run import PhaseReader, StepClock
-from lightning_offload.engine.phases import PHASES
-from lightning_offload.engine.scaled_slot import ScaledSlot
+from lightning_offload.engine.figures.phases import PHASES
+from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.models.tiny import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer  # noqa: E402
 
 import lightning_offload  # noqa: E402
-from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings  # noqa: E402
+from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings  # noqa: E402
 
 LR, DECAY, SEEN = 1e-2, 0.1, 48
 SMALL = dict(rank=0.5, density=2, min_dim=16)

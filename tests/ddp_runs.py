@@ -26,14 +26,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_modules import TinyClassifier, classification_data, params_of  # noqa: E402
 
 import lightning_offload  # noqa: E402,F401
-from lightning_offload.engine.speculation import Speculation  # noqa: E402
-from lightning_offload.lsp import norm_probe  # noqa: E402
 from lightning_offload import (  # noqa: E402
     LSPOffloadDDPStrategy,
     ProjectorRefit,
     ZeroOffloadDDPStrategy,
     signed_permutation_projector,
 )
+from lightning_offload.engine.step.host_jobs import HostJobs  # noqa: E402
+from lightning_offload.lsp import norm_probe  # noqa: E402
 
 #: Batch per rank; the single-process runs they are compared with use twice this.
 BATCH = 4
@@ -179,10 +179,10 @@ def main() -> None:
     elif scenario.startswith("fail_on_rank_"):
         failing_rank = int(scenario.removeprefix("fail_on_rank_"))
         if int(os.environ.get("LOCAL_RANK", "0")) == failing_rank:
-            planted = Speculation._host_job
+            planted = HostJobs._host_job
             steps: list[Any] = []  # the figures object of each step whose host jobs ran here
 
-            def failing(self: Speculation, slot: Any, clip: Any, compute_done: Any, step: Any, *args: Any,
+            def failing(self: HostJobs, slot: Any, clip: Any, compute_done: Any, step: Any, *args: Any,
                         **kwargs: Any) -> None:
                 if all(step is not seen for seen in steps):
                     steps.append(step)
@@ -190,7 +190,7 @@ def main() -> None:
                     raise RuntimeError(f"planted failure on rank {failing_rank}")
                 planted(self, slot, clip, compute_done, step, *args, **kwargs)
 
-            Speculation._host_job = failing  # type: ignore[method-assign]
+            HostJobs._host_job = failing  # type: ignore[method-assign]
         fit(out, "fail", "lossless", TinyClassifier(), 6)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")

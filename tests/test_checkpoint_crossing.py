@@ -107,7 +107,7 @@ def test_projected_weights_restart_and_are_named(update: dict, tmp_path: Path) -
 
 
 def test_row_sparse_moments_caught_up_equal_dense_adamw_with_zero_gradients() -> None:
-    from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+    from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
     from lightning_offload.faces.trainer.plain_checkpoint import dense_moments_of_rows
 
     generator = torch.Generator().manual_seed(0)

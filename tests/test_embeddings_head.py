@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, signed_permutation_projector
-from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.models.tiny import tiny_llama
 from tiny_modules import TinyCausalLM, lossless_lsp, params_of, tiny_hf_model, token_data, trainer
 

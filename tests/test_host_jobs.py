@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.engine.speculation import Speculation
+from lightning_offload.engine.step.host_jobs import HostJobs
 from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
 
 
@@ -65,7 +65,7 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
     make, precision = CASES[case]
     # Per optimizer step (its telemetry object, held here so that no later step's object can reuse its id), in order.
     jobs: dict[int, tuple[object, list[list[str]]]] = {}
-    run_job = Speculation._host_job
+    run_job = HostJobs._host_job
 
     def recorded(self, slot, clip, compute_done, step, *args, **kwargs):
         mode = _Ops()
@@ -73,7 +73,7 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
             run_job(self, slot, clip, compute_done, step, *args, **kwargs)
         jobs.setdefault(id(step), (step, []))[1].append(mode.ops)
 
-    monkeypatch.setattr(Speculation, "_host_job", recorded)
+    monkeypatch.setattr(HostJobs, "_host_job", recorded)
     module = (_CoupledL2LM if "l2" in case else TinyCausalLM)(tiny_hf_model("llama"))
     if precision == "bf16-true":
         module = module.to(torch.bfloat16)

@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import BlockRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
-from lightning_offload.engine.clipping import NonFiniteGradientError
-from lightning_offload.engine.pipeline import HostWorkerError
+from lightning_offload.engine.rows.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
+from lightning_offload.engine.rows.native_row_adam import LandedRows
+from lightning_offload.engine.step.clipping import NonFiniteGradientError
+from lightning_offload.engine.step.pipeline import HostWorkerError
 from lightning_offload.meft.routing import expert_key_scores, route, select_experts, select_neurons
-from lightning_offload.engine.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
-from lightning_offload.engine.native_row_adam import LandedRows
 from lightning_offload.models import tiny_gpt2, tiny_llama
 from lightning_offload.setup.report import facts_of, figures_at_step_end
 from lightning_offload.tasks.causal_lm import CausalLMModule

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from lightning_offload import MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
-from lightning_offload.engine import native_row_adam as native
-from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
-from lightning_offload.engine.host_threads import SMALL_OP_ELEMENTS, _openmp, one_thread
-from lightning_offload.engine.native_row_adam import LandedRows, native_row_adam, tail_free
-from lightning_offload.engine.row_landing import RowLanding
+from lightning_offload.engine.rows import native_row_adam as native
+from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.rows.host_threads import SMALL_OP_ELEMENTS, _openmp, one_thread
+from lightning_offload.engine.rows.native_row_adam import LandedRows, native_row_adam, tail_free
+from lightning_offload.engine.rows.row_landing import RowLanding
 from lightning_offload.models import tiny_llama
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from test_meft import batches, loader, trainer

@@ -1,6 +1,6 @@
 """The engine's phase clock and where its host work runs on a CPU.
 
-The clock (lightning_offload/engine/phases.py) splits the engine's own share of a step into phases; it must see every
+The clock (lightning_offload/engine/figures/phases.py) splits the engine's own share of a step into phases; it must see every
 phase a step has, charge nested phases only their own time, and change no result. On a CPU device the host jobs run
 inline in the main thread (no second thread competing for the same cores); with the same arithmetic, so a run is the
 same as with a worker thread, bit for bit.
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lightning_offload import offload
-from lightning_offload.engine.phases import PHASES, PhaseClock
-from lightning_offload.engine.pipeline import HostWorker, HostWorkerError
-from lightning_offload.engine.slot import Lanes
+from lightning_offload.engine.figures.phases import PHASES, PhaseClock
+from lightning_offload.engine.slots.slot import Lanes
+from lightning_offload.engine.step.pipeline import HostWorker, HostWorkerError
 from tiny_modules import params_of, tiny_hf_model, token_data
 
 SMALL = dict(rank=0.5, density=2, min_dim=16, projectors="random")

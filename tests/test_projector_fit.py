@@ -21,7 +21,7 @@ from lightning_offload import (
     SparseProjector,
     ZeroOffloadStrategy,
 )
-import lightning_offload.engine.projector_fitting as projector_fitting
+import lightning_offload.engine.fitting.projector_fitting as projector_fitting
 from lightning_offload.lsp.fit import (
     FitSettings,
     LayerFit,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_offload.engine.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 
 SETTINGS = RowAdamSettings(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 

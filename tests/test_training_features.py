@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_offload import LSPOffloadStrategy, NonFiniteGradientError, ZeroOffloadStrategy
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.row_slot import RowSlot
+from lightning_offload.engine.slots.row_slot import RowSlot
 from tiny_modules import (
     TinyCausalLM,
     TinyClassifier,

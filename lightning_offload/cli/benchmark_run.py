@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_offload.engine.phases import PHASES
+from lightning_offload.engine.figures.phases import PHASES
 from lightning_offload.setup.report import phase_clock_of
 
 
@@ -53,7 +53,7 @@ class StepClock(pl.Callback):
 
 
 class PhaseReader(pl.Callback):
-    """Reads the offload engine's phase clock (lightning_offload/engine/phases.py) after every steady step.
+    """Reads the offload engine's phase clock (lightning_offload/engine/figures/phases.py) after every steady step.
 
     On the CPU an enabled clock costs two clock reads per phase (no synchronisation), so a timed run may keep it on;
     on CUDA it synchronizes at every phase boundary, so its run is not the one whose step time is quoted.

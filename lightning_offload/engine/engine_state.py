@@ -9,13 +9,13 @@ from typing import Any
 import torch
 
 from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
-from lightning_offload.engine.data_parallel import RankShards
-from lightning_offload.engine.device_adam import DeviceAdam
-from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
-from lightning_offload.engine.row_slot import RowSlot
-from lightning_offload.engine.scaled_slot import ScaledSlot
-from lightning_offload.engine.slot import Slot
-from lightning_offload.engine.telemetry import OffloadTelemetry
+from lightning_offload.engine.figures.telemetry import OffloadTelemetry
+from lightning_offload.engine.slots.row_blocks_slot import RowBlocksSlot
+from lightning_offload.engine.slots.row_slot import RowSlot
+from lightning_offload.engine.slots.scaled_slot import ScaledSlot
+from lightning_offload.engine.slots.slot import Slot
+from lightning_offload.engine.step.data_parallel import RankShards
+from lightning_offload.engine.step.device_adam import DeviceAdam
 from lightning_offload.lsp.projector import SparseProjector
 
 STATE_FORMAT = 2

@@ -1,15 +1,15 @@
 """The offload engine as a ``torch.optim.Optimizer``: :class:`OffloadOptimizer` takes over a user's Adam/AdamW, builds
 one slot per offloaded tensor and the parts they share, and hands each step to the engine's orchestrator
-(:class:`~lightning_offload.engine.orchestrator.StepOrchestrator`).
+(:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`).
 
 :class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
 ``configure_optimizers``. It shares that optimizer's ``param_groups`` dicts, so per-group hyper-parameters are
 honoured and LR schedulers (which write ``param_groups[i]["lr"]``) keep working. The user's optimizer never
 steps and holds no state. All optimizer state lives on the host, in the slots: a projected weight's Adam on
-``S = A G Bᵀ`` (:mod:`~lightning_offload.engine.projected_slot`), a dense parameter's fp32 master and Adam
-(:mod:`~lightning_offload.engine.dense_slot`), an embedding's rows (:mod:`~lightning_offload.engine.row_slot`), MEFT's
-adapter rows (:mod:`~lightning_offload.engine.row_blocks_slot`), or nothing where another rank steps the tensor
-(:mod:`~lightning_offload.engine.remote_slot`). This module holds the set-up, the clipping calls, accounting and
+``S = A G Bᵀ`` (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense parameter's fp32 master and Adam
+(:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding's rows (:mod:`~lightning_offload.engine.slots.row_slot`), MEFT's
+adapter rows (:mod:`~lightning_offload.engine.slots.row_blocks_slot`), or nothing where another rank steps the tensor
+(:mod:`~lightning_offload.engine.slots.remote_slot`). This module holds the set-up, the clipping calls, accounting and
 checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and what each slot kind owns.
 """
 from __future__ import annotations
@@ -22,22 +22,22 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_offload.engine.clipping import GradientNorms, NonFinitePolicy
-from lightning_offload.engine.data_parallel import RankShards
-from lightning_offload.engine.phases import PhaseClock
-from lightning_offload.engine.device_adam import DeviceAdam
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
-from lightning_offload.engine.gradient_edits import GradientEdits
-from lightning_offload.engine.pipeline import HostWorker, UpdateRing
-from lightning_offload.engine.block_row_adam import RowAdamSettings
-from lightning_offload.engine.orchestrator import StepOrchestrator
-from lightning_offload.engine.row_blocks_slot import HostRowBlocks, RowBlocksSlot
-from lightning_offload.engine.row_gradients import RowGradients
-from lightning_offload.engine.scaled_slot import ScaledSlot
-from lightning_offload.engine.slot import Lanes, Slot, is_decoupled
-from lightning_offload.engine.slot_building import build_slots
-from lightning_offload.engine.speculation import Speculation
-from lightning_offload.engine.step_figures import StepFigures
+from lightning_offload.engine.figures.phases import PhaseClock
+from lightning_offload.engine.figures.step_figures import StepFigures
+from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
+from lightning_offload.engine.rows.row_gradients import RowGradients
+from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
+from lightning_offload.engine.slots.scaled_slot import ScaledSlot
+from lightning_offload.engine.slots.slot import Lanes, Slot, is_decoupled
+from lightning_offload.engine.slots.slot_building import build_slots
+from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
+from lightning_offload.engine.step.data_parallel import RankShards
+from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.step.gradient_edits import GradientEdits
+from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.orchestrator import StepOrchestrator
+from lightning_offload.engine.step.pipeline import HostWorker, UpdateRing
 from lightning_offload.engine.user_optimizer import (
     LINK_DTYPES, check_engine_arguments, check_still_frozen, named_parameters_of, validate_user_optimizer)
 from lightning_offload.lsp.channel_scales import ScaledWeight
@@ -75,19 +75,19 @@ class OffloadOptimizer(Optimizer):
             (4 on an accelerator, none on the CPU, where the device is the host and updates are read where the host
             step wrote them).
         speculative: step each tensor's host Adam during backward, as soon as its gradient has landed
-            (:mod:`~lightning_offload.engine.speculation`; results equal the other path's bit for bit). Costs a host
+            (:mod:`~lightning_offload.engine.step.host_jobs`; results equal the other path's bit for bit). Costs a host
             copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU,
             where host and "device" share the cores; measured: it only adds contention there).
-        keep_on_device: parameters stepped by a device Adam (:class:`~lightning_offload.engine.device_adam.DeviceAdam`)
+        keep_on_device: parameters stepped by a device Adam (:class:`~lightning_offload.engine.step.device_adam.DeviceAdam`)
             instead of the host: clipped and checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
-            each way and are stepped (:class:`~lightning_offload.engine.block_row_adam.BlockRowAdam`). Default: ``()``.
+            each way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
         frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
             Default: ``()``.
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
             head): their update is applied inside the step, and the outside use's gradient compressed, without a
             warning. Default: ``()``.
-        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.data_parallel`):
+        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.step.data_parallel`):
             gradients are reduced to each tensor's owner rank, which alone keeps its host state and steps it, and
             updates are broadcast from there. Default: ``None`` (one process).
 
@@ -147,10 +147,10 @@ class OffloadOptimizer(Optimizer):
             self.norms.edits = GradientEdits(self.slots)
         # On the CPU the "device" and the host share the cores: host work started during backward only competes
         # with it (and the state copies cost extra), so speculation is for accelerators.
-        self.speculation = Speculation(speculative if speculative is not None else self.device.type != "cpu",
+        self.host_jobs = HostJobs(speculative if speculative is not None else self.device.type != "cpu",
                                        self.slots, self.lanes.worker)
         self.orchestrator = StepOrchestrator(
-            self.lanes, self.slots, self.device_adam, self.speculation, self.norms, self.figures, on_nonfinite,
+            self.lanes, self.slots, self.device_adam, self.host_jobs, self.norms, self.figures, on_nonfinite,
             pipelined, lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
                                 self.lanes.ring.fallbacks if self.lanes.ring is not None else 0),
             model, {id(p) for p in tied_projected})
@@ -229,7 +229,7 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor
-        (:class:`~lightning_offload.engine.orchestrator.StepOrchestrator`)."""
+        (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`)."""
         if self.closed:
             raise RuntimeError("step() on a closed offload optimizer: close() handed the model back and stopped its "
                                "host worker, so nothing would be trained. Build a new one (lightning_offload.offload(...)"
@@ -360,7 +360,7 @@ class OffloadOptimizer(Optimizer):
 
     def device_persistent_bytes(self) -> dict[str, int]:
         """Device bytes the offload machinery keeps between steps, by category (see
-        :attr:`~lightning_offload.engine.telemetry.OffloadTelemetry.device_persistent_bytes`). Counted from the
+        :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`). Counted from the
         tensors' sizes, so it works on any device, ``meta`` included."""
         return {
             "projectors": sum(layer.proj_out.nbytes() + layer.proj_in.nbytes() for layer in self.projected_layers),
@@ -374,7 +374,7 @@ class OffloadOptimizer(Optimizer):
         return sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device.type != "cpu")
 
     def _state_tensors(self) -> list[Tensor]:
-        return [t for slot in self.slots for t in slot.state_tensors()] + self.speculation.state_tensors()
+        return [t for slot in self.slots for t in slot.state_tensors()] + self.host_jobs.state_tensors()
 
     # ----------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

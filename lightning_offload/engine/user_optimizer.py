@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_offload.engine.row_adam_kernel import RowAdamSettings
-from lightning_offload.engine.slot import is_decoupled
+from lightning_offload.engine.rows.row_adam_kernel import RowAdamSettings
+from lightning_offload.engine.slots.slot import is_decoupled
 
 SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 

@@ -28,8 +28,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_offload.engine.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
-from lightning_offload.engine.projector_fitting import OneProcess, ProjectorFitting
+from lightning_offload.engine.fitting.projector_fitting import OneProcess, ProjectorFitting
+from lightning_offload.engine.step.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks, row_adam_settings
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lightning_offload.engine.batch_gradients import LossFn
+from lightning_offload.engine.fitting.batch_gradients import LossFn
 from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_offload.engine.projector_fitting import ProjectorFitting
+from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting
 from lightning_offload.setup.engine import Placements, build_engine
 from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer, loop_settings, offload_settings
 

@@ -13,7 +13,7 @@ The rank means what it means for ``update="projected"``: the same host elements 
 (``(o/4)·(i/4)`` moments) projects each channel to ``n/16`` numbers.
 
 This module holds the device's arithmetic (projection, application) and the host's (scales, limiter); the engine's
-:class:`~lightning_offload.engine.scaled_slot.ScaledSlot` moves them between the two.
+:class:`~lightning_offload.engine.slots.scaled_slot.ScaledSlot` moves them between the two.
 """
 
 from __future__ import annotations

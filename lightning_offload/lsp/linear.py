@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
-from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 
 
 class _Untimed:
@@ -87,7 +87,7 @@ class ProjectedWeight:
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
         # autograd produces W.grad, one layer at a time; nothing accumulates into S.
         self.sampling = False
-        # The engine's phase clock (lightning_offload/engine/phases.py, which benchmarks switch on): charges the
+        # The engine's phase clock (lightning_offload/engine/figures/phases.py, which benchmarks switch on): charges the
         # projections below to their phases. Until an engine drives the layer, nothing is timed.
         self.phases: Any = _UNTIMED
         # Every module whose forward uses this weight: one, unless modules share it (``net[2].weight =

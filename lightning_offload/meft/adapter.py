@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.engine.row_blocks_slot import HostRowBlocks, RowBlocksSlot
-from lightning_offload.engine.row_gradients import RowGradients
+from lightning_offload.engine.rows.row_gradients import RowGradients
+from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.routing import Routing, expert_key_scores, select_experts, select_neurons
 

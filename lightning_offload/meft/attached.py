@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.row_adam_kernel import RowAdamSettings
-from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
-from lightning_offload.engine.row_gradients import RowGradients
+from lightning_offload.engine.rows.row_adam_kernel import RowAdamSettings
+from lightning_offload.engine.rows.row_gradients import RowGradients
+from lightning_offload.engine.slots.row_blocks_slot import RowBlocksSlot
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.figures import row_figures
 from lightning_offload.meft.injection import meft_adapters

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_offload.engine.row_blocks_slot import RowBlocksSlot
+from lightning_offload.engine.slots.row_blocks_slot import RowBlocksSlot
 from lightning_offload.meft.adapter import MEFTAdapter
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_offload.engine.data_parallel import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.slot import is_decoupled
+from lightning_offload.engine.slots.slot import is_decoupled
+from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.user_optimizer import validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.setup.embeddings_head import Placement, plan_placement

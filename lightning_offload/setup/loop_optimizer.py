@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from lightning_offload.engine.batch_gradients import BatchGradients, LossFn
+from lightning_offload.engine.figures.refit_record import RefitRecord
+from lightning_offload.engine.fitting.batch_gradients import BatchGradients, LossFn
+from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess, ProjectorFitting, fit_projectors
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.projector_fitting import FitAgreement, OneProcess, ProjectorFitting, fit_projectors
-from lightning_offload.engine.refit_record import RefitRecord
 from lightning_offload.setup.engine import EngineSetup
 from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from lightning_offload.engine.phases import PhaseClock
-from lightning_offload.engine.refit_record import RefitRecord
+from lightning_offload.engine.figures.phases import PhaseClock
+from lightning_offload.engine.figures.refit_record import RefitRecord
 
 #: ``(optimizer step number, figures)``: the figures the engine filed when the step's host work completed.
 StepFigures = tuple[int, dict[str, float]]
@@ -92,6 +92,6 @@ def figures_at_step_end(strategy: Any) -> dict[str, float]:
 
 
 def phase_clock_of(strategy: Any) -> PhaseClock | None:
-    """The phase clock of ``strategy``'s engine (:mod:`~lightning_offload.engine.phases`), or ``None`` for a strategy
+    """The phase clock of ``strategy``'s engine (:mod:`~lightning_offload.engine.figures.phases`), or ``None`` for a strategy
     that offloads nothing or has not built its engine yet."""
     return getattr(getattr(strategy, "offload_optimizer", None), "phases", None)

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
-from lightning_offload.engine.batch_gradients import MAX_DRAWS_PER_PASS, BatchGradients, LossFn, loss_tensor
+from lightning_offload.engine.fitting.batch_gradients import MAX_DRAWS_PER_PASS, BatchGradients, LossFn, loss_tensor
 
 __all__ = ["MAX_DRAWS_PER_PASS", "GradientPasses", "LossFn", "sampling_rng", "stop_if_terminated"]
 

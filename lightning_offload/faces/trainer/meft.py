@@ -17,8 +17,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_offload.engine.block_row_adam import RowAdamSettings
-from lightning_offload.engine.clipping import NonFinitePolicy
+from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
+from lightning_offload.engine.step.clipping import NonFinitePolicy
 from lightning_offload.engine.user_optimizer import row_adam_settings
 from lightning_offload.faces.trainer.offload import SingleDeviceOffload
 from lightning_offload.meft.adapter import MEFTAdapter

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_offload.engine.projector_fitting import ProjectorFitting, fit_projectors
-from lightning_offload.engine.refit_record import RefitRecord
+from lightning_offload.engine.figures.refit_record import RefitRecord
+from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting, fit_projectors
 from lightning_offload.faces.trainer.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.setup.settings import OffloadSettings
@@ -119,7 +119,7 @@ class ProjectorRefit(Callback):
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an int ≥ 0 (0 turns refits off).")
-        # The fit itself, and the validation of its settings, is the engine's (any loop's): engine/projector_fitting.py.
+        # The fit itself, and the validation of its settings, is the engine's (any loop's): engine/fitting/projector_fitting.py.
         self.fitting = ProjectorFitting(threshold=float(threshold), num_samples=num_samples, norm_samples=norm_samples,
                                         max_iters=max_iters, target_error=target_error, lr=lr, l2=l2,
                                         fit_threads=fit_threads, seed=seed)

@@ -1,0 +1,210 @@
+"""A projected weight's slot: host Adam on the compressed gradient ``S = A G Bᵀ`` (variable ``Z``, moments
+``d_o × d_i``), the update ``U`` crossing back through the update ring and expanded on the device, and the
+prefetch that starts the next layers' update copies ahead of their forwards."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.slots.host_adam_slot import HostAdamSlot, host_adam
+from lightning_offload.engine.slots.slot import JobSettings, Lanes, Slot, pinned_zeros, synced_hparams
+from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
+
+
+@torch.no_grad()
+def install_projectors(layer: ProjectedWeight, device: torch.device, adam_state: dict[str, Any], proj_out: SparseProjector,
+                       proj_in: SparseProjector, norm_ratio: float, second_moment_scale: float) -> None:
+    """Give ``layer`` new projectors and map its host Adam state (empty where another rank keeps it) into the new
+    subspace: on the host, so only ``d × d`` maps cross the link.
+
+    Raises:
+        ValueError: if the compressed shape would change.
+    """
+    if (proj_out.dim_out, proj_in.dim_out) != layer.compressed_shape:
+        raise ValueError(
+            f"A refit must keep {layer.name}'s compressed shape {layer.compressed_shape}; got "
+            f"({proj_out.dim_out}, {proj_in.dim_out})."
+        )
+    if adam_state:
+        rotate_adam_state(adam_state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in),
+                          second_moment_scale)
+    layer.set_projectors(proj_out.to(device), proj_in.to(device))
+    # A degenerate measurement (zero, nan) must not turn every later norm into inf and skip every step.
+    layer.norm_ratio = float(norm_ratio) if math.isfinite(norm_ratio) and norm_ratio > 0 else 1.0
+
+
+class ProjectedSlot(HostAdamSlot):
+    """A projected weight stepped in the compressed space.
+
+    Args:
+        layer: the projected weight (its module's forward and backward produce ``S``).
+        generator: the stochastic-rounding generator of low-precision weights (seeded per slot).
+    """
+
+    def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
+                 layer: ProjectedWeight, generator: torch.Generator, owner: int = 0) -> None:
+        shape = layer.compressed_shape
+        z = pinned_zeros(shape, lanes.pin)
+        # Weight decay of projected weights is applied to W on the device (decoupled) or added to S as
+        # λ·A W Bᵀ (coupled L2), never to Z, whose value is only the step's update.
+        adam = host_adam(z, {**synced_hparams(group), "weight_decay": 0.0})
+        host_update = pinned_zeros(shape, lanes.pin, lanes.link_dtype) if lanes.link_dtype != z.dtype else None
+        super().__init__(name, param, group, lanes, decoupled, z, adam, host_update, owner)
+        self.layer = layer
+        self.generator = generator
+        self.host_l2 = pinned_zeros(shape, lanes.pin) if group.get("weight_decay") and not decoupled else None
+        self.l2_event: Any = None
+        self.sent_version = -1
+        # Captured at the step: a scheduler may change lr before the update is applied.
+        self.decay = 1.0
+        # The device buffer the update lands in, and its number in the update ring (None for a one-off allocation).
+        self.update_on_device: Tensor | None = None
+        self.ring_index: int | None = None
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def gradient(self) -> Tensor | None:
+        return self.layer.grad_buffer if self.layer.has_grad else None
+
+    def has_grad(self) -> bool:
+        return self.layer.has_grad
+
+    @property
+    def norm_ratio(self) -> float:
+        return self.layer.norm_ratio
+
+    def gradient_numel(self) -> int:
+        return math.prod(self.layer.compressed_shape)
+
+    def send(self, round_: int, timeline: StepTimeline) -> None:
+        super().send(round_, timeline)
+        self.sent_version = self.layer.grad_version  # a later accumulation into S makes this copy stale
+
+    def is_sent(self, round_: int) -> bool:
+        return self.sent_round == round_ and self.sent_version == self.layer.grad_version
+
+    def release_gradient(self) -> None:
+        # S is released, not cleared: its copy may still be reading it, and the link keeps its memory from being
+        # reused until then (no wait on the compute stream).
+        self.layer.zero_grad()
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def settings(self) -> JobSettings:
+        # A projected weight's decay is not Adam's: it is applied to W or added as L2.
+        hparams, l2_weight = super().settings()
+        hparams.pop("weight_decay", None)
+        return hparams, l2_weight
+
+    def prepare(self, step: StepTelemetry) -> None:
+        step.bytes_device_to_host += self.host_grad.numel() * self.host_grad.element_size()
+        self.decay = self.decoupled_decay()
+        step.bytes_host_to_device += self.host_param.numel() * self.lanes.link_dtype.itemsize
+
+    def prepare_l2(self, step: StepTelemetry) -> None:
+        """Adam's coupled L2 term in the compressed space, ``A (G + λW) Bᵀ = S + λ·A W Bᵀ``, from ``W`` before the
+        update (main thread: it reads the device weight)."""
+        if self.host_l2 is None or self.decoupled:
+            return
+        # On the copy stream, like the gradient: the host job waits for it, the main thread does not.
+        self.l2_event = self.lanes.link.to_host(self.layer.compress_weight(), self.host_l2)
+        step.bytes_device_to_host += self.host_l2.numel() * self.host_l2.element_size()
+
+    def _wait_for_l2(self) -> None:
+        self.lanes.link.host_wait(self.l2_event)
+
+    def _before_adam(self) -> None:
+        self.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
+
+    def _after_adam(self, compute_done: Any, stepped: float, speculative: bool) -> None:
+        if self.host_update is not None:
+            self.host_update.copy_(self.host_param)  # narrowed to the link dtype on the host
+        # The main thread copies it to the device when the layer is about to need it (fetch): device buffers for
+        # updates are a small ring shared by all layers, not one per layer.
+
+    def finish(self, start: float) -> None:
+        lanes = self.lanes
+        update = self._fetch_update()
+        self.timeline.add("device_wait", self.name, start, time.perf_counter())
+        if lanes.ranks is not None:
+            lanes.ranks.broadcast_(update, src=self.owner)  # the other ranks apply the same U
+        self.layer.apply_update(update, self.decay, self.generator)
+        if self.ring_index is not None:
+            # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
+            lanes.ring.release(self.ring_index, lanes.link.compute_event())
+        self.update_on_device, self.ring_index = None, None
+
+    # ------------------------------------------------------------------------------------------------ refit
+    def replace_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                           second_moment_scale: float) -> None:
+        """Install new projectors and carry the host Adam moments into the new subspace (no update pending)."""
+        install_projectors(self.layer, self.lanes.device, self.adam_state(), proj_out, proj_in, norm_ratio, second_moment_scale)
+
+    # ------------------------------------------------------------------------------------------------ update ring
+    def _update_source(self) -> Tensor:
+        """The host tensor the update crosses from: ``Z`` in the link dtype."""
+        return self.host_update if self.host_update is not None else self.host_param
+
+    def _fetch_update(self) -> Tensor:
+        """The device tensor holding the finished update, ordered before the compute that reads it."""
+        if self.lanes.ring is None:
+            return self._update_source()  # the device is the host: read where the host step wrote it
+        if self.update_on_device is None:
+            self.start_fetch()  # not prefetched
+        self.lanes.link.device_wait(self.to_device_event)  # the compute stream waits; the host does not
+        return self.update_on_device
+
+    def start_fetch(self) -> None:
+        """Issue the host→device copy of the finished update into a ring buffer (a one-off buffer if none is free)."""
+        start = time.perf_counter()
+        lanes = self.lanes
+        shape = self.layer.compressed_shape
+        index = lanes.ring.claim()
+        if index is None:
+            lanes.ring.fallbacks += 1
+            destination, after = torch.empty(shape, dtype=lanes.link_dtype, device=lanes.device), None
+        else:
+            destination, after = lanes.ring.view(index, shape), lanes.ring.last_read[index]
+        self.to_device_event = lanes.link.to_device(self._update_source(), destination, after=after)
+        self.update_on_device, self.ring_index = destination, index
+        self.timeline.add("link_to_device", self.name, start, time.perf_counter())
+
+    def ready_to_fetch(self) -> bool:
+        """Whether its update is computed on the host and not yet on its way to the device."""
+        return self.pending and self.update_on_device is None and self.job is not None and self.job.done.is_set()
+
+
+class UpdatePrefetch:
+    """Starts the copies of the next finished updates in forward order, as far as the ring has free buffers, so the
+    next layers' updates are on the device before their forwards ask for them.
+
+    Args:
+        slots: every slot of the engine, in forward order (only projected ones are prefetched).
+        lanes: the engine's lanes (the ring and the worker).
+    """
+
+    def __init__(self, slots: list[Slot], lanes: Lanes) -> None:
+        self.lanes = lanes
+        self.projected = [slot for slot in slots if slot.layer is not None]
+        self.position = {id(slot): i for i, slot in enumerate(self.projected)}
+
+    def after(self, slot: Slot) -> None:
+        """``slot``'s update was just applied: start fetching the ones after it."""
+        ring = self.lanes.ring
+        if ring is None or id(slot) not in self.position:
+            return
+        position = self.position[id(slot)]
+        for later in self.projected[position + 1: position + 1 + len(ring.buffers)]:
+            if not ring.free:
+                return
+            if isinstance(later, ProjectedSlot) and later.ready_to_fetch():
+                self.lanes.worker.check()
+                later.start_fetch()
+                ring.prefetched += 1

@@ -1,0 +1,226 @@
+"""Host matrices stepped block by block (MEFT's adapter keys and values) as a slot of the engine: their row gradients
+are summed on the host during backward (:mod:`~lightning_offload.engine.rows.row_gradients`), and the step runs
+:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam` on the blocks touched since the last one, on the
+engine's worker, under the engine's one norm, clip and skip decision."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.rows.host_threads import one_thread, team_size
+from lightning_offload.engine.rows.native_row_adam import native_row_adam, tail_free
+from lightning_offload.engine.rows.row_gradients import RowGradients
+from lightning_offload.engine.rows.row_landing import KeptLayout, RowLanding
+from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot
+from lightning_offload.engine.step.pipeline import StepTimeline
+
+log = logging.getLogger("lightning_offload")
+
+
+@dataclass
+class HostRowBlocks:
+    """Host matrices an owner (a MEFT adapter) hands the engine to step.
+
+    Attributes:
+        name: what the slot is called (in checkpoints and errors).
+        matrices: fp32 host matrices ``[N, h]`` sharing their row layout, stepped in place.
+        accumulators: one per matrix: this step's summed row gradients (valid where ``written``).
+        written: one bool ``[N]`` per matrix: the rows of its accumulator holding this step's sum.
+        touched: bool ``[N]``: rows that received a gradient since the last step.
+        block_rows: rows per block, the unit of stepping.
+        lr_scales: per matrix, a factor on the learning rate.
+        on_stepped: called on the worker with the ``[start, end)`` row ranges a step changed (a device copy of
+            them to refresh), unless the native kernel rewrote ``mirror`` as it stepped them.
+        mirror: returns the owner's bf16 host copy of ``matrices[0]`` (``[N, h]``, contiguous), for the native
+            kernel to rewrite the stepped rows of in its pass, or ``None`` (the copy is elsewhere, or there is none).
+    """
+
+    name: str
+    matrices: list[Tensor]
+    accumulators: list[Tensor]
+    written: list[Tensor]
+    touched: Tensor
+    block_rows: int
+    lr_scales: list[float]
+    on_stepped: Callable[[list[tuple[int, int]]], None]
+    mirror: Callable[[], Tensor | None] = lambda: None
+
+
+class RowBlocksSlot(Slot):
+    """One owner's host row matrices, stepped whole block by whole block at every step the engine takes.
+
+    Args:
+        rows: the matrices and their gradient accumulators.
+        settings: this step's row Adam hyper-parameters (read on the main thread when the step launches).
+        gradients: where the row gradients land (shared by every row slot of the engine).
+        lanes: the engine's lanes.
+    """
+
+    #: Its gradients arrive through its owner's hooks, and its owner's forward waits for its update.
+    routed = False
+
+    def __init__(self, rows: HostRowBlocks, settings: Callable[[], RowAdamSettings], gradients: RowGradients,
+                 lanes: Lanes) -> None:
+        super().__init__(rows.name, rows.matrices[0], {}, lanes, decoupled=True)
+        self.rows = rows
+        self.adam = BlockRowAdam(rows.matrices, rows.block_rows, lr_scales=rows.lr_scales)
+        self._settings = settings
+        self.gradients = gradients
+        self.landings = [RowLanding(accumulator, written, rows.block_rows)
+                         for accumulator, written in zip(rows.accumulators, rows.written)]
+        gradients.add_slot(self, self.landings)
+        self.blocks = torch.zeros(0, dtype=torch.int64)
+        # Per matrix, the gradient of each touched block, or where they landed for the native kernel (prepared with
+        # the blocks, consumed by the step), and the rows touched then.
+        self.block_grads: list[Any] = []
+        self.touched_rows = 0
+        #: The latest step's figures: rows with a gradient, and rows stepped (whole blocks).
+        self.rows_updated = 0
+        self.rows_stepped = 0
+        self._said_torch_steps = False  # the log said once that the loaded native kernel does not fit these blocks
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def gradient(self) -> Tensor | None:
+        return None  # summed on the host: the engine takes its norm from the row gradients (RowGradients.norm)
+
+    def has_grad(self) -> bool:
+        return True  # every step taken steps it: its step count advances even when no row was touched
+
+    def send(self, round_: int, timeline: StepTimeline) -> None:
+        self.sent_round = round_  # its gradients crossed during backward, row by row
+
+    def is_sent(self, round_: int) -> bool:
+        return True
+
+    def touched_blocks(self) -> Tensor:
+        """Main thread, once per step: the touched blocks, each with its gradient per matrix (a block is stepped
+        whole: zero in its rows no gradient reached)."""
+        with one_thread(self.landings[0].small):
+            # Rows touched per block: the blocks, the rows updated, and (a step without accumulation) where the kept
+            # gradients' rows lie, all from one count.
+            counts = self.rows.touched.view(self.adam.num_blocks, self.adam.block_rows).sum(dim=1)
+            blocks = counts.nonzero().squeeze(1)
+            block_list = blocks.tolist()
+            layout = KeptLayout(None, counts.index_select(0, blocks).tolist())
+            self.touched_rows = sum(layout.per_block)
+            self.block_grads = []
+            native = self._native()
+            for index, landing in enumerate(self.landings):
+                if native:  # read where they landed by the kernel: nothing assembled
+                    landed, layout = landing.landed_rows(blocks, layout)
+                    landed.mirror = self._mirror() if index == 0 else None
+                    self.block_grads.append(landed)
+                else:
+                    grads, layout = landing.block_gradients(blocks, block_list, layout)
+                    self.block_grads.append(grads)
+        return blocks
+
+    def _native(self) -> bool:
+        """Whether the native kernel steps this slot's blocks: it is loaded, and torch's kernel would step a block
+        with the threads the step runs with in whole vectors (so both give the same bits)."""
+        landing = self.landings[0]
+        if native_row_adam() is None:
+            return False  # the log said why when the kernel was looked up
+        elements, threads = landing.block_rows * landing.accumulator.shape[1], team_size(landing.small)
+        if tail_free(elements, threads):
+            return True
+        if not self._said_torch_steps:
+            self._said_torch_steps = True
+            log.info("%s: blocks of %d elements are stepped by torch's fused kernel, not the native one (it gives "
+                     "torch's bits only for blocks of a multiple of 16 × %d threads); the same results, slower.",
+                     self.name, elements, threads)
+        return False
+
+    def _mirror(self) -> Tensor | None:
+        """The owner's bf16 host copy of the first matrix, when the kernel can rewrite it in place."""
+        mirror = self.rows.mirror()
+        first = self.rows.matrices[0]
+        if mirror is None or mirror.dtype != torch.bfloat16 or mirror.device.type != "cpu" \
+                or mirror.shape != first.shape or not mirror.is_contiguous():
+            return None
+        return mirror
+
+    def square_sum(self, blocks: Tensor) -> Tensor:
+        """Σ g² (fp64) of the accumulated gradients over ``blocks`` (read in the accumulators, where every gradient of
+        the step is put first)."""
+        for landing in self.landings:
+            landing.materialize()
+        return self.adam.grad_norm_squares(self.rows.accumulators, blocks)
+
+    def materialize(self) -> None:
+        """Put the step's gradients kept where they landed into the accumulators, for a reader of them (main thread;
+        a step in flight, which reads the gradients it was given, is waited for first)."""
+        self.wait()
+        self.gradients.flush()
+        for landing in self.landings:
+            landing.materialize()
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def settings(self) -> JobSettings:
+        # A shallow copy of the fields (the tuple of betas is immutable): dataclasses.asdict copies recursively.
+        return dict(vars(self._settings())), 0.0
+
+    def prepare(self, step: StepTelemetry) -> None:
+        self.blocks = self.gradients.take(self)
+        self.rows_updated = self.touched_rows  # counted with the blocks
+        self.rows_stepped = self.blocks.numel() * self.adam.block_rows
+
+    def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
+                  speculative: bool = False) -> None:
+        """Worker thread: the block Adam step, then the owner's copy of the stepped rows is refreshed and their
+        gradients forgotten (not zeroed: the next step's first gradient of a row overwrites it)."""
+        start = time.perf_counter()
+        hparams = settings[0]
+        # A norm coefficient as the float the kernel's gradient scale is solved from (in float64).
+        row_clip = None if clip is None else (clip[0], float(clip[1]))
+        with one_thread(self.landings[0].small):  # a kernel call per small block: no parallel region each
+            mirrored = bool(self.block_grads) and getattr(self.block_grads[0], "mirror", None) is not None
+            ranges = self.adam.step(self.blocks, self.block_grads, RowAdamSettings(**hparams), row_clip,
+                                    zero_grads=False)
+            if not mirrored:  # the kernel rewrote the owner's copy of the stepped rows as it stepped them
+                self.rows.on_stepped(ranges)
+            self.forget(self.blocks)
+        self.gradients.record(time.perf_counter() - start)
+
+    def finish(self, start: float) -> None:
+        self.timeline.add("device_wait", self.name, start, time.perf_counter())
+
+    def wait(self) -> None:
+        """Block until this slot's pending step has run on the host (its owner's forward is about to read the rows)."""
+        if self.pending and self.job is not None:
+            self.lanes.worker.wait(self.job)
+
+    def abandon_gradient(self) -> None:
+        blocks = self.gradients.take(self)
+        self.rows_updated, self.rows_stepped = self.touched_rows, 0
+        self.forget(blocks)
+
+    def forget(self, blocks: Tensor) -> None:
+        """Forget the gradients of ``blocks``: their rows are no longer touched or written, so the next step's first
+        gradient overwrites them (a step consumed, or one not taken)."""
+        self.rows.touched.view(self.adam.num_blocks, self.adam.block_rows).index_fill_(0, blocks, False)
+        for landing in self.landings:
+            landing.forget(blocks)
+        self.block_grads = []
+
+    def settle(self) -> None:
+        self.materialize()  # the accumulators are read next (a checkpoint, an evaluation): every sum in them
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_tensors(self) -> list[Tensor]:
+        return []  # its matrices, accumulators and moments are reported whole as its owner's (host_rows_bytes)
+
+    def host_state(self) -> dict[str, Any]:
+        return self.adam.state_dict()
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        self.adam.load_state_dict(state)

@@ -1,0 +1,300 @@
+"""What an offloaded tensor is to the engine's step: the :class:`Slot` interface every kind implements, the
+:class:`Lanes` all slots of one engine share, and the small pieces of arithmetic their host steps have in common.
+
+The kinds (one module each): a projected weight (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense parameter
+(:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding stepped row by row
+(:mod:`~lightning_offload.engine.slots.row_slot`), and a tensor another rank steps
+(:mod:`~lightning_offload.engine.slots.remote_slot`). The orchestrator
+(:class:`~lightning_offload.engine.optimizer.OffloadOptimizer`) knows them only through :class:`Slot`.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
+from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.step.data_parallel import RankShards
+from lightning_offload.engine.step.pipeline import HostWorker, Job, Link, StepTimeline, UpdateRing
+
+#: How a step clips its gradients: ``("norm", coefficient)`` (a 0-dim CPU tensor) or ``("value", bound)``, or None.
+Clip = Optional[tuple[str, Union[Tensor, float]]]
+
+#: What a host job takes from the user's group, read on the main thread when the step launches: the host Adam's
+#: hyper-parameters and the weight of the coupled L2 term.
+JobSettings = tuple[dict[str, Any], float]
+
+# Hyper-parameters copied from each user group into the host optimizers' groups before every step.
+_SYNCED_HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def synced_hparams(group: dict[str, Any]) -> dict[str, Any]:
+    """The Adam hyper-parameters of a user group that the host (or device) Adam copies before each step."""
+    return {key: group[key] for key in _SYNCED_HPARAMS if key in group}
+
+
+def is_decoupled(optimizer: Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s weight decay is AdamW's decoupled decay (else Adam's L2 on the gradient)."""
+    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+def pinned_zeros(shape: Sequence[int], pin: bool, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A preallocated host buffer, page-locked when ``pin``."""
+    # Pinned host memory lets device↔host copies run by DMA (and asynchronously); pinned pages are only worth it
+    # when there is a CUDA device on the other end of the link. Preallocated once: a fresh host allocation costs
+    # several times a copy into an existing buffer.
+    return torch.zeros(tuple(shape), dtype=dtype, pin_memory=pin)
+
+
+def clip_(grad: Tensor, clip: Clip) -> None:
+    """Clip a gradient in place as the step decided: ``("norm", coefficient)`` scales it (a 0-dim CPU tensor, which
+    also scales a device tensor), ``("value", bound)`` clamps it."""
+    if clip is None:
+        return
+    if clip[0] == "norm":
+        grad.mul_(clip[1])
+    else:
+        grad.clamp_(-clip[1], clip[1])
+
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def thread_minor_faults() -> int:
+    """Minor page faults of the calling thread so far (Linux's per-thread count; 0 where there is none)."""
+    if _RUSAGE_THREAD is None:
+        return 0
+    return resource.getrusage(_RUSAGE_THREAD).ru_minflt
+
+
+class Lanes:
+    """What the slots of one engine share: where the device is, the link and the dtype gradients cross it in, the
+    host worker, the ring of device buffers compressed updates land in, and the ranks (data parallelism).
+
+    Args:
+        device: the training device.
+        link_dtype: dtype of gradients crossing to the host and compressed updates crossing back.
+        leave_main_a_core: keep the worker thread off one core (an accelerator's kernel launches never wait).
+        ranks: the ranks this engine trains with, or ``None`` for one process.
+        phases: the engine's phase clock (:mod:`~lightning_offload.engine.figures.phases`).
+    """
+
+    def __init__(self, device: torch.device, link_dtype: torch.dtype, leave_main_a_core: bool,
+                 ranks: RankShards | None, phases: PhaseClock = DISABLED) -> None:
+        self.device = device
+        self.link_dtype = link_dtype
+        self.link = Link(device)
+        # With the CPU as the device and one process, host jobs run in the main thread (HostWorker explains why);
+        # with ranks the thread stays: host jobs there wait on collectives in flight, measured only threaded.
+        self.worker = HostWorker(leave_main_a_core=leave_main_a_core, inline=device.type == "cpu" and ranks is None,
+                                 phases=phases)
+        self.phases = phases
+        self.ranks = ranks
+        # Pinned host buffers only pay off with a CUDA device on the other end of the link.
+        self.pin = device.type == "cuda"
+        # Set once the projected slots are known (its buffers fit the largest compressed update).
+        self.ring: UpdateRing | None = None
+
+
+class Slot:
+    """One offloaded tensor as the engine's step sees it; each kind owns its host state and implements the hops.
+
+    The step's order, for every kind: during backward the gradient is :meth:`send` (device→host, on the link's
+    copy stream); at the step, :meth:`prepare` (main thread: what the host job needs from the device), then the host
+    worker runs :meth:`host_step`; before the owning module's next forward (or at a synchronize), :meth:`finish`
+    applies the update on the device.
+
+    Attributes:
+        name: the tensor's name in the model.
+        param: the model's parameter.
+        group: the user's param group (shared dict: LR schedulers write it).
+        owner: the rank that steps it (0 for one process); ``owned`` says whether that is this rank.
+        pending: an update was launched and not yet applied.
+        job: the host job of the step in flight.
+        timeline: the step whose spans this slot's work records into.
+    """
+
+    #: A projected weight's layer (kinds without one: ``None``).
+    layer = None
+    #: Whether a host step may start during backward (:mod:`~lightning_offload.engine.step.host_jobs`).
+    speculates = False
+    #: Whether ``host_param`` is an fp32 master of the parameter (dense and row kinds).
+    keeps_master = False
+    #: Whether the engine's hooks route its gradient and apply its update (else its owner's own hooks do).
+    routed = True
+    #: Whether its gradient is its parameter's ``.grad`` (which a user's own clipping call can edit in place).
+    gradient_is_param_grad = False
+
+    def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
+                 owner: int = 0, owned: bool = True) -> None:
+        self.name = name
+        self.param = param
+        self.group = group
+        self.lanes = lanes
+        self.decoupled = decoupled
+        self.owner = owner
+        self.owned = owned
+        self.pending = False
+        self.job: Job | None = None
+        self.timeline: StepTimeline | None = None
+        # Events of the copies in flight: the gradient landing on the host, the update (or value) leaving it.
+        self.to_host_event: Any = None
+        self.to_device_event: Any = None
+        self.sent_round = -1
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def gradient(self) -> Tensor | None:
+        """The gradient this step uses (``None`` when there is none), on the device."""
+        return self.param.grad
+
+    @property
+    def norm_ratio(self) -> float:
+        """``‖gradient‖ / ‖full gradient‖``: the global norm divides each gradient's norm by it."""
+        return 1.0
+
+    def gradient_numel(self) -> int:
+        """Elements of the gradient that crosses (and is reduced between ranks)."""
+        return self.param.numel()
+
+    def has_grad(self) -> bool:
+        """Whether backward produced a gradient for it this step."""
+        return self.gradient() is not None
+
+    def send(self, round_: int, timeline: StepTimeline) -> None:
+        """Start copying the final gradient to the host (main thread, usually during backward)."""
+        raise NotImplementedError
+
+    def is_sent(self, round_: int) -> bool:
+        """Whether this step's final gradient is already on its way (sent in ``round_``, not changed since)."""
+        return self.sent_round == round_
+
+    def clamp_on_device(self, bound: float) -> None:
+        """Clip by value, at the step: clamp the device gradient itself and send it again, where the host cannot
+        clamp what crosses (the scaled rule: its projection crosses, its full gradient is applied). Most kinds: nothing
+        here, the host clamps the gradient as it lands."""
+
+    def release_gradient(self) -> None:
+        """Drop what the device holds of a gradient once it is on its way (a projected weight's ``S``)."""
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def settings(self) -> JobSettings:
+        """What the next host job takes from the user's group, read now (a scheduler may change the group before
+        the job runs): the host Adam's hyper-parameters and the coupled L2 weight."""
+        return synced_hparams(self.group), float(self.group.get("weight_decay", 0.0))
+
+    def decoupled_decay(self) -> float:
+        """The decoupled decay factor ``1 − lr·λ`` a projected weight's apply multiplies ``W`` by (1 for coupled L2)."""
+        if not self.decoupled:
+            return 1.0
+        return 1.0 - self.group["lr"] * self.group.get("weight_decay", 0.0)
+
+    def prepare(self, step: StepTelemetry) -> None:
+        """Main thread, at the step: count the bytes that cross and capture what applying the update needs."""
+
+    def prepare_l2(self, step: StepTelemetry) -> None:
+        """Main thread, before the host job: what a coupled L2 term needs from the device (most kinds: nothing)."""
+
+    def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
+                  keep_landing: bool = False) -> None:
+        """Worker thread: step Adam on the landed gradient and start sending the result back.
+
+        Args:
+            clip: the step's clipping. compute_done: a device event after backward (copies to the device wait for it).
+            keep_landing: leave the gradient's landing buffer as it arrived (a speculative step may be redone).
+        """
+        raise NotImplementedError
+
+    def expect_update(self, timeline: StepTimeline) -> None:
+        """Main thread, at the step, on a rank that does not own it: the update comes by broadcast at apply time."""
+        raise NotImplementedError
+
+    def finish(self, start: float) -> None:
+        """Main thread: wait for the update (its host job has run) and apply it on the device."""
+        raise NotImplementedError
+
+    def abandon_gradient(self) -> None:
+        """A skipped step: let copies under way land, then forget the gradient."""
+        self.lanes.link.host_wait(self.to_host_event)
+        self.to_host_event = None
+
+    def settle(self) -> None:
+        """Bring the parameter up to date with what its host state owes it before anything reads it (most kinds:
+        nothing is owed)."""
+
+    def owes_settle(self) -> bool:
+        """Whether :meth:`settle` may have something to apply (most kinds: never)."""
+        return False
+
+    def unsettle(self) -> None:
+        """Before a training forward: undo what :meth:`settle` showed that training must not see (most kinds:
+        nothing)."""
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of optimizer state this slot keeps (host moments, masters, staging buffers)."""
+        return []
+
+    def host_state(self) -> dict[str, Any] | None:
+        """Its host optimizer's state for a checkpoint (``None`` where another rank keeps it)."""
+        return None
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`host_state` output."""
+
+    def master_in_checkpoint(self) -> bool:
+        """Whether a checkpoint keeps the fp32 master: where the parameter is narrower (an fp32 one equals it)."""
+        return self.keeps_master and self.param.dtype != torch.float32
+
+    def master_state(self) -> Tensor:
+        """A copy of the fp32 master (a checkpoint keeps it where the parameter is narrower: an fp32 one equals it)."""
+        return self.host_param.clone()
+
+    def load_master(self, master: Tensor | None) -> None:
+        """Restore the master from a checkpoint, or from the restored parameter where none was kept."""
+        self.host_param.copy_(master if master is not None else self.param.detach())
+        self.watch_weights()
+
+    def watch_weights(self) -> None:
+        """Remember the parameter's version counter as the master's: the engine writes the parameter through
+        ``.data``, which leaves it, and anyone else's in-place write (``model.load_state_dict``, a ``copy_`` under
+        ``no_grad``) moves it."""
+        self.weights_version = self.param._version
+
+    @torch.no_grad()
+    def adopt_written_weights(self) -> None:
+        """Before a step: where the parameter was written since the master was set (the model's weights loaded after
+        the optimizer's state, or after ``offload()``; an edit of the user's), the master takes the written value, as
+        ``torch.optim`` would step from it. Not where the written value is the master's own (a checkpoint restoring
+        both, in either order: a narrower parameter's fp32 master is kept)."""
+        if not self.weights_written():
+            return
+        self.watch_weights()
+        if not self.weights_match_master():
+            self.host_param.copy_(self.param.detach())
+            self.adopted_weights()
+
+    def weights_written(self) -> bool:
+        """Whether the parameter of a master-keeping slot was written by anyone but the engine since the master was
+        set (its version counter moved)."""
+        return self.keeps_master and self.param._version != self.weights_version
+
+    def weights_match_master(self) -> bool:
+        """Whether the parameter holds the master's value (in its own dtype)."""
+        return torch.equal(self.param.detach(), self.host_param.to(self.param.device, self.param.dtype))
+
+    def adopted_weights(self) -> None:
+        """The master took the parameter's written value (most kinds: nothing else to do)."""
+
+    def wait_for_send_back(self) -> None:
+        """Block until the last copy from this slot's host buffers to the device has read them."""
+        self.lanes.link.host_wait(self.to_device_event)
+
+    def _record(self, lane: str, label: str, start: float) -> None:
+        self.timeline.add(lane, label, start, time.perf_counter())

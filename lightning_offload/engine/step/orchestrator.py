@@ -1,0 +1,273 @@
+"""The engine's step over its slots, which it knows only through :class:`~lightning_offload.engine.slots.slot.Slot`: the
+backward that sends each gradient as it is final, one global norm and one clip or skip decision, each slot's host job,
+and each update applied before the module that owns it runs again (``docs/design.md``, "The engine").
+
+:class:`~lightning_offload.engine.optimizer.OffloadOptimizer` is its face as a ``torch.optim.Optimizer``: it builds
+the slots and their shared parts, and hands every step to :class:`StepOrchestrator`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.engine.step.clipping import (
+    GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
+from lightning_offload.engine.figures.step_figures import StepFigures
+from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.slots.projected_slot import UpdatePrefetch
+from lightning_offload.engine.slots.slot import Clip, Lanes, Slot, synced_hparams
+from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.step.gradient_edits import edited_gradients_error, resent_warning
+from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
+from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.norm_probes import measure_norm_ratios
+from lightning_offload.lsp.linear import ProjectedWeight
+
+
+class StepOrchestrator:
+    """Runs the engine's steps over its slots.
+
+    Args:
+        lanes: what the slots share (link, worker, update ring, ranks).
+        slots: every offloaded tensor's slot, in the order their host jobs run (forward order).
+        device_adam: the parameters stepped on the device, clipped and checked with the rest (or ``None``).
+        host_jobs: submits each host job, and speculates where that is on.
+        norms: the step's global norm and the clipping asked for.
+        figures: the steps' timelines and figures.
+        on_nonfinite: ``"skip"`` or ``"raise"`` for a step whose gradients hold inf/nan.
+        pipelined: apply updates before the owning modules' next forwards (else before the step returns).
+        sizes: host state bytes, device persistent bytes by category and update-ring fallbacks, measured when a
+            step's figures complete (:meth:`~lightning_offload.engine.figures.step_figures.StepFigures.complete`).
+        model: the module whose forwards apply pending updates (``None``: updates land at the step).
+        tied: ids of projected weights tied to another parameter (their gradient arrives in two parts).
+    """
+
+    def __init__(self, lanes: Lanes, slots: list[Slot], device_adam: DeviceAdam | None, host_jobs: HostJobs,
+                 norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
+                 sizes: Callable[[], tuple[int, dict[str, int], int]], model: torch.nn.Module | None = None,
+                 tied: AbstractSet[int] = frozenset()) -> None:
+        self.lanes = lanes
+        self.slots = slots
+        self.device_adam = device_adam
+        self.host_jobs = host_jobs
+        self.norms = norms
+        self.figures = figures
+        self.on_nonfinite = on_nonfinite
+        self.pipelined = pipelined
+        self.sizes = sizes
+        self.projected_layers: list[ProjectedWeight] = [slot.layer for slot in slots if slot.layer is not None]
+        self.prefetch = UpdatePrefetch(slots, lanes)
+        self.round = 0  # counts launched steps: tells gradients sent for this step from stale ones
+        self.last_step_skipped = False
+        self.warned_resent = False  # said once: gradients edited after they crossed cross again
+        self._finishing: set[int] = set()  # slots whose update is being applied right now
+        # The hooks on the model: they say whether the closure's backward is running, route each final gradient to
+        # send_gradient, and have each module's next forward finish its pending update.
+        self.routing = GradientRouting(slots, model, lanes.ranks, self.device_params, tied, self.send_gradient,
+                                       self.finish, norms.edits, lanes.phases)
+
+    @property
+    def device_params(self) -> list[Tensor]:
+        """The parameters the device Adam steps."""
+        return self.device_adam.params if self.device_adam is not None else []
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def collect(self, closure: Callable[[], Any]) -> Any:
+        """Run the step's forward and backward (``closure``); each gradient is sent as soon as it is final."""
+        # No synchronize before the closure: its forward applies the previous step's updates module by module
+        # (forward pre-hooks), which is where the host work of that step gets hidden.
+        for layer in self.projected_layers:
+            layer.reset_forward_count()  # a forward whose backward never ran must not hold back this step's send
+        self.routing.collecting = True
+        try:
+            with torch.enable_grad():
+                return closure()
+        except BaseException:
+            self.abandon()  # nothing of a step that never happened may stay in the host state
+            raise
+        finally:
+            self.routing.collecting = False
+
+    def send_gradient(self, slot: Slot) -> None:
+        """``slot``'s gradient is final: it crosses now, and during backward its host step may start at once.
+
+        Raises:
+            RuntimeError: when it was sent as final already in this step (it changed after it crossed: a loop of one's
+                own told the engine a micro-batch was the last when more followed).
+        """
+        if slot.is_sent(self.round):
+            raise final_twice_error(slot.name)
+        with self.lanes.phases.phase("send"):
+            slot.send(self.round, self.figures.timeline)
+            if self.routing.collecting and self.host_jobs.speculative:
+                self.host_jobs.start(slot, self.round, self.figures.timeline)
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
+        """After backward: one norm, one decision; then every slot's host step is launched (or the step skipped).
+
+        Args:
+            grad_norm: the step's global norm, when no clipping call computed it already.
+            user_optimizer: the optimizer whose ``param_groups`` are stepped (marked as stepped for its schedulers).
+        """
+        with self.lanes.phases.phase("step_launch"):
+            self._decide_and_launch(grad_norm, user_optimizer)
+
+    def _decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
+        # Updates of modules this forward did not run, and last step's figures, are settled before the next launch.
+        self.synchronize()
+        self.figures.backward_ended()
+        clip, norm = self.norms.take()
+        edited = self.norms.edits.find() if self.norms.edits is not None else []
+        if norm is None:
+            norm = grad_norm()
+        self.last_step_skipped = not bool(torch.isfinite(norm))
+        if self.last_step_skipped:
+            self._skip(norm)  # nothing steps: whatever edited the gradients changes nothing
+            return
+        if edited:
+            self._take_edits(edited)
+        measure_norm_ratios(self.slots, self.lanes.ranks, clip)  # ρ kept true while clipping is in use
+        step = self.host_jobs.take_step()
+        for layer in self.projected_layers:
+            if layer.grad_buffer is not None:
+                step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
+            step.device_saved_projection_bytes += layer.saved_projection_bytes
+        clip = launch_clip(clip)
+        compute_done = self.lanes.link.compute_event()
+        for slot in self.slots:
+            self._launch(slot, clip, compute_done, step)
+        if self.device_adam is not None:
+            # Queued on the device after backward, like a native optimizer step: nothing waits for it.
+            self.device_adam.step(clip, synced_hparams)
+        self.host_jobs.launched(clip)
+        if self.lanes.ranks is not None:
+            # This step's reductions and norm, and the broadcasts of the previous step's updates.
+            step.bytes_between_ranks = float(self.lanes.ranks.bytes_this_step)
+            self.lanes.ranks.reset()
+        self.figures.launched(step)
+        self.round += 1
+        # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
+        # scheduler's order check does not warn (the user's optimizer never steps itself).
+        user_optimizer._opt_called = True
+        for slot in self.routing.eager:
+            self.finish(slot)
+        if not self.pipelined:
+            self.synchronize()
+        self.routing.expose()  # reads through the modules until their next forwards settle first
+        self.figures.restart_clock()
+
+    def _take_edits(self, edited: list[Slot]) -> None:
+        """A user's in-place edit of gradients after backward (their own ``clip_grad_norm_``) takes effect exactly, or
+        the step is refused (:mod:`~lightning_offload.engine.step.gradient_edits`).
+
+        Raises:
+            RuntimeError: when some of the step's gradients are no ``param.grad`` the edit could see.
+        """
+        unseen = [what for what, present in (
+            ("the projected weights' compressed gradients", any(layer.has_grad for layer in self.projected_layers)),
+            ("the MEFT adapters' host rows", self.norms.rows is not None)) if present]
+        if unseen:
+            self.abandon()  # nothing of this step may stay in the host state
+            raise edited_gradients_error(edited, " and ".join(unseen))
+        # Every gradient of the step is a param.grad: the edit saw the true global norm. Those that crossed already
+        # cross again at their launch.
+        resent = [slot for slot in edited if slot.is_sent(self.round)]
+        for slot in resent:
+            slot.sent_round = -1
+        if resent and not self.warned_resent:
+            self.warned_resent = True
+            warnings.warn(resent_warning(resent), stacklevel=4)
+
+    def _launch(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry) -> None:
+        """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner."""
+        ranks = self.lanes.ranks
+        has_grad = slot.has_grad() if ranks is None else self.norms.present.get(id(slot), False)
+        if not slot.owned:
+            if has_grad:
+                slot.expect_update(self.figures.timeline)
+            return
+        jobs = self.host_jobs
+        if not has_grad:
+            jobs.undo(slot, self.round)  # its gradient was dropped after it was sent (never in Lightning)
+            return
+        if slot.weights_written():  # loaded weights, say: the master steps from them, not from what it held
+            jobs.undo(slot, self.round)  # a step begun during backward stepped the master it held
+            slot.adopt_written_weights()
+        if clip is not None and clip[0] == "value":
+            slot.clamp_on_device(clip[1])  # where the host cannot clamp what crosses (the scaled rule)
+        settings = slot.settings()
+        confirmed = jobs.holds(slot, self.round, clip, settings)
+        if not slot.is_sent(self.round):
+            self.send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
+        slot.prepare(step)
+        if confirmed:
+            step.speculative_steps += 1
+            jobs.confirm(slot, compute_done)
+        else:
+            redo = jobs.speculated(slot, self.round)
+            if redo:
+                step.rolled_back_steps += 1  # the redo job first restores what the speculative one changed
+            else:
+                slot.prepare_l2(step)
+                slot.timeline = self.figures.timeline
+            slot.job = jobs.submit(slot, clip, compute_done, step, settings, redo)
+        slot.pending = True
+        slot.release_gradient()
+
+    def finish(self, slot: Slot) -> None:
+        """Main thread: wait for a slot's update and apply it on the device."""
+        if not slot.pending or id(slot) in self._finishing:
+            return  # nothing pending, or being applied (applying it read the weights through the module: no twice)
+        self._finishing.add(id(slot))
+        phases = self.lanes.phases
+        try:
+            start = time.perf_counter()
+            if slot.owned:
+                with phases.phase("waits"):
+                    self.lanes.worker.wait(slot.job)
+            with phases.phase("apply_update"):
+                slot.finish(start)
+                if slot.owned:
+                    self.prefetch.after(slot)
+            slot.pending = False
+            slot.job = None
+        finally:
+            self._finishing.discard(id(slot))
+
+    def synchronize(self) -> None:
+        """Apply every pending update now, and complete the launched step's figures."""
+        for slot in self.slots:
+            self.finish(slot)
+        self.lanes.worker.check()
+        with self.lanes.phases.phase("telemetry"):
+            self.figures.complete(self.sizes)
+        self.routing.expose()  # the modules settled give back their plain dicts
+
+    def abandon(self) -> None:
+        """Forget a step that will not be taken: its speculative host steps and its reductions."""
+        self.host_jobs.roll_back(self.slots, self.round)
+        if self.lanes.ranks is not None:
+            self.lanes.ranks.reset()
+
+    def _skip(self, norm: Tensor) -> None:
+        self.abandon()  # the host state must be as if this step never began
+        for slot in self.slots:
+            slot.abandon_gradient()
+        for layer in self.projected_layers:
+            layer.zero_grad()
+        telemetry = self.figures.telemetry
+        if self.on_nonfinite == "raise":
+            raise nonfinite_error(norm, telemetry.steps)
+        self.round += 1
+        self.figures.skipped()
+        warnings.warn(skipped_step_warning(norm, telemetry.skipped_steps, telemetry.steps), NonFiniteStepWarning,
+                      stacklevel=3)
+        self.figures.restart_clock()
