@@ -262,3 +262,24 @@ def test_every_face_sets_up_through_one_function_and_builds_no_engine_part() -> 
     built = {str(p.relative_to(PACKAGE)): sorted(_calls(p) & parts)
              for p in (PACKAGE / "faces").rglob("*.py")}
     assert not {path: names for path, names in built.items() if names}
+
+
+def test_each_face_s_strategies_are_configurations_of_one_class_not_kinds_of_lsp() -> None:
+    # zero_offload and meft_offload are not LSP-Offload: in each face they are siblings of lsp_offload over the face's
+    # one offload class (its machinery), each setting only its name and what it forces.
+    from lightning_offload.faces.fabric import FabricDataParallel, FabricSingleDevice
+    from lightning_offload.faces.trainer.ddp import DDPOffload
+    from lightning_offload.faces.trainer.offload import SingleDeviceOffload
+
+    families = {
+        SingleDeviceOffload: (lightning_offload.LSPOffloadStrategy, lightning_offload.ZeroOffloadStrategy,
+                              lightning_offload.MEFTOffloadStrategy),
+        DDPOffload: (lightning_offload.LSPOffloadDDPStrategy, lightning_offload.ZeroOffloadDDPStrategy),
+        FabricSingleDevice: (lightning_offload.FabricOffload, lightning_offload.FabricZeroOffload,
+                             lightning_offload.FabricMEFTOffload),
+        FabricDataParallel: (lightning_offload.FabricOffloadDDP, lightning_offload.FabricZeroOffloadDDP),
+    }
+    for base, strategies in families.items():
+        lsp, *others = strategies
+        assert all(strategy.__bases__ == (base,) for strategy in strategies), base.__name__
+        assert not any(issubclass(other, lsp) for other in others), f"a kind of {lsp.__name__}: {others}"

@@ -41,6 +41,7 @@ from lightning_offload.setup.precision_check import check_precision
 from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 from lightning_offload.setup.whole_save import save_whole
 
+
 class FabricOffloadMixin(OneProcess):
     """What Fabric's offload strategies share, single-device and data-parallel: the engine in place of the user's
     Adam/AdamW (set up through :func:`~lightning_offload.setup.engine.build_engine`, handed back as the loop
@@ -153,8 +154,25 @@ class FabricOffloadMixin(OneProcess):
 
 
 
+class FabricSingleDevice(FabricOffloadMixin, SingleDeviceStrategy):
+    """The offload machinery on Fabric's single-device strategy: what Fabric's ``lsp_offload``, ``zero_offload`` and
+    ``meft_offload`` share, each a configuration of it (its name, and what it sets itself, ``forced``). The Args are
+    :class:`FabricOffload`'s.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
+                 accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
+                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision: Precision | None = None, **settings: Any) -> None:
+        self._configure_offload(settings, max_grad_norm, accumulation_steps, fitting, refit_every)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        super().__init__(torch.device(device), accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision=precision)
+
+
 @documents_settings(exclude=LOOP_REFUSED, signature=True)
-class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
+class FabricOffload(FabricSingleDevice):
     """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host.
 
     Args:
@@ -183,19 +201,9 @@ class FabricOffload(FabricOffloadMixin, SingleDeviceStrategy):
 
     strategy_name = "lsp_offload"
 
-    def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
-                 accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
-                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
-                 precision: Precision | None = None, **settings: Any) -> None:
-        self._configure_offload(settings, max_grad_norm, accumulation_steps, fitting, refit_every)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        super().__init__(torch.device(device), accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision=precision)
-
 
 @documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
-class FabricZeroOffload(FabricOffload):
+class FabricZeroOffload(FabricSingleDevice):
     """Fabric's single-device strategy with dense gradients to a host Adam (ZeRO-Offload style).
 
     ``Fabric(strategy="zero_offload")``; the arguments of :class:`FabricOffload` but the projection settings.
@@ -220,7 +228,7 @@ class FabricZeroOffload(FabricOffload):
 
 
 @documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
-class FabricMEFTOffload(FabricOffload):
+class FabricMEFTOffload(FabricSingleDevice):
     """Fabric's single-device strategy for MEFT adapters whose rows and Adam state live on the host.
 
     ``Fabric(strategy="meft_offload")``, after :func:`~lightning_offload.meft.injection.inject_meft` on the model;
@@ -270,34 +278,11 @@ class FabricMEFTOffload(FabricOffload):
         optimizer.loop.on_close.append(lambda attached=self.attached: attached.release(finish=True))
 
 
-@documents_settings(exclude=LOOP_REFUSED, signature=True)
-class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
-    """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
-
-    As ``lsp_offload_ddp`` for the Trainer (:class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy`): the
-    model is not wrapped in ``DistributedDataParallel``; the engine reduces each gradient (compressed, for projected
-    weights) to the rank that owns its share of the host Adam, which steps it and broadcasts the update. Every rank
-    starts from rank 0's weights, and a projector fit is rank 0's on the mean of the ranks' samples.
-
-    Args:
-        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``.
-        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
-        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
-        fitting: as for :class:`FabricOffload`. Default: ``None``.
-        refit_every: as for :class:`FabricOffload`. Default: ``500``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
-            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
-        <offload settings>
-
-    Example::
-
-        fabric = L.Fabric(devices=2, strategy=FabricOffloadDDP(accumulation_steps=2, max_grad_norm=1.0))
-        fabric.launch()
-        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        loader = fabric.setup_dataloaders(loader)  # each rank its share of every batch
+class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
+    """The offload machinery on Fabric's DDP: what Fabric's ``lsp_offload_ddp`` and ``zero_offload_ddp`` share, each a
+    configuration of it. The Args are :class:`FabricOffloadDDP`'s.
     """
 
-    strategy_name = "lsp_offload_ddp"
     sparse_embeddings_by_default = False
 
     def __init__(self, *, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20, max_grad_norm: float | None = None,
@@ -344,8 +329,38 @@ class FabricOffloadDDP(FabricOffloadMixin, DDPStrategy):
         return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
 
 
+@documents_settings(exclude=LOOP_REFUSED, signature=True)
+class FabricOffloadDDP(FabricDataParallel):
+    """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
+
+    As ``lsp_offload_ddp`` for the Trainer (:class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy`): the
+    model is not wrapped in ``DistributedDataParallel``; the engine reduces each gradient (compressed, for projected
+    weights) to the rank that owns its share of the host Adam, which steps it and broadcasts the update. Every rank
+    starts from rank 0's weights, and a projector fit is rank 0's on the mean of the ranks' samples.
+
+    Args:
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``.
+        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
+        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
+        fitting: as for :class:`FabricOffload`. Default: ``None``.
+        refit_every: as for :class:`FabricOffload`. Default: ``500``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
+            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
+        <offload settings>
+
+    Example::
+
+        fabric = L.Fabric(devices=2, strategy=FabricOffloadDDP(accumulation_steps=2, max_grad_norm=1.0))
+        fabric.launch()
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        loader = fabric.setup_dataloaders(loader)  # each rank its share of every batch
+    """
+
+    strategy_name = "lsp_offload_ddp"
+
+
 @documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
-class FabricZeroOffloadDDP(FabricOffloadDDP):
+class FabricZeroOffloadDDP(FabricDataParallel):
     """Fabric's data-parallel strategy with dense gradients reduced to the rank that owns each tensor's host Adam.
 
     ``Fabric(strategy="zero_offload_ddp")``; the arguments of :class:`FabricOffloadDDP` but the projection settings.

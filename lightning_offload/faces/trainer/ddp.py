@@ -37,8 +37,86 @@ from lightning_offload.setup.settings import (
 from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 
+class DDPOffload(OffloadMixin, DDPStrategy):
+    """The offload machinery on Lightning's DDP: what ``lsp_offload_ddp`` and ``zero_offload_ddp`` share. A strategy on
+    it builds its ``OffloadSettings`` first (a bad value is refused before anything is set up), then calls this
+    constructor and ``_configure_offload(settings)``.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+            timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
+            (DDP's own default).
+    """
+
+    sparse_embeddings_by_default = False
+
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.bucket_bytes = bucket_bytes(bucket_mb)
+
+    @override
+    def _configure_offload(self, settings: OffloadSettings) -> None:
+        super()._configure_offload(settings)
+        if self.placements.embeddings == "sparse":
+            refuse_rows_across_ranks()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # Lightning's DDP: process group, ranks, device
+        module = self.lightning_module
+        self._add_refit_callback(module._trainer if module is not None else None)
+
+    @override
+    def _prepare_model(self) -> None:
+        # Not wrapped in DistributedDataParallel: the offload optimizer reduces the gradients (compressed ones for
+        # projected weights, which never fill param.grad). DDP's wrapper would also make every rank start from
+        # rank 0's weights; that is done here.
+        assert self.model is not None
+        broadcast_weights(self.model)
+
+    @override
+    def _rank_shards(self) -> RankShards | None:
+        return RankShards(bucket_bytes=self.bucket_bytes)
+
+    @override
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        # Lightning's own mean reduce (in place): every rank fits to the mean of the ranks' samples.
+        return self.reduce(grad, reduce_op="mean")
+
+    @override
+    def agree(self, value: Any) -> Any:
+        return self.broadcast(value, src=0)
+
+    @override
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
+
+
 @documents_settings(exclude=SCALED_ONLY_SETTINGS)  # the scaled rule trains on one process
-class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
+class LSPOffloadDDPStrategy(DDPOffload):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
     Takes every offload argument of :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy` (``rank``,
@@ -67,7 +145,6 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     """
 
     strategy_name = "lsp_offload_ddp"
-    sparse_embeddings_by_default = False
 
     def __init__(
         self,
@@ -106,60 +183,20 @@ class LSPOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         settings = OffloadSettings.from_arguments(locals())
         if settings.update == "scaled":
             raise scaled_across_ranks_error()
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        self.bucket_bytes = bucket_bytes(bucket_mb)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, bucket_mb=bucket_mb)
         self._configure_offload(settings)
-        if self.placements.embeddings == "sparse":
-            refuse_rows_across_ranks()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()  # Lightning's DDP: process group, ranks, device
-        module = self.lightning_module
-        self._add_refit_callback(module._trainer if module is not None else None)
-
-    @override
-    def _prepare_model(self) -> None:
-        # Not wrapped in DistributedDataParallel: the offload optimizer reduces the gradients (compressed ones for
-        # projected weights, which never fill param.grad). DDP's wrapper would also make every rank start from
-        # rank 0's weights; that is done here.
-        assert self.model is not None
-        broadcast_weights(self.model)
-
-    @override
-    def _rank_shards(self) -> RankShards | None:
-        return RankShards(bucket_bytes=self.bucket_bytes)
-
-    @override
-    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
-        # Lightning's own mean reduce (in place): every rank fits to the mean of the ranks' samples.
-        return self.reduce(grad, reduce_op="mean")
-
-    @override
-    def agree(self, value: Any) -> Any:
-        return self.broadcast(value, src=0)
-
-    @override
-    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
-                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
-        return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
 
 
 @documents_settings(exclude=NOT_WITHOUT_PROJECTION)
-class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
+class ZeroOffloadDDPStrategy(DDPOffload):
     """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
     rank that owns each tensor's share of the sharded host Adam.
 
-    Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings (``projection`` is ``False``
+    The offload machinery of :class:`DDPOffload` with ``projection=False``, beside :class:`LSPOffloadDDPStrategy` rather
+    than a kind of it. Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings (``projection`` is ``False``
     here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``, ``projectors``,
     ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every`` and ``norm_growth_limit`` would change
     nothing and are refused). Registered as
@@ -207,11 +244,9 @@ class ZeroOffloadDDPStrategy(LSPOffloadDDPStrategy):
     ) -> None:
         # The projection settings are not parameters here: nothing is projected, and they are refused by name.
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-            bucket_mb=bucket_mb, projection=False, seed=seed, on_nonfinite=on_nonfinite, log_telemetry=log_telemetry,
-            pipelined=pipelined, link_dtype=link_dtype, speculative=speculative,
-            embeddings=embeddings, head=head,
-        )
+        settings = OffloadSettings.from_arguments({**locals(), "projection": False})  # first: refused before set-up
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, bucket_mb=bucket_mb)
+        self._configure_offload(settings)

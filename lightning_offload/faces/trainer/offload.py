@@ -34,8 +34,6 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-
-
 class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
     """The offload machinery on Lightning's single-device strategy: what ``lsp_offload``, ``zero_offload`` and
     ``meft_offload`` share. The device follows the Trainer's accelerator when none is given, and more than one
@@ -169,10 +167,11 @@ class LSPOffloadStrategy(SingleDeviceOffload):
 
 
 @documents_settings(exclude=NOT_WITHOUT_PROJECTION)
-class ZeroOffloadStrategy(LSPOffloadStrategy):
+class ZeroOffloadStrategy(SingleDeviceOffload):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
-    Same machinery as :class:`LSPOffloadStrategy` with ``projection=False`` (set here); takes its arguments except
+    The offload machinery of :class:`SingleDeviceOffload` with ``projection=False`` (set here), beside
+    :class:`LSPOffloadStrategy` rather than a kind of it; takes its arguments except
     the projection settings (``projection``, ``rank``, ``density``, ``min_dim``, ``target_modules``,
     ``exclude_modules``, ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every``,
     ``norm_growth_limit``), which would change nothing and are refused. Registered as ``strategy="zero_offload"``.
@@ -215,14 +214,10 @@ class ZeroOffloadStrategy(LSPOffloadStrategy):
     ) -> None:
         # The projection settings are not parameters here: nothing is projected, and they are refused by name.
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
-        super().__init__(
-            device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            projection=False, seed=seed, on_nonfinite=on_nonfinite, log_telemetry=log_telemetry, pipelined=pipelined,
-            link_dtype=link_dtype, speculative=speculative, embeddings=embeddings,
-            head=head,
-        )
-
-
+        settings = OffloadSettings.from_arguments({**locals(), "projection": False})  # first: refused before set-up
+        super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._configure_offload(settings)
 
 
 def register_strategies() -> None:
