@@ -19,14 +19,13 @@ backward at ``--tokens`` tokens (in the compute dtype on CUDA) against the layer
 from __future__ import annotations
 
 import argparse
-import math
 from collections import defaultdict
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.lsp.targets import select_projected_modules
+from lightning_offload.lsp.targets import compressed_size, select_projected_modules
 
 SHAPES = {
     "llama_1b3": dict(hidden=2048, layers=24, heads=16, intermediate=5504, vocab=32000),
@@ -69,7 +68,7 @@ def main() -> None:
     kinds: dict[tuple[int, int], list[str]] = defaultdict(list)
     for name, module in modules.items():
         kinds[tuple(module.weight.shape)].append(name.rsplit(".", 1)[-1])
-    largest_update = max(math.ceil(args.rank * o) * math.ceil(args.rank * i) for o, i in kinds)
+    largest_update = max(compressed_size(o, args.rank) * compressed_size(i, args.rank) for o, i in kinds)
     ring_share = RING_BUFFERS * largest_update * LINK_BYTES / len(modules)
 
     print(f"{args.shape}: {len(modules)} projected layers, rank {args.rank}, density {args.density}, "
@@ -79,7 +78,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     totals = {"now": 0.0, "before": 0.0, "essential": 0.0}
     for (o, i), names in kinds.items():
-        d_o, d_i = math.ceil(args.rank * o), math.ceil(args.rank * i)
+        d_o, d_i = compressed_size(o, args.rank), compressed_size(i, args.rank)
         proj_out, proj_in = _projector(o, d_o, args.density), _projector(i, d_i, args.density)
         essential = sum(p.indices.numel() * p.indices.element_size() + p.values.numel() * p.values.element_size()
                         for p in (proj_out, proj_in))

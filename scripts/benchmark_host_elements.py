@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.targets import select_projected_modules
+from lightning_offload.lsp.targets import compressed_size, select_projected_modules
 from lightning_offload.setup.embeddings_head import EMBEDDING_PLACEMENTS, HEAD_PLACEMENTS, plan_placement
 
 SHAPES = {
@@ -63,7 +62,7 @@ def per_step(model: torch.nn.Module, embeddings: str, head: str, tokens: int, ra
             device_bytes += 12 * param.numel()
         elif id(param) in projected_weights:
             out_features, in_features = ProjectedWeight.weight_shape(projected_weights[id(param)])
-            elements = math.ceil(rank * out_features) * math.ceil(rank * in_features)
+            elements = compressed_size(out_features, rank) * compressed_size(in_features, rank)
             host += elements
             to_host += 2 * elements
             to_device += 2 * elements

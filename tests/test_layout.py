@@ -283,3 +283,6 @@ def test_each_face_s_strategies_are_configurations_of_one_class_not_kinds_of_lsp
         lsp, *others = strategies
         assert all(strategy.__bases__ == (base,) for strategy in strategies), base.__name__
         assert not any(issubclass(other, lsp) for other in others), f"a kind of {lsp.__name__}: {others}"
+        # How ranks agree on a fit is a value the strategy hands the fit, not three methods in every one's help().
+        assert not any(hasattr(strategy, name) for strategy in strategies
+                       for name in ("agree", "agree_projectors", "reduce_sampled_gradient"))

@@ -24,16 +24,14 @@ from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_offload.engine.fitting.projector_fitting import OneProcess, ProjectorFitting
+from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess, ProjectorFitting
 from lightning_offload.engine.step.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks, row_adam_settings
-from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
-from lightning_offload.setup.data_parallel import broadcast_projectors, broadcast_weights, bucket_bytes
+from lightning_offload.setup.data_parallel import RankAgreement, broadcast_weights, bucket_bytes
 from lightning_offload.setup.engine import Placements, build_engine
 from lightning_offload.setup.engine import as_offload_optimizer
 from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LoopOffloadOptimizer, loop_settings, offload_settings
@@ -42,11 +40,12 @@ from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, docume
 from lightning_offload.setup.whole_save import save_whole
 
 
-class FabricOffloadMixin(OneProcess):
+class FabricOffloadMixin:
     """What Fabric's offload strategies share, single-device and data-parallel: the engine in place of the user's
     Adam/AdamW (set up through :func:`~lightning_offload.setup.engine.build_engine`, handed back as the loop
     face's optimizer), precision checks, clipping through the engine, checkpoints, teardown. A strategy class mixes it
-    in before its Fabric base; a fit's agreement between ranks is one process's unless the DDP form overrides it.
+    in before its Fabric base. A projector fit's agreement between ranks (:attr:`fit_agreement`) is one process's;
+    the DDP form's goes through Fabric's collectives.
     """
 
     strategy_name: str
@@ -64,6 +63,11 @@ class FabricOffloadMixin(OneProcess):
     def _rank_shards(self) -> RankShards | None:
         """What the engine shares its work with: nothing on one device (the DDP forms override this)."""
         return None
+
+    @property
+    def fit_agreement(self) -> FitAgreement:
+        """How the ranks agree on a projector fit: here one process, every value its own."""
+        return OneProcess()
 
     # ------------------------------------------------------------------------------------------------ precision
     @property
@@ -94,7 +98,7 @@ class FabricOffloadMixin(OneProcess):
                              optimizer_class=LoopOffloadOptimizer)
         optimizer = setup.optimizer
         assert isinstance(optimizer, LoopOffloadOptimizer)
-        optimizer.configure_loop(setup, self.settings, self.loop, self.strategy_name, agreement=self)
+        optimizer.configure_loop(setup, self.settings, self.loop, self.strategy_name, agreement=self.fit_agreement)
         self._after_engine(module, optimizer)
         self.offload_optimizer = optimizer
         return module, [optimizer], scheduler
@@ -315,18 +319,11 @@ class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
     def _rank_shards(self) -> RankShards | None:
         return RankShards(bucket_bytes=self.bucket_bytes)
 
-    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
-        """Every rank fits to the mean of the ranks' samples."""
-        return self.all_reduce(grad, reduce_op="mean")
-
-    def agree(self, value: Any) -> Any:
-        """Rank 0's value of a decision, on every rank."""
-        return self.broadcast(value, src=0)
-
-    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
-                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
-        """Rank 0's fitted projectors, on every rank."""
-        return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
+    @property
+    @override
+    def fit_agreement(self) -> FitAgreement:
+        # Fabric's all-reduce and broadcast: every rank fits to the mean of the ranks' samples and installs rank 0's fit.
+        return RankAgreement(lambda grad: self.all_reduce(grad, reduce_op="mean"), self.broadcast)
 
 
 @documents_settings(exclude=LOOP_REFUSED, signature=True)

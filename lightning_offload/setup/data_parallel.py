@@ -1,5 +1,6 @@
-"""What every data-parallel face does at set-up, Trainer's DDP and Fabric's alike: the gradient bucket size, and rank 0's
-weights and fitted projectors made every rank's (through torch.distributed or the strategy's own broadcast)."""
+"""What every data-parallel face does, Trainer's DDP and Fabric's alike: the gradient bucket size, rank 0's weights made
+every rank's at set-up, and how the ranks agree on a projector fit (:class:`RankAgreement`, over the strategy's own
+collectives)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_offload.lsp.projector import SparseProjector
 
@@ -39,3 +41,31 @@ def broadcast_projectors(broadcast: Callable[[Any, int], Any], proj_out: SparseP
     payload = (proj_out.to("cpu"), proj_in.to("cpu"), float(norm_ratio), float(second_moment_scale))
     out, inp, ratio, scale = broadcast(payload, 0)
     return out.to(device), inp.to(device), ratio, scale
+
+
+class RankAgreement:
+    """How data-parallel ranks agree on a projector fit (a
+    :class:`~lightning_offload.engine.fitting.projector_fitting.FitAgreement`), through a strategy's collectives: every
+    rank fits to the mean of the ranks' sampled gradients, and installs rank 0's decisions and projectors.
+
+    Args:
+        mean: the mean of a tensor over the ranks (the strategy's reduce or all-reduce).
+        broadcast: ``broadcast(obj, src)``, rank ``src``'s object on every rank (the strategy's).
+    """
+
+    def __init__(self, mean: Callable[[Tensor], Tensor], broadcast: Callable[[Any, int], Any]) -> None:
+        self._mean = mean
+        self._broadcast = broadcast
+
+    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
+        """Every rank fits to the mean of the ranks' samples, as to one larger batch."""
+        return self._mean(grad)
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value of a decision, on every rank."""
+        return self._broadcast(value, 0)
+
+    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
+                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
+        """Rank 0's fitted projectors, on every rank."""
+        return broadcast_projectors(self._broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)

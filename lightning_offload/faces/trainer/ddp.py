@@ -22,16 +22,16 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_offload.engine.slots.scaled_slot import scaled_across_ranks_error
 from lightning_offload.engine.step.clipping import NonFinitePolicy
 from lightning_offload.engine.step.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
+from lightning_offload.engine.fitting.projector_fitting import FitAgreement
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
-from lightning_offload.lsp.projector import ProjectorFactory, SparseProjector, random_projector
-from lightning_offload.setup.data_parallel import broadcast_projectors, broadcast_weights, bucket_bytes
+from lightning_offload.lsp.projector import ProjectorFactory, random_projector
+from lightning_offload.setup.data_parallel import RankAgreement, broadcast_weights, bucket_bytes
 from lightning_offload.setup.settings import (
     SCALED_ONLY_SETTINGS, OffloadSettings, keyword_settings, refuse_unknown_settings)
 from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
@@ -100,19 +100,12 @@ class DDPOffload(OffloadMixin, DDPStrategy):
     def _rank_shards(self) -> RankShards | None:
         return RankShards(bucket_bytes=self.bucket_bytes)
 
+    @property
     @override
-    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
-        # Lightning's own mean reduce (in place): every rank fits to the mean of the ranks' samples.
-        return self.reduce(grad, reduce_op="mean")
-
-    @override
-    def agree(self, value: Any) -> Any:
-        return self.broadcast(value, src=0)
-
-    @override
-    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
-                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
-        return broadcast_projectors(self.broadcast, proj_out, proj_in, norm_ratio, second_moment_scale)
+    def fit_agreement(self) -> FitAgreement:
+        # Lightning's own mean reduce (in place) and broadcast: every rank fits to the mean of the ranks' samples and
+        # installs rank 0's fit.
+        return RankAgreement(lambda grad: self.reduce(grad, reduce_op="mean"), self.broadcast)
 
 
 @documents_settings(exclude=SCALED_ONLY_SETTINGS)  # the scaled rule trains on one process

@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_offload.engine.fitting.projector_fitting import OneProcess
+from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.engine.step.data_parallel import RankShards
@@ -33,13 +33,13 @@ from lightning_offload.setup.settings import OffloadSettings
 from lightning_offload.setup.whole_save import save_whole
 
 
-class OffloadMixin(OneProcess):
+class OffloadMixin:
     """The offload machinery of the ``lsp_offload``/``zero_offload`` strategies, shared by their single-device and
     data-parallel forms: settings, projection, the :class:`OffloadOptimizer` that replaces the user's Adam, clipping,
     synchronisation, checkpoints and teardown. A strategy class mixes it in before its Lightning base.
 
-    A projector fit's agreement between ranks is one process's (:class:`OneProcess`: every value its own); the DDP
-    strategies override it with Lightning's collectives."""
+    A projector fit's agreement between ranks (:attr:`fit_agreement`) is one process's: every value its own; the DDP
+    strategies agree through Lightning's collectives."""
 
     strategy_name: str
     #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
@@ -54,6 +54,11 @@ class OffloadMixin(OneProcess):
         self._step_end_figures: dict[str, float] = {}  # the latest step's figures_at_step_end()
         self.offload_optimizer: OffloadOptimizer | None = None
         self._engine: EngineSetup | None = None  # the engine and what its set-up changed on the model
+
+    @property
+    def fit_agreement(self) -> FitAgreement:
+        """How the ranks agree on a projector fit: here one process, every value its own."""
+        return OneProcess()
 
     @property
     def placements(self) -> Placements:

@@ -19,13 +19,11 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_offload.engine.figures.refit_record import RefitRecord
-from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting, fit_projectors
+from lightning_offload.engine.fitting.projector_fitting import FitAgreement, ProjectorFitting, fit_projectors
 from lightning_offload.faces.trainer.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
-from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.setup.settings import OffloadSettings
 
 
@@ -37,19 +35,10 @@ class ProjectedTraining(Protocol):
 
     settings: OffloadSettings
     offload_optimizer: Any
+    fit_agreement: FitAgreement  # how ranks agree on what was sampled and fitted
 
     def synchronize(self) -> None:
         """Finish the step in flight."""
-
-    def reduce_sampled_gradient(self, grad: Tensor) -> Tensor:
-        """The mean over ranks of a sampled gradient (itself on one rank)."""
-
-    def agree(self, value: Any) -> Any:
-        """Rank 0's value of a decision, on every rank."""
-
-    def agree_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
-                         second_moment_scale: float) -> tuple[SparseProjector, SparseProjector, float, float]:
-        """Rank 0's fitted projectors, on every rank."""
 
 
 class ProjectorRefit(Callback):
@@ -196,7 +185,7 @@ class ProjectorRefit(Callback):
         rank_zero_info(fitting.describe(layers, step, initial))
         passes = GradientPasses(trainer, pl_module, fitting.num_samples + fitting.norm_samples, self.loss_fn)
         record = fit_projectors(
-            optimizer, passes, fitting, step, initial, agreement=strategy,
+            optimizer, passes, fitting, step, initial, agreement=strategy.fit_agreement,
             show_progress=trainer.progress_bar_callback is not None and trainer.is_global_zero,
             stop=lambda: stop_if_terminated(trainer),
             sampling=lambda: sampling_rng(trainer, self.seed * 1_000_003 + step))
