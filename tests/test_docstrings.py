@@ -227,12 +227,12 @@ def _registered_strategies() -> list[type]:
     return trainer + fabric
 
 
-def test_help_of_every_registered_strategy_lists_its_settings_with_defaults() -> None:
+def test_help_of_every_face_lists_its_settings_with_defaults() -> None:
     # Written once (OffloadSettings), shown by every face: help() gives each setting the face takes by name, with its
     # default in the signature and its entry under Args.
     strategies = _registered_strategies()
     assert len(strategies) == 10 and set(FABRIC_STRATEGIES) <= set(strategies)
-    for cls in strategies:
+    for cls in [*strategies, lo.offload]:  # the loop face's entry too
         text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
         signature = inspect.signature(cls)
         fields = {f.name: f.default for f in dataclasses.fields(OffloadSettings)}
@@ -240,6 +240,7 @@ def test_help_of_every_registered_strategy_lists_its_settings_with_defaults() ->
         assert set(cls.offload_setting_names) == set(signature.parameters) & set(fields), cls.__name__
         assert {"seed", "pipelined", "link_dtype", "embeddings", "head"} <= set(cls.offload_setting_names)
         assert (cls in NO_PROJECTION) != ({"rank", "density", "projectors"} <= set(cls.offload_setting_names))
+        assert (cls in FABRIC_STRATEGIES or cls is lo.offload) != ("log_telemetry" in cls.offload_setting_names)
         for name in cls.offload_setting_names:
             default = fields[name]
             assert signature.parameters[name].default == default, f"{cls.__name__}: {name}'s default"

@@ -17,7 +17,8 @@ import torch
 
 from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting
 from lightning_offload.setup.engine import Placements, build_engine
-from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.setup.settings_docs import documents_settings
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {"lsp_offload": {}, "zero_offload": {"projection": False}}
 
 
+@documents_settings(exclude=LOOP_REFUSED, signature=True)  # zero_offload refuses the projection ones
 def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "lsp_offload", *,
             device: torch.device | str | None = None, max_grad_norm: float | None = None,
             fitting: ProjectorFitting | None = None, refit_every: int = 500, accumulation_steps: int | None = 1,
@@ -49,9 +51,7 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
             rest of backward. It must be the loop's count (Hugging Face: ``gradient_accumulation_steps``); a lower
             one is refused at the step that shows it, a higher one only loses the overlap. ``None`` sends every
             gradient at the step. Default: ``1``.
-        settings: the offload settings of the Trainer strategy of the same name (``rank``, ``density``,
-            ``projectors``, ``embeddings``, ``head``, ``pipelined``, ``link_dtype``, ``seed``, …: see the README's
-            settings table). Default: none (the strategy's defaults).
+        <offload settings>
 
     Returns:
         The engine as a ``torch.optim.Optimizer``; call :meth:`~LoopOffloadOptimizer.close` when done.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Collection
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from lightning_offload.setup.settings import PROJECTION_SETTINGS, OffloadSettings
 
@@ -22,7 +22,7 @@ NOT_WITHOUT_PROJECTION = ("projection", *PROJECTION_SETTINGS)
 #: The line of a face's docstring (under ``Args:``) that becomes the entries of its settings.
 SETTINGS_MARKER = "<offload settings>"
 
-_Face = TypeVar("_Face", bound=type)
+_Face = TypeVar("_Face")  # a strategy class, or a face's function (``offload``)
 
 
 def setting_entries() -> dict[str, list[str]]:
@@ -52,43 +52,42 @@ def render_settings(indent: str, exclude: Collection[str] = ()) -> str:
 
 
 def documents_settings(exclude: Collection[str] = (), signature: bool = False) -> Callable[[_Face], _Face]:
-    """A class decorator: the :data:`SETTINGS_MARKER` line of the class's docstring becomes the entries of the
-    settings it takes (all but ``exclude``); with ``signature`` (a constructor taking them as ``**settings``), its
-    signature names each one, keyword-only, with its default.
+    """A decorator of a face's class or function: the :data:`SETTINGS_MARKER` line of its docstring becomes the entries
+    of the settings it takes (all but ``exclude``); with ``signature`` (a constructor or function taking them as
+    ``**settings``), its signature names each one, keyword-only, with its default.
 
     Raises:
         ValueError: when the docstring has no marker line.
     """
 
-    def document(cls: _Face) -> _Face:
-        doc = cls.__doc__ or ""
+    def document(face: _Face) -> _Face:
+        doc = face.__doc__ or ""
         marker = next((line for line in doc.splitlines() if line.strip() == SETTINGS_MARKER), None)
         if marker is None:
-            raise ValueError(f"{cls.__name__}'s docstring has no {SETTINGS_MARKER!r} line under Args: to list the "
+            raise ValueError(f"{face.__name__}'s docstring has no {SETTINGS_MARKER!r} line under Args: to list the "
                              f"offload settings at.")
         indent = marker[: len(marker) - len(marker.lstrip())]
-        cls.__doc__ = doc.replace(marker, render_settings(indent, exclude), 1)
+        face.__doc__ = doc.replace(marker, render_settings(indent, exclude), 1)
         # Which settings the face takes, for readers (and tests/test_docstrings.py, which checks its signature).
         taken = tuple(f.name for f in dataclasses.fields(OffloadSettings) if f.name not in exclude)
-        cls.offload_setting_names = taken  # type: ignore[attr-defined]
+        face.offload_setting_names = taken  # type: ignore[attr-defined]
         if signature:
-            cls.__signature__ = _with_settings(cls, exclude)  # type: ignore[attr-defined]
-        return cls
+            face.__signature__ = _with_settings(face, exclude)  # type: ignore[attr-defined]
+        return face
 
     return document
 
 
-def _with_settings(cls: type, exclude: Collection[str]) -> inspect.Signature:
-    """The signature of ``cls``'s constructor as a caller sees it: its own parameters and those of the constructors it
-    forwards ``**kwargs`` to (this package's), then the settings (but ``exclude``), keyword-only, with
-    :class:`OffloadSettings`' defaults and types."""
+def _with_settings(face: Any, exclude: Collection[str]) -> inspect.Signature:
+    """The signature of ``face`` (a function, or a class's constructor) as a caller sees it: its own parameters and,
+    for a class, those of the constructors it forwards ``**kwargs`` to (this package's), then the settings (but
+    ``exclude``), keyword-only, with :class:`OffloadSettings`' defaults and types."""
     parameters: dict[str, inspect.Parameter] = {}
-    for owner in cls.__mro__:
-        constructor = vars(owner).get("__init__")
-        if constructor is None or not owner.__module__.startswith("lightning_offload"):
-            continue
+    functions = [vars(owner).get("__init__") for owner in face.__mro__
+                 if owner.__module__.startswith("lightning_offload")] if inspect.isclass(face) else [face]
+    for function in filter(None, functions):
         forwards = False
-        for name, parameter in inspect.signature(constructor).parameters.items():
+        for name, parameter in inspect.signature(function).parameters.items():
             forwards = forwards or parameter.kind is inspect.Parameter.VAR_KEYWORD
             if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD:
                 parameters.setdefault(name, parameter)
@@ -98,4 +97,5 @@ def _with_settings(cls: type, exclude: Collection[str]) -> inspect.Signature:
                 for f in dataclasses.fields(OffloadSettings) if f.name not in exclude and f.name not in parameters]
     # Positional parameters first, as a signature must order them (a base's come after a subclass's keywords).
     ordered = sorted(parameters.values(), key=lambda p: p.kind is inspect.Parameter.KEYWORD_ONLY)
-    return inspect.Signature(ordered + settings)
+    returns = inspect.signature(face).return_annotation if not inspect.isclass(face) else inspect.Signature.empty
+    return inspect.Signature(ordered + settings, return_annotation=returns)
