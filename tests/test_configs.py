@@ -143,7 +143,8 @@ def test_offload_policies_instantiate(tmp_path: Path) -> None:
     lsp = instantiate(compose_cfg(["offload=lsp"], tmp_path).offload)
     assert lsp.strategy.settings.projectors == "random" and not lsp.learns_projectors and lsp.callbacks() == []
     learned = instantiate(compose_cfg(["offload=lsp_learned"], tmp_path).offload)
-    assert learned.strategy.settings.projectors == "learned" and learned.learns_projectors and len(learned.callbacks()) == 1
+    assert learned.strategy.settings.projectors == "learned" and learned.learns_projectors
+    assert len(learned.callbacks()) == 1
     assert learned.strategy.settings.rank == lsp.strategy.settings.rank \
         and learned.strategy.settings.density == lsp.strategy.settings.density
     # lsp_scaled is lsp's host bytes with the full-rank scaled update.

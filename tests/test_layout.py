@@ -98,8 +98,8 @@ def test_no_face_imports_another() -> None:
 
 def test_reporting_imports_no_face() -> None:
     # The run's reporting reads the strategies through the report port (setup/report.py) only.
-    found = [(module, imported) for module, imports in _graph().items() if module.startswith("lightning_offload.reporting")
-             for imported in imports if _face(imported) is not None]
+    found = [(module, imported) for module, imports in _graph().items()
+             if module.startswith("lightning_offload.reporting") for imported in imports if _face(imported) is not None]
     assert not found, f"reporting importing a face: {found}"
 
 

@@ -154,7 +154,6 @@ class OffloadOptimizer(Optimizer):
             pipelined, lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
                                 self.lanes.ring.fallbacks if self.lanes.ring is not None else 0),
             model, {id(p) for p in tied_projected})
-        self.routing = self.orchestrator.routing
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
         if update_buffers and self.projected_layers:
@@ -205,7 +204,7 @@ class OffloadOptimizer(Optimizer):
     @property
     def _collecting(self) -> bool:
         """Whether the closure's backward is running (gradients are final as they come)."""
-        return self.routing.collecting
+        return self.orchestrator.routing.collecting
 
     @property
     def optimizer(self) -> Optimizer:
@@ -254,7 +253,7 @@ class OffloadOptimizer(Optimizer):
         checkpoints, the end of fit, a callback), after :meth:`synchronize`."""
         for slot in self.slots:
             slot.settle()
-        self.routing.expose()  # settled modules give back their plain dicts
+        self.orchestrator.routing.expose()  # settled modules give back their plain dicts
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear dense gradients (via the user's optimizer) and the ``S`` accumulators."""
@@ -270,7 +269,7 @@ class OffloadOptimizer(Optimizer):
                 self.synchronize()
                 self.settle_row_decay()  # the weights handed back are AdamW's
         finally:
-            self.routing.remove()
+            self.orchestrator.routing.remove()
             self.lanes.worker.close()
 
     # ----------------------------------------------------------------------------------------------- clipping

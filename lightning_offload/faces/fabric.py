@@ -322,7 +322,8 @@ class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
     @property
     @override
     def fit_agreement(self) -> FitAgreement:
-        # Fabric's all-reduce and broadcast: every rank fits to the mean of the ranks' samples and installs rank 0's fit.
+        # Fabric's all-reduce and broadcast: every rank fits to the mean of the ranks' samples and installs rank 0's
+        # fit.
         return RankAgreement(lambda grad: self.all_reduce(grad, reduce_op="mean"), self.broadcast)
 
 

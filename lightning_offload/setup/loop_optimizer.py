@@ -21,7 +21,8 @@ import torch
 
 from lightning_offload.engine.figures.refit_record import RefitRecord
 from lightning_offload.engine.fitting.batch_gradients import BatchGradients, LossFn
-from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess, ProjectorFitting, fit_projectors
+from lightning_offload.engine.fitting.projector_fitting import (
+    FitAgreement, OneProcess, ProjectorFitting, fit_projectors)
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.setup.engine import EngineSetup
 from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
@@ -36,8 +37,8 @@ LOOP_REFUSED = ("log_telemetry",)
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """What a loop face adds to the offload settings (the Args of :func:`~lightning_offload.offload`), validated at construction, before
-    anything is set up.
+    """What a loop face adds to the offload settings (the Args of :func:`~lightning_offload.offload`), validated at
+    construction, before anything is set up.
 
     Attributes:
         max_grad_norm: clip every step to this global norm unless a clipping call came first. Default: ``None``.
@@ -89,7 +90,8 @@ class LoopControl:
 
 
 class LoopOffloadOptimizer(OffloadOptimizer):
-    """The engine as the optimizer of a loop of one's own (built by :func:`~lightning_offload.offload`, or by the Fabric strategies).
+    """The engine as the optimizer of a loop of one's own (built by :func:`~lightning_offload.offload`, or by the
+    Fabric strategies).
 
     Beside what :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` does, it sends the last micro-batch's
     gradients during its backward (``accumulation_steps``), clips every step to ``max_grad_norm`` unless a clipping
@@ -101,8 +103,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     def configure_loop(self, setup: EngineSetup, settings: OffloadSettings, loop: LoopSettings, name: str,
                        agreement: FitAgreement | None = None) -> None:
-        """Called once by the set-up that built it (:func:`~lightning_offload.offload`, the Fabric strategies; ``agreement``: how the
-        ranks agree on a projector fit, one process's by default)."""
+        """Called once by the set-up that built it (:func:`~lightning_offload.offload`, the Fabric strategies;
+        ``agreement``: how the ranks agree on a projector fit, one process's by default)."""
         wants_fit = settings.learns_projectors and bool(self.projected_layers)
         self.loop = LoopControl(setup, loop, name, wants_fit)
         if agreement is not None:
@@ -112,7 +114,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
             # the Trainer strategies' closure. Its forward is how a loop of one's own says which backward that is.
             self.loop.forward_counter = setup.model.register_forward_pre_hook(self._count_forward)
         else:
-            self.routing.measure_every_backward = True  # any backward may be the step's last
+            self.orchestrator.routing.measure_every_backward = True  # any backward may be the step's last
 
     def _count_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not (torch.is_grad_enabled() and module.training):
@@ -121,7 +123,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         if self.loop.forwards == self.loop.settings.accumulation_steps:
             for layer in self.projected_layers:
                 layer.reset_forward_count()  # as at the start of the Trainer's closure
-            self.routing.collecting = True
+            self.orchestrator.routing.collecting = True
 
     @property
     def steps_taken(self) -> int:
@@ -150,7 +152,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         """One step: clipped to ``max_grad_norm`` when no clipping call came since the last step, then the engine's
         step (see :meth:`OffloadOptimizer.step`)."""
         loop = self.loop
-        self.routing.collecting, loop.forwards = False, 0  # the next step's micro-batches count afresh
+        self.orchestrator.routing.collecting, loop.forwards = False, 0  # the next step's micro-batches count afresh
         if self.needs_first_fit and not loop.warned_unfitted:
             loop.warned_unfitted = True
             warnings.warn(f"{loop.name}: projectors='learned' but fit_projectors() was not called before the first "
@@ -214,13 +216,13 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         source = BatchGradients(loop.setup.model, batches, loss_fn, fitting.num_samples + fitting.norm_samples)
         log.info(fitting.describe(len(self.projected_layers), step, initial))
         # The passes' forwards are no micro-batches of the loop's: its count is as it was after the fit.
-        forwards, collecting = loop.forwards, self.routing.collecting
+        forwards, collecting = loop.forwards, self.orchestrator.routing.collecting
         try:
             record = fit_projectors(loop.setup.optimizer, source, fitting, step, initial, agreement=loop.agreement,
                                     show_progress=False,
                                     sampling=lambda: _forked_rng(self.device, fitting.seed * 1_000_003 + step))
         finally:
-            loop.forwards, self.routing.collecting = forwards, collecting
+            loop.forwards, self.orchestrator.routing.collecting = forwards, collecting
         loop.last_fit_step = step
         loop.fits.append(record)
         log.info(record.summary_line(len(self.projected_layers)))
@@ -294,8 +296,8 @@ def loop_settings(settings: OffloadSettings, max_grad_norm: float | None, accumu
 
 
 def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str, Any]) -> OffloadSettings:
-    """The settings value of a loop face (:func:`~lightning_offload.offload`, Fabric's strategies) named ``name``, which sets ``forced``
-    itself.
+    """The settings value of a loop face (:func:`~lightning_offload.offload`, Fabric's strategies) named ``name``,
+    which sets ``forced`` itself.
 
     Raises:
         ValueError: for a setting the face sets itself, or ``log_telemetry`` (a loop has no logger: it reads

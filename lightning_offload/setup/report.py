@@ -92,6 +92,6 @@ def figures_at_step_end(strategy: Any) -> dict[str, float]:
 
 
 def phase_clock_of(strategy: Any) -> PhaseClock | None:
-    """The phase clock of ``strategy``'s engine (:mod:`~lightning_offload.engine.figures.phases`), or ``None`` for a strategy
-    that offloads nothing or has not built its engine yet."""
+    """The phase clock of ``strategy``'s engine (:mod:`~lightning_offload.engine.figures.phases`), or ``None`` for a
+    strategy that offloads nothing or has not built its engine yet."""
     return getattr(getattr(strategy, "offload_optimizer", None), "phases", None)

@@ -183,12 +183,12 @@ def fit_projectors(optimizer: OffloadOptimizer, source: GradientSource, fitting:
     optimizer.synchronize()
     optimizer.settle_row_decay()
     start = time.perf_counter()
-    fit = ProjectorFit(list(optimizer.projected_layers), fitting, step, initial,
-                       agreement if agreement is not None else OneProcess(), stop)
+    layers = list(optimizer.projected_layers)
     # Fits take from seconds to minutes before the training bar moves: a bar of its own, when bars are shown.
-    with tqdm(total=fitting.num_samples * len(fit.layers), desc="Projector fit", unit="layer", leave=False,
+    with tqdm(total=fitting.num_samples * len(layers), desc="Projector fit", unit="layer", leave=False,
               disable=not show_progress) as progress:
-        fit.progress = progress
+        fit = ProjectorFit(layers, fitting, step, initial, agreement if agreement is not None else OneProcess(),
+                           stop, progress)
         with sampling():
             fit.sample_and_fit(source)
             fit.measure_ratios(source)
@@ -212,10 +212,11 @@ class ProjectorFit:
         initial: fit every layer from its current projectors (else: check each, refit those above the threshold).
         agreement: how ranks agree.
         stop: called before each layer's sample (raises to stop a preempted run between layers).
+        progress: the fit's progress bar (a ``tqdm``), advanced by each sample and resized as layers are skipped.
     """
 
     def __init__(self, layers: list[ProjectedWeight], fitting: ProjectorFitting, step: int, initial: bool,
-                 agreement: FitAgreement, stop: Callable[[], None]) -> None:
+                 agreement: FitAgreement, stop: Callable[[], None], progress: Any) -> None:
         self.layers = layers
         self.fitting = fitting
         self.step = step
@@ -223,7 +224,7 @@ class ProjectorFit:
         self.agreement = agreement
         self.stop = stop
         self.record = RefitRecord(step=step, initial=initial)
-        self.progress: Any = None  # the progress bar, set by the caller for the sampling
+        self.progress = progress
         self._order = {layer.name: i for i, layer in enumerate(layers)}
         self._iters_per_sample = math.ceil(fitting.fit.max_iters / fitting.num_samples)
         self._fits: dict[str, LayerFit] = {}

@@ -189,11 +189,10 @@ class ZeroOffloadDDPStrategy(DDPOffload):
     rank that owns each tensor's share of the sharded host Adam.
 
     The offload machinery of :class:`DDPOffload` with ``projection=False``, beside :class:`LSPOffloadDDPStrategy` rather
-    than a kind of it. Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings (``projection`` is ``False``
-    here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``, ``projectors``,
-    ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every`` and ``norm_growth_limit`` would change
-    nothing and are refused). Registered as
-    ``strategy="zero_offload_ddp"``.
+    than a kind of it. Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings
+    (``projection`` is ``False`` here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``,
+    ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every`` and ``norm_growth_limit``
+    would change nothing and are refused). Registered as ``strategy="zero_offload_ddp"``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
