@@ -81,7 +81,7 @@ def test_optimizer_state_lives_on_the_host_only_also_after_restore(device, tmp_p
         assert len(optimizer.state) == 0 and len(optimizer.wrapped.state) == 0
         assert optimizer.device_state_bytes() == 0
         params = {p.data_ptr() for p in module.parameters()}
-        for tensor in optimizer._state_tensors():
+        for tensor in optimizer.state_tensors():
             assert tensor.device.type == "cpu"
             assert tensor.data_ptr() not in params  # a real host copy, not an alias of the model's storage
         assert optimizer.host_state_bytes() > 0

@@ -286,3 +286,24 @@ def test_each_face_s_strategies_are_configurations_of_one_class_not_kinds_of_lsp
         # How ranks agree on a fit is a value the strategy hands the fit, not three methods in every one's help().
         assert not any(hasattr(strategy, name) for strategy in strategies
                        for name in ("agree", "agree_projectors", "reduce_sampled_gradient"))
+
+
+def _attribute_reads(path: Path, names: set[str]) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in names}
+
+
+def test_the_step_and_the_checkpoint_know_slots_only_through_their_interface() -> None:
+    # What is one kind's (a projected weight's layer, its forward counts and buffers, its prefetch, its projectors in a
+    # checkpoint; a row Adam's or the scaled rule's state) lives in that kind's hooks: the orchestrator, the checkpoint
+    # and the state sizes import no kind of slot and read no kind's internals.
+    engine = PACKAGE / "engine"
+    readers = [engine / "step" / "orchestrator.py", engine / "engine_state.py", engine / "figures" / "state_sizes.py",
+               engine / "step" / "host_jobs.py"]
+    kinds = {f"lightning_offload.engine.slots.{kind}" for kind in (
+        "projected_slot", "scaled_slot", "dense_slot", "row_slot", "row_blocks_slot", "remote_slot")}
+    internals = {"layer", "projected_layers", "prefetch", "proj_out", "proj_in", "grad_buffer", "generator", "adam",
+                 "_opt_called"}
+    found = {str(p.relative_to(PACKAGE)): sorted((_imports(p) & kinds) | _attribute_reads(p, internals))
+             for p in readers}
+    assert not {path: names for path, names in found.items() if names}

@@ -49,3 +49,31 @@ def offload_state_without_offload(strategy: str) -> str:
     return (f"This checkpoint was written by a lightning_offload strategy: its optimizer state is the offload "
             f"strategies' host state, which {strategy} cannot load into a torch.optim optimizer. Resume it with the "
             f"offload strategy and settings that wrote it, or start from its weights only. " + WEIGHTS_ONLY)
+
+
+def refuse_other_kind(name: str, saved: Mapping[str, Any], scaled: bool, rows: bool) -> None:
+    """Refuse a tensor's saved host state when another kind of slot wrote it: the scaled rule's state (it carries
+    ``"scaled"``) or a row Adam's (it carries ``"last_step"``) against this run's kind of slot for ``name``.
+
+    Args:
+        name: the tensor's name in the model.
+        saved: its host state in the checkpoint.
+        scaled: whether this run steps it by the scaled rule.
+        rows: whether this run steps it row by row.
+
+    Raises:
+        ValueError: naming the setting that wrote the state and the one to resume with.
+    """
+    saved_scaled = "scaled" in saved
+    if saved_scaled != scaled:
+        rules = ("scaled", "projected") if saved_scaled else ("projected", "scaled")
+        raise ValueError(f"The checkpoint stepped {name} with update={rules[0]!r}, this run with "
+                         f"update={rules[1]!r}: their host states differ. Resume with update={rules[0]!r}. "
+                         + WEIGHTS_ONLY)
+    saved_rows = "last_step" in saved  # a row Adam's state, not a torch optimizer's
+    if saved_rows != rows:
+        raise ValueError(
+            f"The checkpoint stepped {name} {'row-sparsely' if saved_rows else 'densely'}, this run "
+            f"{'row-sparsely' if rows else 'densely'}: resume with embeddings={'sparse' if saved_rows else 'host'!r} "
+            f"(checkpoints written before embeddings= existed stepped every embedding densely: embeddings='host')."
+        )

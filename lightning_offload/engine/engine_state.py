@@ -10,13 +10,9 @@ import torch
 
 from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
 from lightning_offload.engine.figures.telemetry import OffloadTelemetry
-from lightning_offload.engine.slots.row_blocks_slot import RowBlocksSlot
-from lightning_offload.engine.slots.row_slot import RowSlot
-from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.step.device_adam import DeviceAdam
-from lightning_offload.lsp.projector import SparseProjector
 
 STATE_FORMAT = 2
 
@@ -42,19 +38,20 @@ def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], devi
                 dense_masters.update(master_share)
         else:
             host_adam, dense_masters = {}, {}  # the other ranks' checkpoints are not written
+    # Sections other kinds of slot write for themselves (a projected weight's projectors and rounding generator).
+    parts: dict[str, dict[str, Any]] = {"projectors": {}, "rounding_generators": {}}
+    for slot in slots:
+        for section, value in slot.checkpoint_part().items():
+            parts[section][slot.name] = value
     return {
         "format": STATE_FORMAT,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
         "slots": [slot.name for slot in slots],
         "host_adam": [host_adam.get(slot.name) for slot in slots],
         "device_adam": device_adam.state_dict() if device_adam is not None else None,
-        "projectors": {
-            slot.name: {"out": slot.layer.proj_out.state_dict(), "in": slot.layer.proj_in.state_dict(),
-                        "norm_ratio": slot.layer.norm_ratio, "norm_probe": slot.layer.norm_probe.state_dict()}
-            for slot in slots if slot.layer is not None
-        },
+        "projectors": parts["projectors"],
         "dense_masters": dense_masters,
-        "rounding_generators": {slot.name: slot.generator.get_state() for slot in slots if slot.layer is not None},
+        "rounding_generators": parts["rounding_generators"],
         "telemetry": telemetry.state_dict(),
     }
 
@@ -83,29 +80,14 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_adam
         raise ValueError("This optimizer state lacks the host Adam state of some tensors: it is a non-zero "
                          "rank's share of a data-parallel checkpoint. Resume from the checkpoint rank 0 wrote.")
     for slot, adam_state in zip(slots, state["host_adam"]):
-        if isinstance(slot, RowBlocksSlot):
-            continue  # its row Adam checks its own state's layout
-        saved_scaled, scaled = "scaled" in adam_state, isinstance(slot, ScaledSlot)
-        if saved_scaled != scaled:
-            rules = ("scaled", "projected") if saved_scaled else ("projected", "scaled")
-            raise ValueError(f"The checkpoint stepped {slot.name} with update={rules[0]!r}, this run with "
-                             f"update={rules[1]!r}: their host states differ. Resume with update={rules[0]!r}. "
-                             + WEIGHTS_ONLY)
-        saved_rows = "last_step" in adam_state  # a row Adam's state, not a torch optimizer's
-        rows = isinstance(slot, RowSlot)
-        if saved_rows != rows:
-            raise ValueError(
-                f"The checkpoint stepped {slot.name} {'row-sparsely' if saved_rows else 'densely'}, this run "
-                f"{'row-sparsely' if rows else 'densely'}: resume with embeddings={'sparse' if saved_rows else 'host'!r} "
-                f"(checkpoints written before embeddings= existed stepped every embedding densely: embeddings='host')."
-            )
+        slot.check_saved_state(adam_state)
     if (state.get("device_adam") is None) != (device_adam is None):
         raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
                          "the same embeddings= and head= settings.")
 
 
 def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups: list[dict[str, Any]],
-                      device_adam: DeviceAdam | None, telemetry: OffloadTelemetry, device: torch.device) -> None:
+                      device_adam: DeviceAdam | None, telemetry: OffloadTelemetry) -> None:
     """Restore :func:`engine_state` output (checked by :func:`check_engine_state`; every pending update applied and
     every copy from the host buffers finished). Call after the model weights are restored: fp32 masters are
     refreshed from them."""
@@ -114,15 +96,8 @@ def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups
     for slot, adam_state in zip(slots, state["host_adam"]):
         if slot.owned:  # a tensor another rank steps keeps no host state here
             slot.load_host_state(adam_state)
-        if slot.layer is not None:
-            saved = state["projectors"][slot.name]
-            slot.layer.set_projectors(SparseProjector.from_state_dict(saved["out"], device),
-                                      SparseProjector.from_state_dict(saved["in"], device))
-            slot.layer.norm_ratio = float(saved.get("norm_ratio", 1.0))
-            # The probes' averages and draw count (lsp/norm_probe.py); absent from checkpoints written before them.
-            slot.layer.norm_probe.load_state_dict(saved.get("norm_probe"), device)
-            slot.generator.set_state(state["rounding_generators"][slot.name])
-        elif slot.owned and slot.keeps_master:
+        slot.load_checkpoint_part(state)
+        if slot.owned and slot.keeps_master:
             slot.load_master(state["dense_masters"].get(slot.name))
     if device_adam is not None:
         device_adam.load_state_dict(state["device_adam"])

@@ -24,11 +24,12 @@ from torch.optim import Optimizer
 
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
 from lightning_offload.engine.figures.phases import PhaseClock
+from lightning_offload.engine.figures.state_sizes import (
+    device_persistent_bytes, device_state_bytes, host_state_bytes, state_tensors)
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
-from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.engine.slots.slot import Lanes, Slot, is_decoupled
 from lightning_offload.engine.slots.slot_building import build_slots
 from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
@@ -151,9 +152,7 @@ class OffloadOptimizer(Optimizer):
                                        self.slots, self.lanes.worker)
         self.orchestrator = StepOrchestrator(
             self.lanes, self.slots, self.device_adam, self.host_jobs, self.norms, self.figures, on_nonfinite,
-            pipelined, lambda: (self.host_state_bytes(), self.device_persistent_bytes(),
-                                self.lanes.ring.fallbacks if self.lanes.ring is not None else 0),
-            model, {id(p) for p in tied_projected})
+            pipelined, model, {id(p) for p in tied_projected})
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
         if update_buffers and self.projected_layers:
@@ -235,7 +234,11 @@ class OffloadOptimizer(Optimizer):
                                " or the strategy's set-up) to train on.")
         loss = self.orchestrator.collect(closure) if closure is not None else None
         check_still_frozen(self._frozen_at_setup)
-        self.orchestrator.decide_and_launch(self.grad_norm, self.wrapped)
+        self.orchestrator.decide_and_launch()
+        if not self.orchestrator.last_step_skipped:
+            # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
+            # scheduler's order check does not warn (the user's optimizer never steps itself).
+            self.wrapped._opt_called = True
         return loss
 
     def synchronize(self) -> None:
@@ -284,7 +287,7 @@ class OffloadOptimizer(Optimizer):
         clipping by norm is in use re-measured from every step's backward (:mod:`lightning_offload.lsp.norm_probe`).
         So ``gradient_clip_val`` means what it means for plain AdamW.
         """
-        return self.norms.global_norm(self.slots, self.orchestrator.device_params)
+        return self.orchestrator.grad_norm()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
@@ -355,25 +358,21 @@ class OffloadOptimizer(Optimizer):
     # ----------------------------------------------------------------------------------------------- accounting
     def host_state_bytes(self) -> int:
         """Bytes of optimizer state on the host: Adam moments, fp32 masters, ``Z`` and landing/staging buffers."""
-        return sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device.type == "cpu")
+        return host_state_bytes(self.slots, self.host_jobs)
 
     def device_persistent_bytes(self) -> dict[str, int]:
         """Device bytes the offload machinery keeps between steps, by category (see
         :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`). Counted from the
         tensors' sizes, so it works on any device, ``meta`` included."""
-        return {
-            "projectors": sum(layer.proj_out.nbytes() + layer.proj_in.nbytes() for layer in self.projected_layers),
-            "update_ring": self.lanes.ring.nbytes() if self.lanes.ring is not None else 0,
-            "scaled_projections": sum(slot.weight.nbytes() for slot in self.slots if isinstance(slot, ScaledSlot)),
-            "device_optimizer": self.device_adam.state_bytes() if self.device_adam is not None else 0,
-        }
+        return device_persistent_bytes(self.slots, self.lanes.ring, self.device_adam)
 
     def device_state_bytes(self) -> int:
         """Bytes of optimizer state found on a non-CPU device (the placement check: expected 0 on a GPU)."""
-        return sum(t.numel() * t.element_size() for t in self._state_tensors() if t.device.type != "cpu")
+        return device_state_bytes(self.slots, self.host_jobs)
 
-    def _state_tensors(self) -> list[Tensor]:
-        return [t for slot in self.slots for t in slot.state_tensors()] + self.host_jobs.state_tensors()
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of optimizer state this optimizer keeps (host moments, masters, staging buffers, backups)."""
+        return state_tensors(self.slots, self.host_jobs)
 
     # ----------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -393,5 +392,5 @@ class OffloadOptimizer(Optimizer):
         self.synchronize()
         for slot in self.slots:
             slot.wait_for_send_back()  # host buffers are overwritten next: copies still reading them must finish
-        load_engine_state(state_dict, self.slots, self.param_groups, self.device_adam, self.telemetry, self.device)
+        load_engine_state(state_dict, self.slots, self.param_groups, self.device_adam, self.telemetry)
         self.telemetry.host_state_bytes = self.host_state_bytes()

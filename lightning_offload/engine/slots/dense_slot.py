@@ -18,6 +18,7 @@ class DenseSlot(HostAdamSlot):
 
     keeps_master = True
     gradient_is_param_grad = True
+    holds_value_back = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  owner: int = 0) -> None:

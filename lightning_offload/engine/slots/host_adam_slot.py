@@ -35,6 +35,9 @@ class HostAdamSlot(Slot):
     """
 
     speculates = True
+    #: Whether a speculative step holds its result back until the step confirms it (a dense value, which would
+    #: overwrite the device weight; a projected update waits for its apply anyway).
+    holds_value_back = False
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  host_param: Tensor, adam: torch.optim.Adam, host_update: Tensor | None, owner: int = 0) -> None:
@@ -113,6 +116,10 @@ class HostAdamSlot(Slot):
     def adam_state(self) -> dict[str, Any]:
         """Adam's state of ``host_param`` (empty before its first step)."""
         return self.adam.state.get(self.host_param, {})
+
+    def forget_adam_state(self) -> None:
+        """Drop Adam's state of ``host_param`` (rolling back the step that created it)."""
+        self.adam.state.pop(self.host_param, None)
 
     def state_tensors(self) -> list[Tensor]:
         tensors = [t for t in (self.host_param, self.host_grad, self.host_update, self.host_grad_fp32, self.host_l2,

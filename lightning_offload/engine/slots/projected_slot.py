@@ -42,6 +42,44 @@ def install_projectors(layer: ProjectedWeight, device: torch.device, adam_state:
     layer.norm_ratio = float(norm_ratio) if math.isfinite(norm_ratio) and norm_ratio > 0 else 1.0
 
 
+#: What a user's in-place edit of ``param.grad`` cannot see of a projected weight's gradient.
+PROJECTED_UNSEEN = "the projected weights' compressed gradients"
+
+
+def count_projected_buffers(layer: ProjectedWeight, step: StepTelemetry) -> None:
+    """Add the device buffers a projected weight's gradient took this step to ``step``: its compressed gradient
+    ``S`` and the projected inputs its forwards kept for backward."""
+    if layer.grad_buffer is not None:
+        step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
+    step.device_saved_projection_bytes += layer.saved_projection_bytes
+
+
+def projector_bytes(layer: ProjectedWeight) -> dict[str, int]:
+    """The device bytes a projected weight's two sparse projectors take (the telemetry's ``projectors``)."""
+    return {"projectors": layer.proj_out.nbytes() + layer.proj_in.nbytes()}
+
+
+def projector_checkpoint(layer: ProjectedWeight, generator: torch.Generator) -> dict[str, Any]:
+    """A projected weight's part of a checkpoint: its projectors, the clipping norm's ``ρ`` and its probes' averages
+    (plain numbers), and its stochastic-rounding generator."""
+    return {"projectors": {"out": layer.proj_out.state_dict(), "in": layer.proj_in.state_dict(),
+                           "norm_ratio": layer.norm_ratio, "norm_probe": layer.norm_probe.state_dict()},
+            "rounding_generators": generator.get_state()}
+
+
+def load_projector_checkpoint(name: str, layer: ProjectedWeight, generator: torch.Generator, state: dict[str, Any],
+                              device: torch.device) -> None:
+    """Restore ``name``'s :func:`projector_checkpoint` from the whole checkpoint ``state`` (projectors go to
+    ``device``)."""
+    saved = state["projectors"][name]
+    layer.set_projectors(SparseProjector.from_state_dict(saved["out"], device),
+                         SparseProjector.from_state_dict(saved["in"], device))
+    layer.norm_ratio = float(saved.get("norm_ratio", 1.0))
+    # The probes' averages and draw count (lsp/norm_probe.py); absent from checkpoints written before them.
+    layer.norm_probe.load_state_dict(saved.get("norm_probe"), device)
+    generator.set_state(state["rounding_generators"][name])
+
+
 class ProjectedSlot(HostAdamSlot):
     """A projected weight stepped in the compressed space.
 
@@ -96,6 +134,19 @@ class ProjectedSlot(HostAdamSlot):
         # reused until then (no wait on the compute stream).
         self.layer.zero_grad()
 
+    def begin_collect(self) -> None:
+        self.layer.reset_forward_count()  # a forward whose backward never ran must not hold back this step's send
+
+    def gradient_unseen_by_edits(self) -> str | None:
+        return PROJECTED_UNSEEN if self.layer.has_grad else None
+
+    def abandon_gradient(self) -> None:
+        super().abandon_gradient()
+        self.layer.zero_grad()
+
+    def count_device_buffers(self, step: StepTelemetry) -> None:
+        count_projected_buffers(self.layer, step)
+
     # ------------------------------------------------------------------------------------------------ the step
     def settings(self) -> JobSettings:
         # A projected weight's decay is not Adam's: it is applied to W or added as L2.
@@ -140,6 +191,18 @@ class ProjectedSlot(HostAdamSlot):
             # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
             lanes.ring.release(self.ring_index, lanes.link.compute_event())
         self.update_on_device, self.ring_index = None, None
+        if lanes.prefetch is not None:
+            lanes.prefetch.after(self)  # the next layers' updates start crossing while this layer computes
+
+    # ------------------------------------------------------------------------------------------------ state
+    def checkpoint_part(self) -> dict[str, Any]:
+        return projector_checkpoint(self.layer, self.generator)
+
+    def load_checkpoint_part(self, state: dict[str, Any]) -> None:
+        load_projector_checkpoint(self.name, self.layer, self.generator, state, self.lanes.device)
+
+    def device_persistent_bytes(self) -> dict[str, int]:
+        return projector_bytes(self.layer)
 
     # ------------------------------------------------------------------------------------------------ refit
     def replace_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,

@@ -10,7 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload.engine.slots.projected_slot import install_projectors
+from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.slots.projected_slot import (
+    PROJECTED_UNSEEN, count_projected_buffers, install_projectors, load_projector_checkpoint, projector_bytes,
+    projector_checkpoint)
 from lightning_offload.engine.slots.slot import Lanes, Slot
 from lightning_offload.engine.step.pipeline import StepTimeline
 from lightning_offload.lsp.linear import ProjectedWeight
@@ -31,8 +34,7 @@ class RemoteSlot(Slot):
         super().__init__(name, param, group, lanes, decoupled, owner, owned=False)
         self.layer = layer
         self.generator = generator
-        self.host_param = torch.empty(0)  # no host state here: the owner keeps it
-        self.adam = None
+        # What applying the broadcast update multiplies W by, captured at the step as the owner captures it.
         self.decay = 1.0
 
     def gradient(self) -> Tensor | None:
@@ -49,6 +51,33 @@ class RemoteSlot(Slot):
 
     def gradient_numel(self) -> int:
         return math.prod(self.layer.compressed_shape) if self.layer is not None else self.param.numel()
+
+    def begin_collect(self) -> None:
+        if self.layer is not None:
+            self.layer.reset_forward_count()  # as the owner's slot does
+
+    def gradient_unseen_by_edits(self) -> str | None:
+        return PROJECTED_UNSEEN if self.layer is not None and self.layer.has_grad else None
+
+    def abandon_gradient(self) -> None:
+        super().abandon_gradient()
+        if self.layer is not None:
+            self.layer.zero_grad()
+
+    def count_device_buffers(self, step: StepTelemetry) -> None:
+        if self.layer is not None:
+            count_projected_buffers(self.layer, step)
+
+    def checkpoint_part(self) -> dict[str, Any]:
+        # Every rank's projectors are the same; rank 0 writes them with the rest.
+        return projector_checkpoint(self.layer, self.generator) if self.layer is not None else {}
+
+    def load_checkpoint_part(self, state: dict[str, Any]) -> None:
+        if self.layer is not None:
+            load_projector_checkpoint(self.name, self.layer, self.generator, state, self.lanes.device)
+
+    def device_persistent_bytes(self) -> dict[str, int]:
+        return projector_bytes(self.layer) if self.layer is not None else {}
 
     def replace_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
                            second_moment_scale: float) -> None:

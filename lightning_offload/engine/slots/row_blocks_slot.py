@@ -98,6 +98,9 @@ class RowBlocksSlot(Slot):
     def send(self, round_: int, timeline: StepTimeline) -> None:
         self.sent_round = round_  # its gradients crossed during backward, row by row
 
+    def gradient_unseen_by_edits(self) -> str | None:
+        return "the MEFT adapters' host rows"  # summed on the host, never a param.grad
+
     def is_sent(self, round_: int) -> bool:
         return True
 
@@ -224,3 +227,6 @@ class RowBlocksSlot(Slot):
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         self.adam.load_state_dict(state)
+
+    def check_saved_state(self, saved: dict[str, Any]) -> None:
+        """Nothing here: its row Adam checks its own state's layout as it loads it."""

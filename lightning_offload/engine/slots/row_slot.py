@@ -31,6 +31,7 @@ class RowSlot(Slot):
 
     keeps_master = True
     gradient_is_param_grad = True
+    steps_rows = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool) -> None:
         if param.ndim != 2:
@@ -44,7 +45,6 @@ class RowSlot(Slot):
         self.host_param = pinned_zeros(param.shape, False)
         self.host_param.copy_(param.detach())
         self.watch_weights()
-        self.adam = None
         self.row_adam = BlockRowAdam([self.host_param], block_rows=1)
         self.host_grad = pinned_zeros(param.shape, pin, lanes.link_dtype)
         self.host_rows = pinned_zeros((param.shape[0],), pin, torch.int64)

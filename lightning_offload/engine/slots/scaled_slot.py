@@ -52,6 +52,7 @@ class ScaledSlot(HostAdamSlot):
     # Its host step starts at the launch, never during backward: the step's clip and skip decide what Adam sees, and
     # the scales are applied only from this step's moments.
     speculates = False
+    steps_scaled = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  weight: ScaledWeight, generator: torch.Generator) -> None:
@@ -158,6 +159,9 @@ class ScaledSlot(HostAdamSlot):
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> list[Tensor]:
         return super().state_tensors() + [self.host_squares, self.host_scales]
+
+    def device_persistent_bytes(self) -> dict[str, int]:
+        return {"scaled_projections": self.weight.nbytes()}
 
     def host_state(self) -> dict[str, Any]:
         return {**self.adam.state_dict(), "scaled": {

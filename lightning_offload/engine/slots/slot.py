@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_offload.engine.checkpoint_kinds import refuse_other_kind
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.step.data_parallel import RankShards
@@ -101,6 +102,9 @@ class Lanes:
         self.pin = device.type == "cuda"
         # Set once the projected slots are known (its buffers fit the largest compressed update).
         self.ring: UpdateRing | None = None
+        # Starts the next layers' update copies after each apply (slots/projected_slot.py: UpdatePrefetch), set with
+        # the slots.
+        self.prefetch: Any = None
 
 
 class Slot:
@@ -131,6 +135,9 @@ class Slot:
     routed = True
     #: Whether its gradient is its parameter's ``.grad`` (which a user's own clipping call can edit in place).
     gradient_is_param_grad = False
+    #: Whether its host state is the scaled rule's, and whether it is a row Adam's (what a checkpoint must match).
+    steps_scaled = False
+    steps_rows = False
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  owner: int = 0, owned: bool = True) -> None:
@@ -183,6 +190,14 @@ class Slot:
     def release_gradient(self) -> None:
         """Drop what the device holds of a gradient once it is on its way (a projected weight's ``S``)."""
 
+    def begin_collect(self) -> None:
+        """Before the step's forward and backward run (most kinds: nothing to reset)."""
+
+    def gradient_unseen_by_edits(self) -> str | None:
+        """What of this step's gradient an in-place edit of ``param.grad`` (a user's own clipping call) cannot see,
+        in words; ``None`` when there is nothing (most kinds)."""
+        return None
+
     # ------------------------------------------------------------------------------------------------ the step
     def settings(self) -> JobSettings:
         """What the next host job takes from the user's group, read now (a scheduler may change the group before
@@ -194,6 +209,10 @@ class Slot:
         if not self.decoupled:
             return 1.0
         return 1.0 - self.group["lr"] * self.group.get("weight_decay", 0.0)
+
+    def count_device_buffers(self, step: StepTelemetry) -> None:
+        """Main thread, at the step: add to ``step`` the transient device buffers its gradient took (most kinds:
+        none beyond the gradient itself)."""
 
     def prepare(self, step: StepTelemetry) -> None:
         """Main thread, at the step: count the bytes that cross and capture what applying the update needs."""
@@ -247,6 +266,28 @@ class Slot:
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state` output."""
+
+    def check_saved_state(self, saved: dict[str, Any]) -> None:
+        """Refuse a checkpoint's host state written by another kind of slot for this tensor.
+
+        Raises:
+            ValueError: naming the setting that wrote it and the one to resume with.
+        """
+        refuse_other_kind(self.name, saved, scaled=self.steps_scaled, rows=self.steps_rows)
+
+    def checkpoint_part(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this slot besides its host state and fp32 master, by section of the
+        checkpoint (a projected weight's projectors and rounding generator; most kinds: nothing)."""
+        return {}
+
+    def load_checkpoint_part(self, state: dict[str, Any]) -> None:
+        """Restore this slot's :meth:`checkpoint_part` from the whole checkpoint ``state``."""
+
+    def device_persistent_bytes(self) -> dict[str, int]:
+        """Device bytes this slot keeps between steps, by telemetry category
+        (:attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`; most kinds:
+        none)."""
+        return {}
 
     def master_in_checkpoint(self) -> bool:
         """Whether a checkpoint keeps the fp32 master: where the parameter is narrower (an fp32 one equals it)."""

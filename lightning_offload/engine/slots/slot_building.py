@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.slots.dense_slot import DenseSlot
-from lightning_offload.engine.slots.projected_slot import ProjectedSlot
+from lightning_offload.engine.slots.projected_slot import ProjectedSlot, UpdatePrefetch
 from lightning_offload.engine.slots.remote_slot import RemoteSlot
 from lightning_offload.engine.slots.row_slot import RowSlot
 from lightning_offload.engine.slots.scaled_slot import ScaledSlot, scaled_across_ranks_error
@@ -72,6 +72,7 @@ def build_slots(
         # Host jobs run in slot order: registration order approximates forward order, so the update the next
         # forward needs first is computed first (param-group order would put every norm after every weight).
         slots.sort(key=lambda slot: order.get(id(slot.param), len(order)))
+    lanes.prefetch = UpdatePrefetch(slots, lanes)  # in forward order: the updates the next forwards need first
     return slots
 
 

@@ -101,7 +101,7 @@ class HostJobs:
 
     def confirm(self, slot: Slot, compute_done: Any) -> None:
         """The speculative step stands: a dense value, held back until now, may cross to the device."""
-        if slot.layer is None:
+        if slot.holds_value_back:
             slot.job = self.worker.submit(partial(self._publish_job, slot, compute_done), slot.name)
 
     def submit(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
@@ -184,9 +184,9 @@ class HostJobs:
     def _restore(slot: HostAdamSlot, backup: _Backup) -> None:
         """Put ``slot``'s host state back as it was before its speculative step (exactly: copies, no arithmetic)."""
         if not backup.had_state:
-            slot.adam.state.pop(slot.host_param, None)  # the step created the state: it did not exist before
+            slot.forget_adam_state()  # the step created the state: it did not exist before
         else:
-            state = slot.adam.state[slot.host_param]
+            state = slot.adam_state()
             for key, saved in backup.moments.items():
                 state[key].copy_(saved)
         slot.host_param.copy_(backup.master)

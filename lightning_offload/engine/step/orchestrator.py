@@ -19,16 +19,15 @@ from torch import Tensor
 
 from lightning_offload.engine.step.clipping import (
     GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
+from lightning_offload.engine.figures.state_sizes import device_persistent_bytes, host_state_bytes
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.projected_slot import UpdatePrefetch
 from lightning_offload.engine.slots.slot import Clip, Lanes, Slot, synced_hparams
 from lightning_offload.engine.step.device_adam import DeviceAdam
 from lightning_offload.engine.step.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
 from lightning_offload.engine.step.host_jobs import HostJobs
 from lightning_offload.engine.step.norm_probes import measure_norm_ratios
-from lightning_offload.lsp.linear import ProjectedWeight
 
 
 class StepOrchestrator:
@@ -43,16 +42,13 @@ class StepOrchestrator:
         figures: the steps' timelines and figures.
         on_nonfinite: ``"skip"`` or ``"raise"`` for a step whose gradients hold inf/nan.
         pipelined: apply updates before the owning modules' next forwards (else before the step returns).
-        sizes: host state bytes, device persistent bytes by category and update-ring fallbacks, measured when a
-            step's figures complete (:meth:`~lightning_offload.engine.figures.step_figures.StepFigures.complete`).
         model: the module whose forwards apply pending updates (``None``: updates land at the step).
         tied: ids of projected weights tied to another parameter (their gradient arrives in two parts).
     """
 
     def __init__(self, lanes: Lanes, slots: list[Slot], device_adam: DeviceAdam | None, host_jobs: HostJobs,
                  norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
-                 sizes: Callable[[], tuple[int, dict[str, int], int]], model: torch.nn.Module | None = None,
-                 tied: AbstractSet[int] = frozenset()) -> None:
+                 model: torch.nn.Module | None = None, tied: AbstractSet[int] = frozenset()) -> None:
         self.lanes = lanes
         self.slots = slots
         self.device_adam = device_adam
@@ -61,9 +57,6 @@ class StepOrchestrator:
         self.figures = figures
         self.on_nonfinite = on_nonfinite
         self.pipelined = pipelined
-        self.sizes = sizes
-        self.projected_layers: list[ProjectedWeight] = [slot.layer for slot in slots if slot.layer is not None]
-        self.prefetch = UpdatePrefetch(slots, lanes)
         self.round = 0  # counts launched steps: tells gradients sent for this step from stale ones
         self.last_step_skipped = False
         self.warned_resent = False  # said once: gradients edited after they crossed cross again
@@ -78,13 +71,25 @@ class StepOrchestrator:
         """The parameters the device Adam steps."""
         return self.device_adam.params if self.device_adam is not None else []
 
+    def grad_norm(self) -> Tensor:
+        """The step's global 2-norm over every slot and the device-stepped parameters
+        (:meth:`~lightning_offload.engine.step.clipping.GradientNorms.global_norm`)."""
+        return self.norms.global_norm(self.slots, self.device_params)
+
+    def sizes(self) -> tuple[int, dict[str, int], int]:
+        """Host state bytes, device persistent bytes by category and update-ring fallbacks, as a step's figures
+        take them when they complete."""
+        ring = self.lanes.ring
+        return (host_state_bytes(self.slots, self.host_jobs), device_persistent_bytes(self.slots, ring, self.device_adam),
+                ring.fallbacks if ring is not None else 0)
+
     # ------------------------------------------------------------------------------------------------ backward
     def collect(self, closure: Callable[[], Any]) -> Any:
         """Run the step's forward and backward (``closure``); each gradient is sent as soon as it is final."""
         # No synchronize before the closure: its forward applies the previous step's updates module by module
         # (forward pre-hooks), which is where the host work of that step gets hidden.
-        for layer in self.projected_layers:
-            layer.reset_forward_count()  # a forward whose backward never ran must not hold back this step's send
+        for slot in self.slots:
+            slot.begin_collect()
         self.routing.collecting = True
         try:
             with torch.enable_grad():
@@ -110,24 +115,20 @@ class StepOrchestrator:
                 self.host_jobs.start(slot, self.round, self.figures.timeline)
 
     # ------------------------------------------------------------------------------------------------ the step
-    def decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
-        """After backward: one norm, one decision; then every slot's host step is launched (or the step skipped).
-
-        Args:
-            grad_norm: the step's global norm, when no clipping call computed it already.
-            user_optimizer: the optimizer whose ``param_groups`` are stepped (marked as stepped for its schedulers).
-        """
+    def decide_and_launch(self) -> None:
+        """After backward: one norm (the clipping call's, else :meth:`grad_norm`), one decision; then every slot's
+        host step is launched (or the step skipped: :attr:`last_step_skipped`)."""
         with self.lanes.phases.phase("step_launch"):
-            self._decide_and_launch(grad_norm, user_optimizer)
+            self._decide_and_launch()
 
-    def _decide_and_launch(self, grad_norm: Callable[[], Tensor], user_optimizer: Any) -> None:
+    def _decide_and_launch(self) -> None:
         # Updates of modules this forward did not run, and last step's figures, are settled before the next launch.
         self.synchronize()
         self.figures.backward_ended()
         clip, norm = self.norms.take()
         edited = self.norms.edits.find() if self.norms.edits is not None else []
         if norm is None:
-            norm = grad_norm()
+            norm = self.grad_norm()
         self.last_step_skipped = not bool(torch.isfinite(norm))
         if self.last_step_skipped:
             self._skip(norm)  # nothing steps: whatever edited the gradients changes nothing
@@ -136,10 +137,8 @@ class StepOrchestrator:
             self._take_edits(edited)
         measure_norm_ratios(self.slots, self.lanes.ranks, clip)  # ρ kept true while clipping is in use
         step = self.host_jobs.take_step()
-        for layer in self.projected_layers:
-            if layer.grad_buffer is not None:
-                step.device_compressed_grad_bytes += layer.grad_buffer.numel() * layer.grad_buffer.element_size()
-            step.device_saved_projection_bytes += layer.saved_projection_bytes
+        for slot in self.slots:
+            slot.count_device_buffers(step)
         clip = launch_clip(clip)
         compute_done = self.lanes.link.compute_event()
         for slot in self.slots:
@@ -154,9 +153,6 @@ class StepOrchestrator:
             self.lanes.ranks.reset()
         self.figures.launched(step)
         self.round += 1
-        # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
-        # scheduler's order check does not warn (the user's optimizer never steps itself).
-        user_optimizer._opt_called = True
         for slot in self.routing.eager:
             self.finish(slot)
         if not self.pipelined:
@@ -171,9 +167,7 @@ class StepOrchestrator:
         Raises:
             RuntimeError: when some of the step's gradients are no ``param.grad`` the edit could see.
         """
-        unseen = [what for what, present in (
-            ("the projected weights' compressed gradients", any(layer.has_grad for layer in self.projected_layers)),
-            ("the MEFT adapters' host rows", self.norms.rows is not None)) if present]
+        unseen = list(dict.fromkeys(what for what in (slot.gradient_unseen_by_edits() for slot in self.slots) if what))
         if unseen:
             self.abandon()  # nothing of this step may stay in the host state
             raise edited_gradients_error(edited, " and ".join(unseen))
@@ -235,8 +229,6 @@ class StepOrchestrator:
                     self.lanes.worker.wait(slot.job)
             with phases.phase("apply_update"):
                 slot.finish(start)
-                if slot.owned:
-                    self.prefetch.after(slot)
             slot.pending = False
             slot.job = None
         finally:
@@ -260,9 +252,7 @@ class StepOrchestrator:
     def _skip(self, norm: Tensor) -> None:
         self.abandon()  # the host state must be as if this step never began
         for slot in self.slots:
-            slot.abandon_gradient()
-        for layer in self.projected_layers:
-            layer.zero_grad()
+            slot.abandon_gradient()  # and a projected weight's S
         telemetry = self.figures.telemetry
         if self.on_nonfinite == "raise":
             raise nonfinite_error(norm, telemetry.steps)

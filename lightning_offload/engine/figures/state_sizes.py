@@ -1,0 +1,47 @@
+"""Where the engine's state lives and what it takes: host bytes, device bytes the offload keeps between steps by
+category, and optimizer state found on the device (the placement check). Counted from the tensors' sizes, so it
+works on any device, ``meta`` included."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from lightning_offload.engine.slots.slot import Slot
+from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.pipeline import UpdateRing
+
+#: The categories of :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`,
+#: each logged (as 0 where a run has none), so runs with different settings log the same keys.
+PERSISTENT_CATEGORIES = ("projectors", "update_ring", "scaled_projections", "device_optimizer")
+
+
+def state_tensors(slots: Sequence[Slot], host_jobs: HostJobs) -> list[Tensor]:
+    """Every tensor of optimizer state the engine keeps: each slot's, and the speculative steps' backups."""
+    return [t for slot in slots for t in slot.state_tensors()] + host_jobs.state_tensors()
+
+
+def host_state_bytes(slots: Sequence[Slot], host_jobs: HostJobs) -> int:
+    """Bytes of optimizer state on the host: moments, fp32 masters, ``Z``, landing and staging buffers, and the
+    speculative steps' backups."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(slots, host_jobs) if t.device.type == "cpu")
+
+
+def device_state_bytes(slots: Sequence[Slot], host_jobs: HostJobs) -> int:
+    """Bytes of the slots' optimizer state found on a non-CPU device (expected 0 on a GPU)."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(slots, host_jobs) if t.device.type != "cpu")
+
+
+def device_persistent_bytes(slots: Sequence[Slot], ring: UpdateRing | None,
+                            device_adam: DeviceAdam | None) -> dict[str, int]:
+    """Device bytes the offload machinery keeps between steps, by category: each slot's own (projectors, the
+    scaled rule's projections), the update ring and the device Adam's state."""
+    sizes = dict.fromkeys(PERSISTENT_CATEGORIES, 0)
+    for slot in slots:
+        for category, size in slot.device_persistent_bytes().items():
+            sizes[category] += size
+    sizes["update_ring"] = ring.nbytes() if ring is not None else 0
+    sizes["device_optimizer"] = device_adam.state_bytes() if device_adam is not None else 0
+    return sizes
