@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting
     from lightning_offload.engine.optimizer import OffloadOptimizer
     from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
+    from lightning_offload.engine.rules.host_rule import HostRule, register_host_rule
+    from lightning_offload.engine.rules.lion import Lion
     from lightning_offload.engine.step.clipping import NonFiniteGradientError, NonFiniteStepWarning
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
@@ -53,6 +55,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 _SOURCES: dict[str, str] = {
     "BlockRowAdam": "lightning_offload.engine.rows.block_row_adam",
     "RowAdamSettings": "lightning_offload.engine.rows.block_row_adam",
+    "HostRule": "lightning_offload.engine.rules.host_rule",
+    "register_host_rule": "lightning_offload.engine.rules.host_rule",
+    "Lion": "lightning_offload.engine.rules.lion",
     "NonFiniteGradientError": "lightning_offload.engine.step.clipping",
     "NonFiniteStepWarning": "lightning_offload.engine.step.clipping",
     "OffloadOptimizer": "lightning_offload.engine.optimizer",
@@ -106,8 +111,10 @@ __all__ = [
     "FabricZeroOffloadDDP",
     "FitSettings",
     "hardware_precision",
+    "HostRule",
     "inject_meft",
     "load_meft_adapters",
+    "Lion",
     "LoopOffloadOptimizer",
     "LSPOffloadDDPStrategy",
     "LSPOffloadStrategy",
@@ -130,6 +137,7 @@ __all__ = [
     "random_projector",
     "reconstruction_error",
     "RefitRecord",
+    "register_host_rule",
     "register_strategies",
     "RowAdamSettings",
     "save_meft_adapters",

@@ -165,8 +165,8 @@ class RedrawRandomProjectors(pl.Callback):
                 optimizer.replace_projectors(layer, *redraw_projectors(layer, self.seed, step, index))
                 if self.moments == "reset-momentum":
                     slot = next(s for s in optimizer.slots if s.layer is layer)
-                    if slot.adam_state():
-                        slot.adam_state()["exp_avg"].zero_()
+                    if slot.host_optimizer_state():
+                        slot.host_optimizer_state()["exp_avg"].zero_()
 
 
 def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:

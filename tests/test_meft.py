@@ -704,7 +704,7 @@ def _record_row_steps(strategy: MEFTOffloadStrategy) -> list[tuple[list[tuple[in
 
     def recording_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
-        for optimizer in [slot.adam for slot in strategy.attached.slots]:
+        for optimizer in [slot.row_adam for slot in strategy.attached.slots]:
             step = optimizer.step
 
             def recording_step(blocks, grads, settings, clip=None, zero_grads=True, step=step, optimizer=optimizer):
@@ -772,7 +772,7 @@ def test_a_failing_row_update_surfaces_instead_of_hanging(tmp_path: Path) -> Non
         def broken(*args, **kwargs):
             raise RuntimeError("host Adam failed")
 
-        strategy.attached.slots[1].adam.step = broken
+        strategy.attached.slots[1].row_adam.step = broken
 
     strategy.setup_optimizers = breaking_setup
     model = meft_model()
@@ -986,7 +986,7 @@ def test_idle_rows_of_a_stepped_block_read_zero_though_their_old_sums_were_never
 
     def checking_setup(trainer: pl.Trainer) -> None:
         setup(trainer)
-        for adapter, optimizer in zip(strategy.adapters, [slot.adam for slot in strategy.attached.slots]):
+        for adapter, optimizer in zip(strategy.adapters, [slot.row_adam for slot in strategy.attached.slots]):
             step = optimizer.step
             ever_touched = torch.zeros(adapter.config.num_neurons, dtype=torch.bool)
 
@@ -1033,5 +1033,5 @@ def test_a_smaller_row_block_steps_fewer_idle_rows(tmp_path: Path) -> None:
         metrics = strategy.figures_at_step_end()
         assert metrics["meft/rows_updated"] <= metrics["meft/rows_stepped"]
         stepped[row_block] = metrics["meft/rows_stepped"]
-        assert all(o.block_rows == (row_block or 16) for o in [slot.adam for slot in strategy.attached.slots])
+        assert all(o.block_rows == (row_block or 16) for o in [slot.row_adam for slot in strategy.attached.slots])
     assert stepped[2] < stepped[None]

@@ -88,7 +88,7 @@ def test_a_worker_failure_surfaces_in_the_training_loop_with_its_traceback():
                     failed_at["time"] = time.perf_counter()
                     raise _Planted("planted in the host worker")
 
-                slot.adam.step = broken_step
+                slot.host_optimizer.step = broken_step
 
     with pytest.raises(HostWorkerError) as info:
         trainer(strategy, max_steps=20).fit(Sabotage(), classification_data())

@@ -31,7 +31,8 @@ from lightning_offload.lsp.fit import (
     reconstruction_error,
 )
 from lightning_offload.lsp.norm_ratio import NormRatioPool
-from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
+from lightning_offload.engine.rules.adam import ADAM
+from lightning_offload.lsp.rotation import coordinate_map, rotate_moments
 from lightning_offload.lsp.sampling import sample_gradients
 from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, tiny_hf_model, token_data, trainer
 
@@ -185,7 +186,8 @@ def test_rotation_with_unchanged_projectors_is_the_identity():
     proj_out, proj_in = _pair(64, 48, 16, 12, 3)
     state = _random_state(16, 12)
     expected = {k: v.clone() for k, v in state.items()}
-    rotate_adam_state(state, coordinate_map(proj_out, proj_out), coordinate_map(proj_in, proj_in))
+    rotate_moments(state, coordinate_map(proj_out, proj_out), coordinate_map(proj_in, proj_in), ADAM.first_moments,
+                   ADAM.second_moments)
     torch.testing.assert_close(state["exp_avg"], expected["exp_avg"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state["exp_avg_sq"], expected["exp_avg_sq"], atol=1e-4, rtol=1e-4)
     assert float(state["step"]) == 7.0
@@ -196,7 +198,8 @@ def test_rotation_projects_the_first_moment_orthogonally_onto_the_new_subspace()
     new_out, new_in = _pair(64, 48, 16, 12, 3, seed=1)
     state = _random_state(16, 12)
     m_old = state["exp_avg"].clone()
-    rotate_adam_state(state, coordinate_map(old_out, new_out), coordinate_map(old_in, new_in))
+    rotate_moments(state, coordinate_map(old_out, new_out), coordinate_map(old_in, new_in), ADAM.first_moments,
+                   ADAM.second_moments)
     a_old, b_old, a_new, b_new = (p.to_dense().double() for p in (old_out, old_in, new_out, new_in))
     target = a_old.T @ m_old.double() @ b_old  # the moment as a weight-space matrix
     residual = a_new.T @ state["exp_avg"].double() @ b_new - target

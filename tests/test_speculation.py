@@ -123,5 +123,5 @@ def test_a_step_that_fails_after_backward_leaves_the_host_state_as_before_it():
     # Two steps were taken in both; the third's speculative host steps were undone: same masters and moments.
     for slot, other in zip(optimizer.slots, plain.offload_optimizer.slots):
         assert torch.equal(slot.host_param, other.host_param), slot.name
-        state, other_state = slot.adam.state[slot.host_param], other.adam.state[other.host_param]
+        state, other_state = slot.host_optimizer.state[slot.host_param], other.host_optimizer.state[other.host_param]
         assert all(torch.equal(state[key], other_state[key]) for key in other_state), slot.name

@@ -10,18 +10,19 @@ import torch
 
 from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
 from lightning_offload.engine.figures.telemetry import OffloadTelemetry
+from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.data_parallel import RankShards
-from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 
 STATE_FORMAT = 2
 
 
-def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], device_adam: DeviceAdam | None,
-                 telemetry: OffloadTelemetry, ranks: RankShards | None) -> dict[str, Any]:
+def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], device_optimizer: DeviceOptimizer | None,
+                 telemetry: OffloadTelemetry, ranks: RankShards | None, rule: HostRule) -> dict[str, Any]:
     """Everything needed to resume exactly: group hyper-parameters, host moments and step counts, projector
     indices and values (with the clipping norm's ``ρ`` and its probes' averages, as plain numbers), fp32 masters of
-    low-precision dense parameters, rounding generators, counters.
+    low-precision dense parameters, rounding generators, counters, and the host rule that wrote the state.
 
     Call after every pending update was applied.
     """
@@ -48,15 +49,17 @@ def engine_state(slots: Sequence[Slot], param_groups: list[dict[str, Any]], devi
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups],
         "slots": [slot.name for slot in slots],
         "host_adam": [host_adam.get(slot.name) for slot in slots],
-        "device_adam": device_adam.state_dict() if device_adam is not None else None,
+        "device_adam": device_optimizer.state_dict() if device_optimizer is not None else None,
         "projectors": parts["projectors"],
         "dense_masters": dense_masters,
         "rounding_generators": parts["rounding_generators"],
         "telemetry": telemetry.state_dict(),
+        "host_rule": rule.name,
     }
 
 
-def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_adam: DeviceAdam | None) -> None:
+def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_optimizer: DeviceOptimizer | None,
+                       rule: HostRule) -> None:
     """Refuse a checkpoint this engine cannot resume from, saying what to do instead.
 
     Raises:
@@ -76,18 +79,22 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_adam
             f"{names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, patterns) "
             f"and optimizer groups."
         )
+    saved_rule = state.get("host_rule", "Adam")  # written before other host rules existed: Adam's
+    if saved_rule != rule.name:
+        raise ValueError(f"This optimizer state was written by {saved_rule}, and this run steps by {rule.name}: their "
+                         f"states differ. Resume with the optimizer that wrote it. " + WEIGHTS_ONLY)
     if None in state["host_adam"]:
         raise ValueError("This optimizer state lacks the host Adam state of some tensors: it is a non-zero "
                          "rank's share of a data-parallel checkpoint. Resume from the checkpoint rank 0 wrote.")
     for slot, adam_state in zip(slots, state["host_adam"]):
         slot.check_saved_state(adam_state)
-    if (state.get("device_adam") is None) != (device_adam is None):
+    if (state.get("device_adam") is None) != (device_optimizer is None):
         raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
                          "the same embeddings= and head= settings.")
 
 
 def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups: list[dict[str, Any]],
-                      device_adam: DeviceAdam | None, telemetry: OffloadTelemetry) -> None:
+                      device_optimizer: DeviceOptimizer | None, telemetry: OffloadTelemetry) -> None:
     """Restore :func:`engine_state` output (checked by :func:`check_engine_state`; every pending update applied and
     every copy from the host buffers finished). Call after the model weights are restored: fp32 masters are
     refreshed from them."""
@@ -99,6 +106,6 @@ def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups
         slot.load_checkpoint_part(state)
         if slot.owned and slot.keeps_master:
             slot.load_master(state["dense_masters"].get(slot.name))
-    if device_adam is not None:
-        device_adam.load_state_dict(state["device_adam"])
+    if device_optimizer is not None:
+        device_optimizer.load_state_dict(state["device_adam"])
     telemetry.load_state_dict(state["telemetry"])

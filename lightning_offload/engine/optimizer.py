@@ -1,5 +1,6 @@
-"""The offload engine as a ``torch.optim.Optimizer``: :class:`OffloadOptimizer` takes over a user's Adam/AdamW, builds
-one slot per offloaded tensor and the parts they share, and hands each step to the engine's orchestrator
+"""The offload engine as a ``torch.optim.Optimizer``: :class:`OffloadOptimizer` takes over a user's Adam/AdamW (or any
+optimizer a host rule steps, :mod:`~lightning_offload.engine.rules`), builds one slot per offloaded tensor and the
+parts they share, and hands each step to the engine's orchestrator
 (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`).
 
 :class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
@@ -29,18 +30,19 @@ from lightning_offload.engine.figures.state_sizes import (
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
+from lightning_offload.engine.rules.host_rule import host_rule_for
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
-from lightning_offload.engine.slots.slot import Lanes, Slot, is_decoupled
+from lightning_offload.engine.slots.slot import Lanes, Slot
 from lightning_offload.engine.slots.slot_building import build_slots
 from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
 from lightning_offload.engine.step.data_parallel import RankShards
-from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 from lightning_offload.engine.step.host_jobs import HostJobs
 from lightning_offload.engine.step.orchestrator import StepOrchestrator
 from lightning_offload.engine.step.pipeline import HostWorker, UpdateRing
 from lightning_offload.engine.user_optimizer import (
-    LINK_DTYPES, check_engine_arguments, check_still_frozen, named_parameters_of, validate_user_optimizer)
+    LINK_DTYPES, check_engine_arguments, check_still_frozen, is_decoupled, named_parameters_of, validate_user_optimizer)
 from lightning_offload.lsp.channel_scales import ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
@@ -79,7 +81,7 @@ class OffloadOptimizer(Optimizer):
             (:mod:`~lightning_offload.engine.step.host_jobs`; results equal the other path's bit for bit). Costs a host
             copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU,
             where host and "device" share the cores; measured: it only adds contention there).
-        keep_on_device: parameters stepped by a device Adam (:class:`~lightning_offload.engine.step.device_adam.DeviceAdam`)
+        keep_on_device: parameters stepped on the device (:class:`~lightning_offload.engine.step.device_optimizer.DeviceOptimizer`)
             instead of the host: clipped and checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
             each way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
@@ -137,7 +139,8 @@ class OffloadOptimizer(Optimizer):
         # On an accelerator the worker keeps off one core, so the main thread's kernel launches never wait for one.
         #: Where the engine's own share of each step goes, by phase (off unless a benchmark turns it on).
         self.phases = PhaseClock(self.device)
-        self.lanes = Lanes(self.device, LINK_DTYPES[link_dtype], self.device.type != "cpu", self.ranks, self.phases)
+        self.lanes = Lanes(self.device, LINK_DTYPES[link_dtype], self.device.type != "cpu", self.ranks,
+                           host_rule_for(optimizer), self.phases)
         self.figures = StepFigures()
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
@@ -151,7 +154,7 @@ class OffloadOptimizer(Optimizer):
         self.host_jobs = HostJobs(speculative if speculative is not None else self.device.type != "cpu",
                                        self.slots, self.lanes.worker)
         self.orchestrator = StepOrchestrator(
-            self.lanes, self.slots, self.device_adam, self.host_jobs, self.norms, self.figures, on_nonfinite,
+            self.lanes, self.slots, self.device_optimizer, self.host_jobs, self.norms, self.figures, on_nonfinite,
             pipelined, model, {id(p) for p in tied_projected})
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
@@ -187,7 +190,7 @@ class OffloadOptimizer(Optimizer):
             layer.phases = self.phases
         kept = [(p, group, is_decoupled(optimizer, group)) for group in self.param_groups for p in group["params"]
                 if id(p) in on_device]
-        self.device_adam: DeviceAdam | None = DeviceAdam(kept) if kept else None
+        self.device_optimizer: DeviceOptimizer | None = DeviceOptimizer(kept, self.lanes.rule) if kept else None
 
     # ----------------------------------------------------------------------------------------------- the parts
     @property
@@ -327,6 +330,7 @@ class OffloadOptimizer(Optimizer):
             raise ValueError("Host row blocks train on one process: their gradients are not reduced between ranks.")
         if self.norms.rows is not None:
             raise ValueError("This optimizer already steps host row blocks; attach them all in one call.")
+        self.lanes.rule.refuse_rows("meft_offload's adapter rows")
         gradients = RowGradients(self.lanes.worker, self.lanes.link)
         slots = [RowBlocksSlot(rows, settings, gradients, self.lanes) for rows in blocks]
         self.slots += slots  # after every other slot: their jobs queue last, as the forward needs them last
@@ -342,7 +346,7 @@ class OffloadOptimizer(Optimizer):
         """Install new projectors for ``layer`` and carry its host Adam moments into the new subspace.
 
         Pending updates are applied first (they belong to the old subspace). The moments are mapped on the host
-        (:func:`~lightning_offload.lsp.rotation.rotate_adam_state`); only ``d × d`` maps cross the link.
+        (:func:`~lightning_offload.lsp.rotation.rotate_moments`); only ``d × d`` maps cross the link.
         ``norm_ratio`` is the new projectors' ``‖S‖/‖G‖`` on sampled gradients (see :meth:`grad_norm`);
         ``second_moment_scale`` is ``(‖S_new‖/‖S_old‖)²`` on the same gradients, applied to the carried ``v``.
 
@@ -361,10 +365,9 @@ class OffloadOptimizer(Optimizer):
         return host_state_bytes(self.slots, self.host_jobs)
 
     def device_persistent_bytes(self) -> dict[str, int]:
-        """Device bytes the offload machinery keeps between steps, by category (see
-        :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`). Counted from the
-        tensors' sizes, so it works on any device, ``meta`` included."""
-        return device_persistent_bytes(self.slots, self.lanes.ring, self.device_adam)
+        """Device bytes the offload machinery keeps between steps, by category
+        (:func:`~lightning_offload.engine.figures.state_sizes.device_persistent_bytes`; any device, ``meta`` too)."""
+        return device_persistent_bytes(self.slots, self.lanes.ring, self.device_optimizer)
 
     def device_state_bytes(self) -> int:
         """Bytes of optimizer state found on a non-CPU device (the placement check: expected 0 on a GPU)."""
@@ -378,7 +381,8 @@ class OffloadOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Everything needed to resume exactly (:func:`~lightning_offload.engine.engine_state.engine_state`)."""
         self.synchronize()
-        return engine_state(self.slots, self.param_groups, self.device_adam, self.telemetry, self.ranks)
+        return engine_state(self.slots, self.param_groups, self.device_optimizer, self.telemetry, self.ranks,
+                            self.lanes.rule)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore :meth:`state_dict` output; all state stays on the host, projectors go to the device.
@@ -388,9 +392,9 @@ class OffloadOptimizer(Optimizer):
         Raises:
             ValueError: when the checkpoint was written for different layers, param groups or placements.
         """
-        check_engine_state(state_dict, self.slots, self.device_adam)
+        check_engine_state(state_dict, self.slots, self.device_optimizer, self.lanes.rule)
         self.synchronize()
         for slot in self.slots:
             slot.wait_for_send_back()  # host buffers are overwritten next: copies still reading them must finish
-        load_engine_state(state_dict, self.slots, self.param_groups, self.device_adam, self.telemetry)
+        load_engine_state(state_dict, self.slots, self.param_groups, self.device_optimizer, self.telemetry)
         self.telemetry.host_state_bytes = self.host_state_bytes()

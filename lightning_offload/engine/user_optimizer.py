@@ -10,36 +10,30 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_offload.engine.rows.row_adam_kernel import RowAdamSettings
-from lightning_offload.engine.slots.slot import is_decoupled
-
-SUPPORTED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
+from lightning_offload.engine.rules.host_rule import host_rule_for
 
 
 LINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def validate_user_optimizer(optimizer: Any) -> Optimizer:
-    """Check the optimizer an offload strategy can take over; return it unwrapped.
+    """Check the optimizer an offload strategy can take over (one a host rule steps: ``torch.optim.Adam``/``AdamW``,
+    :class:`~lightning_offload.engine.rules.lion.Lion`; :mod:`~lightning_offload.engine.rules`); return it unwrapped.
 
     Raises:
-        TypeError: for anything but ``torch.optim.Adam``/``AdamW`` (subclasses are refused too: their ``step``
-            may do something the host Adam would not reproduce).
+        TypeError: for an optimizer no rule takes over (subclasses are refused too: their ``step`` may do something
+            the host step would not reproduce).
+        ValueError: for a configuration its rule cannot step (capturable or differentiable Adam).
     """
     inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    if type(inner) not in SUPPORTED_OPTIMIZERS:
-        raise TypeError(
-            f"The offload takes over torch.optim.Adam or torch.optim.AdamW, but was given "
-            f"{type(inner).__module__}.{type(inner).__qualname__} (returned by configure_optimizers, or passed to "
-            f"offload() or fabric.setup()). Use torch.optim.AdamW(...) (any param groups, lr, betas, eps, "
-            f"weight_decay) — its state will live on the host."
-        )
-    for group in inner.param_groups:
-        if group.get("capturable") or group.get("differentiable"):
-            raise ValueError(
-                "capturable/differentiable Adam cannot be offloaded: the host Adam is neither. Create the optimizer "
-                "without capturable=True and differentiable=True."
-            )
+    host_rule_for(inner)
     return inner
+
+
+def is_decoupled(optimizer: Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s weight decay multiplies the weight by ``1 − lr·λ`` (AdamW's, Lion's) rather than adding
+    ``λW`` to the gradient (Adam's L2), as the user's optimizer applies it."""
+    return host_rule_for(optimizer).decoupled(optimizer, group)
 
 
 def named_parameters_of(groups: list[dict[str, Any]], model: torch.nn.Module | None) -> list[tuple[str, Tensor]]:

@@ -35,8 +35,9 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
 
     Args:
         model: the model, on its training device already.
-        optimizer: a ``torch.optim.Adam`` or ``AdamW`` over ``model``'s parameters; its ``param_groups`` are shared
-            (an LR scheduler built on either optimizer drives both).
+        optimizer: a ``torch.optim.Adam`` or ``AdamW`` (or :class:`~lightning_offload.engine.rules.lion.Lion`) over
+            ``model``'s parameters; its ``param_groups`` are shared (an LR scheduler built on either optimizer drives
+            both).
         strategy: ``"lsp_offload"`` (projected gradients) or ``"zero_offload"`` (dense, ZeRO-Offload style).
             Default: ``"lsp_offload"``.
         device: the training device. Default: ``None`` (where ``model``'s first parameter is).
@@ -57,8 +58,8 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
         The engine as a ``torch.optim.Optimizer``; call :meth:`~LoopOffloadOptimizer.close` when done.
 
     Raises:
-        ValueError: for an unknown strategy, a bad setting (named, with the accepted values), or an optimizer other
-            than Adam/AdamW.
+        ValueError: for an unknown strategy, or a bad setting (named, with the accepted values).
+        TypeError: for an optimizer no host rule takes over (:mod:`~lightning_offload.engine.rules`).
 
     Example::
 

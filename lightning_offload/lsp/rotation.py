@@ -1,4 +1,4 @@
-"""Carrying Adam's moments from an old projected subspace into a new one after a refit.
+"""Carrying an optimizer's moments (Adam's, Lion's) from an old projected subspace into a new one after a refit.
 
 The host variable ``Z`` parameterises the weight change ``Aᵀ Z B``. When ``A, B`` are replaced by ``A', B'``, the
 coordinates ``Z'`` that best express the same weight-space matrix (least squares in the Frobenius norm) are
@@ -14,6 +14,7 @@ state rotation".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,8 +38,13 @@ def coordinate_map(old: SparseProjector, new: SparseProjector) -> Tensor:
 
 
 @torch.no_grad()
-def rotate_adam_state(state: dict[str, Any], map_out: Tensor, map_in: Tensor, second_moment_scale: float = 1.0) -> None:
-    """Map one compressed tensor's Adam state in place into new coordinates (host tensors stay on the host).
+def rotate_moments(state: dict[str, Any], map_out: Tensor, map_in: Tensor, first: Sequence[str], second: Sequence[str],
+                   second_moment_scale: float = 1.0) -> None:
+    """Map one compressed tensor's optimizer state in place into new coordinates (host tensors stay on the host).
+
+    What is said below of Adam's ``m`` holds for every entry of ``first`` (moments linear in the gradient: Adam's
+    ``exp_avg``, Lion's), and of ``v`` for every entry of ``second`` (moments of squared gradients: Adam's
+    ``exp_avg_sq`` and AMSGrad's ``max_exp_avg_sq``); other entries (step counts) are kept.
 
     The step counter is kept, so Adam's bias correction treats the moments as warm. That holds for the second moment
     only if it keeps its size: between two unrelated subspaces (redrawn indices) the element-squared maps keep only
@@ -49,16 +55,19 @@ def rotate_adam_state(state: dict[str, Any], map_out: Tensor, map_in: Tensor, se
     of the old direction the new subspace cannot express is lost, and ``m`` refills within ``1/(1 − β₁)`` steps.
 
     Args:
-        state: ``torch.optim.Adam``'s per-parameter state (``exp_avg``, ``exp_avg_sq``, optional
+        state: the optimizer's per-parameter state (``torch.optim.Adam``'s: ``exp_avg``, ``exp_avg_sq``, optional
             ``max_exp_avg_sq``).
         map_out: ``M_A`` (``d_o' × d_o``).
         map_in: ``M_B`` (``d_i' × d_i``).
+        first: the keys of moments linear in the gradient (mapped as they are).
+        second: the keys of moments of squared gradients (mapped element-squared, their total kept).
         second_moment_scale: factor on ``v``'s total after the map (1: keep it).
     """
-    if "exp_avg" in state:
-        state["exp_avg"].copy_(map_out @ state["exp_avg"] @ map_in.t())
+    for key in first:
+        if key in state:
+            state[key].copy_(map_out @ state[key] @ map_in.t())
     squared_out, squared_in = map_out.square(), map_in.square()
-    for key in ("exp_avg_sq", "max_exp_avg_sq"):
+    for key in second:
         if key in state:
             old_mass = state[key].double().sum()
             state[key].copy_(squared_out @ state[key] @ squared_in.t())

@@ -15,9 +15,9 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.slots.slot import is_decoupled
 from lightning_offload.engine.step.data_parallel import RankShards
-from lightning_offload.engine.user_optimizer import validate_user_optimizer
+from lightning_offload.engine.rules.host_rule import host_rule_for
+from lightning_offload.engine.user_optimizer import is_decoupled, validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.setup.embeddings_head import Placement, plan_placement
 from lightning_offload.setup.projection import attach_projections
@@ -118,13 +118,16 @@ def _refuse_a_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def rows_stepped_densely(optimizer: Optimizer, embeddings_by_default: bool) -> dict[int, str]:
-    """The parameters whose group the row-sparse embedding step cannot follow, with the reason: Adam's coupled L2 (it
-    moves every row at every step), and ``amsgrad`` where ``embeddings="sparse"`` is only the default (asked for
-    explicitly, amsgrad is refused instead)."""
+    """The parameters whose group the row-sparse embedding step cannot follow, with the reason: an optimizer the row
+    Adam is not (Lion), Adam's coupled L2 (it moves every row at every step), and ``amsgrad`` where
+    ``embeddings="sparse"`` is only the default (asked for explicitly, amsgrad is refused instead)."""
     reasons = {}
+    rule = host_rule_for(optimizer)
     for group in optimizer.param_groups:
         reason = None
-        if group.get("weight_decay") and not is_decoupled(optimizer, group):
+        if not rule.rows:
+            reason = f"is stepped by {rule.name}, which the engine's row-sparse step (a row Adam) does not implement"
+        elif group.get("weight_decay") and not is_decoupled(optimizer, group):
             reason = ("uses Adam's coupled L2 (weight_decay of torch.optim.Adam), which moves every row at every "
                       "step, so a row-sparse step could not be exact")
         elif group.get("amsgrad") and embeddings_by_default:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from lightning_offload.engine.slots.slot import Slot
-from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.host_jobs import HostJobs
 from lightning_offload.engine.step.pipeline import UpdateRing
 
@@ -35,7 +35,7 @@ def device_state_bytes(slots: Sequence[Slot], host_jobs: HostJobs) -> int:
 
 
 def device_persistent_bytes(slots: Sequence[Slot], ring: UpdateRing | None,
-                            device_adam: DeviceAdam | None) -> dict[str, int]:
+                            device_optimizer: DeviceOptimizer | None) -> dict[str, int]:
     """Device bytes the offload machinery keeps between steps, by category: each slot's own (projectors, the
     scaled rule's projections), the update ring and the device Adam's state."""
     sizes = dict.fromkeys(PERSISTENT_CATEGORIES, 0)
@@ -43,5 +43,5 @@ def device_persistent_bytes(slots: Sequence[Slot], ring: UpdateRing | None,
         for category, size in slot.device_persistent_bytes().items():
             sizes[category] += size
     sizes["update_ring"] = ring.nbytes() if ring is not None else 0
-    sizes["device_optimizer"] = device_adam.state_bytes() if device_adam is not None else 0
+    sizes["device_optimizer"] = device_optimizer.state_bytes() if device_optimizer is not None else 0
     return sizes

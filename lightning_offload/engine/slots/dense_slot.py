@@ -9,11 +9,11 @@ from typing import Any
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.host_adam_slot import HostAdamSlot, host_adam
-from lightning_offload.engine.slots.slot import Lanes, pinned_zeros, synced_hparams
+from lightning_offload.engine.slots.host_step_slot import HostStepSlot
+from lightning_offload.engine.slots.slot import Lanes, pinned_zeros
 
 
-class DenseSlot(HostAdamSlot):
+class DenseSlot(HostStepSlot):
     """A parameter stepped densely on the host; its new value replaces the device tensor's."""
 
     keeps_master = True
@@ -24,17 +24,17 @@ class DenseSlot(HostAdamSlot):
                  owner: int = 0) -> None:
         master = pinned_zeros(param.shape, lanes.pin)
         master.copy_(param.detach())
-        adam = host_adam(master, {**synced_hparams(group), "decoupled_weight_decay": decoupled})
+        host_optimizer = lanes.rule.optimizer_over(master, lanes.rule.hparams_of(group), decoupled)
         # A low-precision parameter's value crosses in its own dtype (bf16: 2 bytes per element, not the master's 4).
         host_update = pinned_zeros(param.shape, lanes.pin, param.dtype) if param.dtype != master.dtype else None
-        super().__init__(name, param, group, lanes, decoupled, master, adam, host_update, owner)
+        super().__init__(name, param, group, lanes, decoupled, master, host_optimizer, host_update, owner)
         self.watch_weights()
 
     def prepare(self, step: StepTelemetry) -> None:
         step.bytes_device_to_host += self.host_grad.numel() * self.host_grad.element_size()
         step.bytes_host_to_device += self.param.numel() * self.param.element_size()
 
-    def _after_adam(self, compute_done: Any, stepped: float, speculative: bool) -> None:
+    def _after_host_step(self, compute_done: Any, stepped: float, speculative: bool) -> None:
         if not speculative:
             self.send_value(compute_done, stepped)
 

@@ -12,19 +12,19 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.host_adam_slot import HostAdamSlot, host_adam
-from lightning_offload.engine.slots.slot import JobSettings, Lanes, Slot, pinned_zeros, synced_hparams
+from lightning_offload.engine.slots.host_step_slot import HostStepSlot
+from lightning_offload.engine.slots.slot import JobSettings, Lanes, Slot, pinned_zeros
 from lightning_offload.engine.step.pipeline import StepTimeline
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.lsp.rotation import coordinate_map, rotate_adam_state
+from lightning_offload.lsp.rotation import coordinate_map, rotate_moments
 
 
 @torch.no_grad()
-def install_projectors(layer: ProjectedWeight, device: torch.device, adam_state: dict[str, Any], proj_out: SparseProjector,
+def install_projectors(layer: ProjectedWeight, lanes: Lanes, state: dict[str, Any], proj_out: SparseProjector,
                        proj_in: SparseProjector, norm_ratio: float, second_moment_scale: float) -> None:
-    """Give ``layer`` new projectors and map its host Adam state (empty where another rank keeps it) into the new
-    subspace: on the host, so only ``d × d`` maps cross the link.
+    """Give ``layer`` new projectors and map its host optimizer's state (empty where another rank keeps it) into the
+    new subspace, by the moments the engine's host rule names: on the host, so only ``d × d`` maps cross the link.
 
     Raises:
         ValueError: if the compressed shape would change.
@@ -34,10 +34,10 @@ def install_projectors(layer: ProjectedWeight, device: torch.device, adam_state:
             f"A refit must keep {layer.name}'s compressed shape {layer.compressed_shape}; got "
             f"({proj_out.dim_out}, {proj_in.dim_out})."
         )
-    if adam_state:
-        rotate_adam_state(adam_state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in),
-                          second_moment_scale)
-    layer.set_projectors(proj_out.to(device), proj_in.to(device))
+    if state:
+        rotate_moments(state, coordinate_map(layer.proj_out, proj_out), coordinate_map(layer.proj_in, proj_in),
+                       lanes.rule.first_moments, lanes.rule.second_moments, second_moment_scale)
+    layer.set_projectors(proj_out.to(lanes.device), proj_in.to(lanes.device))
     # A degenerate measurement (zero, nan) must not turn every later norm into inf and skip every step.
     layer.norm_ratio = float(norm_ratio) if math.isfinite(norm_ratio) and norm_ratio > 0 else 1.0
 
@@ -80,7 +80,7 @@ def load_projector_checkpoint(name: str, layer: ProjectedWeight, generator: torc
     generator.set_state(state["rounding_generators"][name])
 
 
-class ProjectedSlot(HostAdamSlot):
+class ProjectedSlot(HostStepSlot):
     """A projected weight stepped in the compressed space.
 
     Args:
@@ -94,9 +94,9 @@ class ProjectedSlot(HostAdamSlot):
         z = pinned_zeros(shape, lanes.pin)
         # Weight decay of projected weights is applied to W on the device (decoupled) or added to S as
         # λ·A W Bᵀ (coupled L2), never to Z, whose value is only the step's update.
-        adam = host_adam(z, {**synced_hparams(group), "weight_decay": 0.0})
+        host_optimizer = lanes.rule.optimizer_over(z, {**lanes.rule.hparams_of(group), "weight_decay": 0.0})
         host_update = pinned_zeros(shape, lanes.pin, lanes.link_dtype) if lanes.link_dtype != z.dtype else None
-        super().__init__(name, param, group, lanes, decoupled, z, adam, host_update, owner)
+        super().__init__(name, param, group, lanes, decoupled, z, host_optimizer, host_update, owner)
         self.layer = layer
         self.generator = generator
         self.host_l2 = pinned_zeros(shape, lanes.pin) if group.get("weight_decay") and not decoupled else None
@@ -171,10 +171,10 @@ class ProjectedSlot(HostAdamSlot):
     def _wait_for_l2(self) -> None:
         self.lanes.link.host_wait(self.l2_event)
 
-    def _before_adam(self) -> None:
+    def _before_host_step(self) -> None:
         self.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
 
-    def _after_adam(self, compute_done: Any, stepped: float, speculative: bool) -> None:
+    def _after_host_step(self, compute_done: Any, stepped: float, speculative: bool) -> None:
         if self.host_update is not None:
             self.host_update.copy_(self.host_param)  # narrowed to the link dtype on the host
         # The main thread copies it to the device when the layer is about to need it (fetch): device buffers for
@@ -208,7 +208,8 @@ class ProjectedSlot(HostAdamSlot):
     def replace_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
                            second_moment_scale: float) -> None:
         """Install new projectors and carry the host Adam moments into the new subspace (no update pending)."""
-        install_projectors(self.layer, self.lanes.device, self.adam_state(), proj_out, proj_in, norm_ratio, second_moment_scale)
+        install_projectors(self.layer, self.lanes, self.host_optimizer_state(), proj_out, proj_in, norm_ratio,
+                           second_moment_scale)
 
     # ------------------------------------------------------------------------------------------------ update ring
     def _update_source(self) -> Tensor:

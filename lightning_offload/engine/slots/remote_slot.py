@@ -82,7 +82,7 @@ class RemoteSlot(Slot):
     def replace_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float,
                            second_moment_scale: float) -> None:
         """Install a refit's projectors (the owner carries the Adam state; this rank keeps none)."""
-        install_projectors(self.layer, self.lanes.device, {}, proj_out, proj_in, norm_ratio, second_moment_scale)
+        install_projectors(self.layer, self.lanes, {}, proj_out, proj_in, norm_ratio, second_moment_scale)
 
     def expect_update(self, timeline: StepTimeline) -> None:
         # What applying the update needs is captured now, as the owner does (a scheduler may change lr before then).

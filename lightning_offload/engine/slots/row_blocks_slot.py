@@ -72,7 +72,7 @@ class RowBlocksSlot(Slot):
                  lanes: Lanes) -> None:
         super().__init__(rows.name, rows.matrices[0], {}, lanes, decoupled=True)
         self.rows = rows
-        self.adam = BlockRowAdam(rows.matrices, rows.block_rows, lr_scales=rows.lr_scales)
+        self.row_adam = BlockRowAdam(rows.matrices, rows.block_rows, lr_scales=rows.lr_scales)
         self._settings = settings
         self.gradients = gradients
         self.landings = [RowLanding(accumulator, written, rows.block_rows)
@@ -110,7 +110,7 @@ class RowBlocksSlot(Slot):
         with one_thread(self.landings[0].small):
             # Rows touched per block: the blocks, the rows updated, and (a step without accumulation) where the kept
             # gradients' rows lie, all from one count.
-            counts = self.rows.touched.view(self.adam.num_blocks, self.adam.block_rows).sum(dim=1)
+            counts = self.rows.touched.view(self.row_adam.num_blocks, self.row_adam.block_rows).sum(dim=1)
             blocks = counts.nonzero().squeeze(1)
             block_list = blocks.tolist()
             layout = KeptLayout(None, counts.index_select(0, blocks).tolist())
@@ -157,7 +157,7 @@ class RowBlocksSlot(Slot):
         the step is put first)."""
         for landing in self.landings:
             landing.materialize()
-        return self.adam.grad_norm_squares(self.rows.accumulators, blocks)
+        return self.row_adam.grad_norm_squares(self.rows.accumulators, blocks)
 
     def materialize(self) -> None:
         """Put the step's gradients kept where they landed into the accumulators, for a reader of them (main thread;
@@ -175,7 +175,7 @@ class RowBlocksSlot(Slot):
     def prepare(self, step: StepTelemetry) -> None:
         self.blocks = self.gradients.take(self)
         self.rows_updated = self.touched_rows  # counted with the blocks
-        self.rows_stepped = self.blocks.numel() * self.adam.block_rows
+        self.rows_stepped = self.blocks.numel() * self.row_adam.block_rows
 
     def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
                   speculative: bool = False) -> None:
@@ -187,7 +187,7 @@ class RowBlocksSlot(Slot):
         row_clip = None if clip is None else (clip[0], float(clip[1]))
         with one_thread(self.landings[0].small):  # a kernel call per small block: no parallel region each
             mirrored = bool(self.block_grads) and getattr(self.block_grads[0], "mirror", None) is not None
-            ranges = self.adam.step(self.blocks, self.block_grads, RowAdamSettings(**hparams), row_clip,
+            ranges = self.row_adam.step(self.blocks, self.block_grads, RowAdamSettings(**hparams), row_clip,
                                     zero_grads=False)
             if not mirrored:  # the kernel rewrote the owner's copy of the stepped rows as it stepped them
                 self.rows.on_stepped(ranges)
@@ -210,7 +210,7 @@ class RowBlocksSlot(Slot):
     def forget(self, blocks: Tensor) -> None:
         """Forget the gradients of ``blocks``: their rows are no longer touched or written, so the next step's first
         gradient overwrites them (a step consumed, or one not taken)."""
-        self.rows.touched.view(self.adam.num_blocks, self.adam.block_rows).index_fill_(0, blocks, False)
+        self.rows.touched.view(self.row_adam.num_blocks, self.row_adam.block_rows).index_fill_(0, blocks, False)
         for landing in self.landings:
             landing.forget(blocks)
         self.block_grads = []
@@ -223,10 +223,10 @@ class RowBlocksSlot(Slot):
         return []  # its matrices, accumulators and moments are reported whole as its owner's (host_rows_bytes)
 
     def host_state(self) -> dict[str, Any]:
-        return self.adam.state_dict()
+        return self.row_adam.state_dict()
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        self.adam.load_state_dict(state)
+        self.row_adam.load_state_dict(state)
 
     def check_saved_state(self, saved: dict[str, Any]) -> None:
         """Nothing here: its row Adam checks its own state's layout as it loads it."""

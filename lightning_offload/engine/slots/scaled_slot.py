@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload.engine.slots.host_adam_slot import HostAdamSlot, host_adam
+from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.slot import (
-    Clip, JobSettings, Lanes, clip_, pinned_zeros, synced_hparams, thread_minor_faults)
+    Clip, JobSettings, Lanes, clip_, pinned_zeros, thread_minor_faults)
 from lightning_offload.engine.step.pipeline import StepTimeline
 from lightning_offload.lsp.channel_scales import ScaledWeight, channel_scales
 
@@ -39,7 +39,7 @@ def coupled_decay_error(name: str) -> ValueError:
         f"Use torch.optim.AdamW, or weight_decay=0 in that group, or update='projected'.")
 
 
-class ScaledSlot(HostAdamSlot):
+class ScaledSlot(HostStepSlot):
     """A weight stepped by the scaled rule: Adam on ``R`` on the host (``Z``, ``channels × r``, restarted at 0 with
     learning rate 1, so after the step ``Z = −R̃``), the channel scales back, the full-rank update on the device.
 
@@ -59,7 +59,8 @@ class ScaledSlot(HostAdamSlot):
         if group.get("weight_decay") and not decoupled:
             raise coupled_decay_error(name)
         z = pinned_zeros((weight.channels, weight.rank), lanes.pin)
-        super().__init__(name, param, group, lanes, decoupled, z, host_adam(z, self._adam_hparams(group)), None)
+        direction = lanes.rule.optimizer_over(z, self._adam_hparams(lanes, group))
+        super().__init__(name, param, group, lanes, decoupled, z, direction, None)
         self.weight = weight
         self.generator = generator
         # ‖G_j‖² of each channel, landed beside R (fp32 whatever the link: a norm is not narrowed).
@@ -78,10 +79,10 @@ class ScaledSlot(HostAdamSlot):
         self.decay = 1.0
 
     @staticmethod
-    def _adam_hparams(group: dict[str, Any]) -> dict[str, Any]:
+    def _adam_hparams(lanes: Lanes, group: dict[str, Any]) -> dict[str, Any]:
         # Adam gives the direction R̃ only: its step is 1 and it has no decay (AdamW's is applied to W on the device)
         # and no sign flip (maximize only changes the sign of the update applied, never a norm).
-        return {**synced_hparams(group), "lr": 1.0, "weight_decay": 0.0, "maximize": False}
+        return {**lanes.rule.hparams_of(group), "lr": 1.0, "weight_decay": 0.0, "maximize": False}
 
     # ------------------------------------------------------------------------------------------------ backward
     def send(self, round_: int, timeline: StepTimeline) -> None:
@@ -104,7 +105,7 @@ class ScaledSlot(HostAdamSlot):
 
     # ------------------------------------------------------------------------------------------------ the step
     def settings(self) -> JobSettings:
-        return self._adam_hparams(self.group), 0.0
+        return self._adam_hparams(self.lanes, self.group), 0.0
 
     def prepare(self, step: StepTelemetry) -> None:
         step.bytes_device_to_host += self.host_grad.numel() * self.host_grad.element_size() + self.host_squares.numel() * 4
@@ -122,7 +123,7 @@ class ScaledSlot(HostAdamSlot):
         limiter, and the scales' copy back."""
         faults = thread_minor_faults()
         start = time.perf_counter()
-        self.adam.param_groups[0].update(settings[0])
+        self.host_optimizer.param_groups[0].update(settings[0])
         self.lanes.link.host_wait(self.to_host_event)
         self.lanes.link.host_wait(self.squares_event)
         landed = time.perf_counter()
@@ -134,7 +135,7 @@ class ScaledSlot(HostAdamSlot):
             clip_(grad, clip)  # a clip by value was applied to G on the device (clamp_on_device)
         self.host_param.zero_()
         self.host_param.grad = grad
-        self.adam.step()
+        self.host_optimizer.step()
         self.host_param.grad = None
         scales, self.last_norm = channel_scales(self.host_param, gradient_norms, self.host_squares, self.last_norm,
                                                 self.weight.rule.norm_growth_limit)
@@ -164,13 +165,13 @@ class ScaledSlot(HostAdamSlot):
         return {"scaled_projections": self.weight.nbytes()}
 
     def host_state(self) -> dict[str, Any]:
-        return {**self.adam.state_dict(), "scaled": {
+        return {**self.host_optimizer.state_dict(), "scaled": {
             "last_norm": self.last_norm, "steps_taken": self.steps_taken, "seed": self.weight.seed,
             "rounding_generator": self.generator.get_state()}}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         scaled = state["scaled"]
-        self.adam.load_state_dict({key: value for key, value in state.items() if key != "scaled"})
+        self.host_optimizer.load_state_dict({key: value for key, value in state.items() if key != "scaled"})
         self.last_norm = scaled["last_norm"]
         self.steps_taken = int(scaled["steps_taken"])
         self.weight.seed = int(scaled["seed"])  # the draws the checkpoint's run made, whatever this run's seed

@@ -17,33 +17,20 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from lightning_offload.engine.checkpoint_kinds import refuse_other_kind
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.step.pipeline import HostWorker, Job, Link, StepTimeline, UpdateRing
 
 #: How a step clips its gradients: ``("norm", coefficient)`` (a 0-dim CPU tensor) or ``("value", bound)``, or None.
 Clip = Optional[tuple[str, Union[Tensor, float]]]
 
-#: What a host job takes from the user's group, read on the main thread when the step launches: the host Adam's
-#: hyper-parameters and the weight of the coupled L2 term.
+#: What a host job takes from the user's group, read on the main thread when the step launches: the host
+#: optimizer's hyper-parameters and the weight of the coupled L2 term.
 JobSettings = tuple[dict[str, Any], float]
-
-# Hyper-parameters copied from each user group into the host optimizers' groups before every step.
-_SYNCED_HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-
-
-def synced_hparams(group: dict[str, Any]) -> dict[str, Any]:
-    """The Adam hyper-parameters of a user group that the host (or device) Adam copies before each step."""
-    return {key: group[key] for key in _SYNCED_HPARAMS if key in group}
-
-
-def is_decoupled(optimizer: Optimizer, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s weight decay is AdamW's decoupled decay (else Adam's L2 on the gradient)."""
-    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
 
 
 def pinned_zeros(shape: Sequence[int], pin: bool, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -77,19 +64,22 @@ def thread_minor_faults() -> int:
 
 class Lanes:
     """What the slots of one engine share: where the device is, the link and the dtype gradients cross it in, the
-    host worker, the ring of device buffers compressed updates land in, and the ranks (data parallelism).
+    host worker, the ring of device buffers compressed updates land in, the ranks (data parallelism), and the host
+    rule every slot steps by.
 
     Args:
         device: the training device.
         link_dtype: dtype of gradients crossing to the host and compressed updates crossing back.
         leave_main_a_core: keep the worker thread off one core (an accelerator's kernel launches never wait).
         ranks: the ranks this engine trains with, or ``None`` for one process.
+        rule: how the user's optimizer steps a tensor (:mod:`~lightning_offload.engine.rules`).
         phases: the engine's phase clock (:mod:`~lightning_offload.engine.figures.phases`).
     """
 
     def __init__(self, device: torch.device, link_dtype: torch.dtype, leave_main_a_core: bool,
-                 ranks: RankShards | None, phases: PhaseClock = DISABLED) -> None:
+                 ranks: RankShards | None, rule: HostRule, phases: PhaseClock = DISABLED) -> None:
         self.device = device
+        self.rule = rule
         self.link_dtype = link_dtype
         self.link = Link(device)
         # With the CPU as the device and one process, host jobs run in the main thread (HostWorker explains why);
@@ -201,8 +191,8 @@ class Slot:
     # ------------------------------------------------------------------------------------------------ the step
     def settings(self) -> JobSettings:
         """What the next host job takes from the user's group, read now (a scheduler may change the group before
-        the job runs): the host Adam's hyper-parameters and the coupled L2 weight."""
-        return synced_hparams(self.group), float(self.group.get("weight_decay", 0.0))
+        the job runs): the host optimizer's hyper-parameters and the coupled L2 weight."""
+        return self.lanes.rule.hparams_of(self.group), float(self.group.get("weight_decay", 0.0))
 
     def decoupled_decay(self) -> float:
         """The decoupled decay factor ``1 − lr·λ`` a projected weight's apply multiplies ``W`` by (1 for coupled L2)."""
@@ -222,7 +212,7 @@ class Slot:
 
     def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
                   keep_landing: bool = False) -> None:
-        """Worker thread: step Adam on the landed gradient and start sending the result back.
+        """Worker thread: step the host optimizer on the landed gradient and start sending the result back.
 
         Args:
             clip: the step's clipping. compute_done: a device event after backward (copies to the device wait for it).

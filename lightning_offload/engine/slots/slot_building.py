@@ -38,8 +38,14 @@ def build_slots(
         ValueError: for a projected layer whose weight the optimizer does not train; for a scaled weight's group with
             Adam's coupled L2; for a scaled weight under data parallelism.
     """
-    if lanes.ranks is not None and any(isinstance(layer, ScaledWeight) for layer in projected):
+    scaled = any(isinstance(layer, ScaledWeight) for layer in projected)
+    if lanes.ranks is not None and scaled:
         raise scaled_across_ranks_error()
+    if scaled and not lanes.rule.scaled:
+        raise ValueError(f"update='scaled' takes its direction and scales from Adam's moments; the user's optimizer "
+                         f"steps by {lanes.rule.name}. Use update='projected' (the default), or Adam/AdamW.")
+    if row_sparse:
+        lanes.rule.refuse_rows("embeddings='sparse'")
     by_param = {id(layer.weight): layer for layer in projected}
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.host_adam_slot import HostAdamSlot
+from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot
 from lightning_offload.engine.step.pipeline import HostWorker, Job, StepTimeline
 
@@ -164,14 +164,14 @@ class HostJobs:
         slot.send_value(compute_done, time.perf_counter())
 
     @staticmethod
-    def _allocate(slot: HostAdamSlot, backup: _Backup) -> None:
-        state = slot.adam_state()
+    def _allocate(slot: HostStepSlot, backup: _Backup) -> None:
+        state = slot.host_optimizer_state()
         if state:
             backup.moments = {key: torch.empty_like(value) for key, value in state.items() if torch.is_tensor(value)}
 
-    def _keep(self, slot: HostAdamSlot, backup: _Backup) -> None:
+    def _keep(self, slot: HostStepSlot, backup: _Backup) -> None:
         """Worker thread, before a speculative step: copy what :meth:`_restore` needs (into preallocated buffers)."""
-        state = slot.adam_state()
+        state = slot.host_optimizer_state()
         backup.had_state = bool(state)
         if state:
             if backup.moments is None:  # state restored from a checkpoint: this process has not stepped it yet
@@ -181,12 +181,12 @@ class HostJobs:
         backup.master.copy_(slot.host_param)
 
     @staticmethod
-    def _restore(slot: HostAdamSlot, backup: _Backup) -> None:
+    def _restore(slot: HostStepSlot, backup: _Backup) -> None:
         """Put ``slot``'s host state back as it was before its speculative step (exactly: copies, no arithmetic)."""
         if not backup.had_state:
-            slot.forget_adam_state()  # the step created the state: it did not exist before
+            slot.forget_host_optimizer_state()  # the step created the state: it did not exist before
         else:
-            state = slot.adam_state()
+            state = slot.host_optimizer_state()
             for key, saved in backup.moments.items():
                 state[key].copy_(saved)
         slot.host_param.copy_(backup.master)

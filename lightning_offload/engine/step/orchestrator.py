@@ -22,8 +22,8 @@ from lightning_offload.engine.step.clipping import (
 from lightning_offload.engine.figures.state_sizes import device_persistent_bytes, host_state_bytes
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.slot import Clip, Lanes, Slot, synced_hparams
-from lightning_offload.engine.step.device_adam import DeviceAdam
+from lightning_offload.engine.slots.slot import Clip, Lanes, Slot
+from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
 from lightning_offload.engine.step.host_jobs import HostJobs
@@ -36,7 +36,7 @@ class StepOrchestrator:
     Args:
         lanes: what the slots share (link, worker, update ring, ranks).
         slots: every offloaded tensor's slot, in the order their host jobs run (forward order).
-        device_adam: the parameters stepped on the device, clipped and checked with the rest (or ``None``).
+        device_optimizer: the parameters stepped on the device, clipped and checked with the rest (or ``None``).
         host_jobs: submits each host job, and speculates where that is on.
         norms: the step's global norm and the clipping asked for.
         figures: the steps' timelines and figures.
@@ -46,12 +46,12 @@ class StepOrchestrator:
         tied: ids of projected weights tied to another parameter (their gradient arrives in two parts).
     """
 
-    def __init__(self, lanes: Lanes, slots: list[Slot], device_adam: DeviceAdam | None, host_jobs: HostJobs,
+    def __init__(self, lanes: Lanes, slots: list[Slot], device_optimizer: DeviceOptimizer | None, host_jobs: HostJobs,
                  norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
                  model: torch.nn.Module | None = None, tied: AbstractSet[int] = frozenset()) -> None:
         self.lanes = lanes
         self.slots = slots
-        self.device_adam = device_adam
+        self.device_optimizer = device_optimizer
         self.host_jobs = host_jobs
         self.norms = norms
         self.figures = figures
@@ -69,7 +69,7 @@ class StepOrchestrator:
     @property
     def device_params(self) -> list[Tensor]:
         """The parameters the device Adam steps."""
-        return self.device_adam.params if self.device_adam is not None else []
+        return self.device_optimizer.params if self.device_optimizer is not None else []
 
     def grad_norm(self) -> Tensor:
         """The step's global 2-norm over every slot and the device-stepped parameters
@@ -80,8 +80,8 @@ class StepOrchestrator:
         """Host state bytes, device persistent bytes by category and update-ring fallbacks, as a step's figures
         take them when they complete."""
         ring = self.lanes.ring
-        return (host_state_bytes(self.slots, self.host_jobs), device_persistent_bytes(self.slots, ring, self.device_adam),
-                ring.fallbacks if ring is not None else 0)
+        return (host_state_bytes(self.slots, self.host_jobs),
+                device_persistent_bytes(self.slots, ring, self.device_optimizer), ring.fallbacks if ring is not None else 0)
 
     # ------------------------------------------------------------------------------------------------ backward
     def collect(self, closure: Callable[[], Any]) -> Any:
@@ -143,9 +143,9 @@ class StepOrchestrator:
         compute_done = self.lanes.link.compute_event()
         for slot in self.slots:
             self._launch(slot, clip, compute_done, step)
-        if self.device_adam is not None:
+        if self.device_optimizer is not None:
             # Queued on the device after backward, like a native optimizer step: nothing waits for it.
-            self.device_adam.step(clip, synced_hparams)
+            self.device_optimizer.step(clip)
         self.host_jobs.launched(clip)
         if self.lanes.ranks is not None:
             # This step's reductions and norm, and the broadcasts of the previous step's updates.

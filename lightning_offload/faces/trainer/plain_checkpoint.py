@@ -83,7 +83,8 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
         What was carried over exactly, caught up, or restarted.
 
     Raises:
-        ValueError: for a checkpoint that is not an offload one.
+        ValueError: for a checkpoint that is not an offload one, or one trained with an optimizer other than
+            Adam/AdamW.
 
     Example::
 
@@ -94,6 +95,10 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
     if checkpoint_kind(saved) != "offload":
         raise ValueError(f"{checkpoint} holds no offload optimizer state (a plain checkpoint already, or none).")
     offload = saved["optimizer_states"][0]
+    if offload.get("host_rule", "Adam") != "Adam":
+        raise ValueError(f"{checkpoint} was trained with {offload['host_rule']}, not Adam/AdamW: its state has no "
+                         f"AdamW form. Resume it under the offload strategy that wrote it, or start plain training "
+                         f"from its weights only (module.load_state_dict(checkpoint['state_dict'])).")
     module.load_state_dict(saved["state_dict"])
     optimizer = _user_optimizer(module)
     names = {id(p): name for name, p in module.named_parameters()}
@@ -119,11 +124,11 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
             state[index[slot]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in only.items()}
             report.exact.append(slot)
     # A device Adam's entries are the remaining trained parameters in group order (embeddings/head="device").
-    device_adam = offload.get("device_adam")
-    if device_adam is not None:
+    device_optimizer = offload.get("device_adam")
+    if device_optimizer is not None:
         rest = [names[id(p)] for p in params if names[id(p)] not in slot_params and p.requires_grad]
-        if len(rest) == len(device_adam["adam"]):
-            for name, entry in zip(rest, device_adam["adam"]):
+        if len(rest) == len(device_optimizer["adam"]):
+            for name, entry in zip(rest, device_optimizer["adam"]):
                 (only,) = entry["state"].values()
                 state[index[name]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in only.items()}
                 report.exact.append(name)

@@ -1,5 +1,6 @@
-"""The host step that projected weights and dense parameters share: one ``torch.optim.Adam(fused=True)`` over one
-host tensor (a projected weight's ``Z``, a dense parameter's fp32 master), stepped on the gradient that landed."""
+"""The host step that projected weights and dense parameters share: one optimizer of the engine's host rule (a fused
+``torch.optim.Adam`` for Adam/AdamW, :mod:`~lightning_offload.engine.rules`) over one host tensor (a projected
+weight's ``Z``, a dense parameter's fp32 master), stepped on the gradient that landed."""
 
 from __future__ import annotations
 
@@ -8,28 +9,22 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot, clip_, thread_minor_faults
 from lightning_offload.engine.step.pipeline import StepTimeline
 
 
-def host_adam(tensor: Tensor, hparams: dict[str, Any]) -> torch.optim.Adam:
-    """A fused Adam over one host tensor."""
-    # One fused Adam per tensor, so each tensor steps on its own as soon as its gradient arrives; the CPU fused
-    # kernel is ~2.6x faster than foreach here (docs/design.md, "Host Adam in the compressed space").
-    return torch.optim.Adam([{"params": [tensor], **hparams}], fused=True)
+class HostStepSlot(Slot):
+    """A slot whose host state is one tensor stepped by its own optimizer of the engine's host rule.
 
-
-class HostAdamSlot(Slot):
-    """A slot whose host state is one tensor stepped by a fused ``torch.optim.Adam``.
-
-    Subclasses say what the tensor is (:meth:`_before_adam`, :meth:`_after_adam`) and add their own L2 term.
+    Subclasses say what the tensor is (:meth:`_before_host_step`, :meth:`_after_host_step`) and add their own L2 term.
 
     Attributes:
-        host_param: the host tensor Adam steps (``Z`` or the fp32 master).
+        host_param: the host tensor the host optimizer steps (``Z`` or the fp32 master).
         host_grad: where the gradient lands, in the link dtype.
-        adam: its host Adam (the state a checkpoint keeps).
+        host_optimizer: its host optimizer (the state a checkpoint keeps).
         host_update: the update or value as it crosses back, where that dtype differs from ``host_param``'s.
         host_grad_fp32: fp32 working copy of a gradient that lands narrower (preallocated: no host job allocates).
     """
@@ -40,14 +35,14 @@ class HostAdamSlot(Slot):
     holds_value_back = False
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
-                 host_param: Tensor, adam: torch.optim.Adam, host_update: Tensor | None, owner: int = 0) -> None:
+                 host_param: Tensor, host_optimizer: Optimizer, host_update: Tensor | None, owner: int = 0) -> None:
         super().__init__(name, param, group, lanes, decoupled, owner)
         self.host_param = host_param
-        self.adam = adam
+        self.host_optimizer = host_optimizer
         self.host_grad = torch.zeros(host_param.shape, dtype=lanes.link_dtype, pin_memory=lanes.pin)
         self.host_update = host_update
         self.host_grad_fp32 = torch.zeros(host_param.shape) if lanes.link_dtype != torch.float32 else None
-        # A projected weight's coupled L2 term λ·A W Bᵀ, landed from the device (dense parameters: Adam adds it).
+        # A projected weight's coupled L2 term λ·A W Bᵀ, landed from the device (dense parameters: the host optimizer adds it).
         self.host_l2: Tensor | None = None
         # fp32 copy of an fp32-link gradient that a speculative step clamps or adds L2 to: the landing buffer must stay
         # as it arrived, in case the step is redone (allocated at the first such step).
@@ -66,7 +61,8 @@ class HostAdamSlot(Slot):
 
     def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
                   speculative: bool = False) -> None:
-        """Worker thread: wait for the gradient, step Adam, and hand the result on (:meth:`_after_adam`).
+        """Worker thread: wait for the gradient, step the host optimizer, and hand the result on
+        (:meth:`_after_host_step`).
 
         Args:
             speculative: leave the landing buffer as it arrived (the step may be redone), and hold a dense value back
@@ -75,7 +71,7 @@ class HostAdamSlot(Slot):
         faults = thread_minor_faults()
         start = time.perf_counter()
         hparams, l2_weight = settings
-        self.adam.param_groups[0].update(hparams)
+        self.host_optimizer.param_groups[0].update(hparams)
         self.lanes.link.host_wait(self.to_host_event)
         self._wait_for_l2()
         landed = time.perf_counter()
@@ -92,12 +88,12 @@ class HostAdamSlot(Slot):
             # maximize, so L2 always pulls towards zero. The host Adam flips the whole sum, hence the sign here.
             sign = -1.0 if hparams.get("maximize", False) else 1.0
             grad.add_(self.host_l2, alpha=sign * l2_weight)
-        self._before_adam()
+        self._before_host_step()
         self.host_param.grad = grad
-        self.adam.step()
+        self.host_optimizer.step()
         self.host_param.grad = None
         stepped = time.perf_counter()
-        self._after_adam(compute_done, stepped, speculative)
+        self._after_host_step(compute_done, stepped, speculative)
         # One worker thread runs the jobs one after another, so the step's figure needs no lock.
         step.host_page_faults += thread_minor_faults() - faults
         self.timeline.add("link_to_host", f"{self.name} (landing)", start, landed)
@@ -106,28 +102,28 @@ class HostAdamSlot(Slot):
     def _wait_for_l2(self) -> None:
         """Worker thread: the coupled L2 term, where the kind has one, has landed."""
 
-    def _before_adam(self) -> None:
-        """Worker thread, right before Adam steps ``host_param``."""
+    def _before_host_step(self) -> None:
+        """Worker thread, right before the host optimizer steps ``host_param``."""
 
-    def _after_adam(self, compute_done: Any, stepped: float, speculative: bool) -> None:
-        """Worker thread, right after Adam stepped ``host_param``: start the result's way back."""
+    def _after_host_step(self, compute_done: Any, stepped: float, speculative: bool) -> None:
+        """Worker thread, right after the host optimizer stepped ``host_param``: start the result's way back."""
         raise NotImplementedError
 
-    def adam_state(self) -> dict[str, Any]:
-        """Adam's state of ``host_param`` (empty before its first step)."""
-        return self.adam.state.get(self.host_param, {})
+    def host_optimizer_state(self) -> dict[str, Any]:
+        """The host optimizer's state of ``host_param`` (empty before its first step)."""
+        return self.host_optimizer.state.get(self.host_param, {})
 
-    def forget_adam_state(self) -> None:
-        """Drop Adam's state of ``host_param`` (rolling back the step that created it)."""
-        self.adam.state.pop(self.host_param, None)
+    def forget_host_optimizer_state(self) -> None:
+        """Drop the host optimizer's state of ``host_param`` (rolling back the step that created it)."""
+        self.host_optimizer.state.pop(self.host_param, None)
 
     def state_tensors(self) -> list[Tensor]:
         tensors = [t for t in (self.host_param, self.host_grad, self.host_update, self.host_grad_fp32, self.host_l2,
                                self.host_grad_work) if t is not None]
-        return tensors + [v for state in self.adam.state.values() for v in state.values() if torch.is_tensor(v)]
+        return tensors + [v for state in self.host_optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
     def host_state(self) -> dict[str, Any]:
-        return self.adam.state_dict()
+        return self.host_optimizer.state_dict()
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        self.adam.load_state_dict(state)
+        self.host_optimizer.load_state_dict(state)

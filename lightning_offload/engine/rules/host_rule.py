@@ -1,0 +1,111 @@
+"""The host-optimizer seam: a :class:`HostRule` says how the engine steps tensors for one family of user
+optimizers, and the registry finds the rule of the optimizer a user hands over.
+
+The engine's slots never name an optimizer: a projected weight's ``Z``, a dense parameter's fp32 master and a
+parameter kept on the device are each stepped by ``rule.optimizer_over(tensor, hparams)``, with the user's group
+hyper-parameters ``rule.hparams_of(group)`` copied in before each step; a refit carries the state into the new
+subspace by ``rule.first_moments`` (mapped linearly) and ``rule.second_moments`` (mapped element-squared); a
+checkpoint records ``rule.name``. Kinds whose arithmetic is the engine's own (row-sparse embeddings and MEFT's rows,
+the row Adam; the scaled rule, whose channel scales read Adam's direction) say whether a rule has them
+(``rows``, ``scaled``). A new host optimizer is one module that builds its :class:`HostRule` and calls
+:func:`register_host_rule` (as :mod:`~lightning_offload.engine.rules.lion` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """How the engine steps the tensors of one family of user optimizers.
+
+    Attributes:
+        name: what a checkpoint records (a checkpoint resumes only under the same rule).
+        optimizers: the user's optimizer classes it takes over (exactly these: a subclass may step differently).
+        hparams: the keys of a user's param group copied into the stepping optimizer before each step.
+        first_moments: state entries linear in the gradient (a refit maps them by the coordinate maps).
+        second_moments: state entries of squared gradients (a refit maps them element-squared, mass kept).
+        build: ``(tensor, hparams, decoupled) -> Optimizer`` stepping one tensor, on the host or the device, with
+            decoupled weight decay or not (where the rule has both).
+        decoupled: ``(optimizer, group) -> bool``: whether the group's weight decay multiplies the weight by
+            ``1 − lr·λ`` (AdamW's) rather than adding ``λW`` to the gradient (Adam's L2).
+        check: ``(optimizer) -> None``: refuse a configuration of the user's optimizer the rule cannot step.
+        rows: whether the engine's row Adam steps it (``embeddings="sparse"``, MEFT's adapter rows).
+        scaled: whether ``update="scaled"`` can take its direction (the scaled rule's scales read Adam's).
+    """
+
+    name: str
+    optimizers: tuple[type[Optimizer], ...]
+    hparams: tuple[str, ...]
+    first_moments: tuple[str, ...]
+    second_moments: tuple[str, ...]
+    build: Callable[[Tensor, dict[str, Any], bool], Optimizer]
+    decoupled: Callable[[Optimizer, dict[str, Any]], bool]
+    check: Callable[[Optimizer], None] = lambda optimizer: None
+    rows: bool = False
+    scaled: bool = False
+
+    def hparams_of(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The hyper-parameters of a user group that the stepping optimizer copies before each step."""
+        return {key: group[key] for key in self.hparams if key in group}
+
+    def optimizer_over(self, tensor: Tensor, hparams: dict[str, Any], decoupled: bool = False) -> Optimizer:
+        """An optimizer stepping ``tensor`` alone (one per tensor, so each steps as soon as its gradient lands), its
+        weight decay decoupled or not (``False`` where the tensor's decay is applied elsewhere: ``Z`` has none)."""
+        return self.build(tensor, hparams, decoupled)
+
+    def refuse_rows(self, setting: str) -> None:
+        """Refuse a row-stepped kind under a rule the row Adam does not implement.
+
+        Raises:
+            ValueError: naming ``setting`` and what to use instead, unless the rule has rows.
+        """
+        if not self.rows:
+            raise ValueError(f"{setting} steps rows with the engine's row Adam, which has no {self.name} rule: "
+                             f"the user's optimizer would silently become Adam there. Use Adam/AdamW, or "
+                             f"{'embeddings=' + repr('host') if 'embeddings' in setting else 'another strategy'}.")
+
+
+_RULES: list[HostRule] = []
+
+
+def register_host_rule(rule: HostRule) -> HostRule:
+    """Make the engine take over ``rule.optimizers`` with ``rule`` (a later rule for the same class replaces it)."""
+    taken = set(rule.optimizers)
+    _RULES[:] = [known for known in _RULES if not taken & set(known.optimizers)] + [rule]
+    return rule
+
+
+def host_rule_for(optimizer: Optimizer) -> HostRule:
+    """The rule that steps ``optimizer``'s tensors (checked against what the rule can step).
+
+    Raises:
+        TypeError: for an optimizer no rule takes over, naming the ones that have one.
+    """
+    for rule in _RULES:
+        if type(optimizer) in rule.optimizers:
+            rule.check(optimizer)
+            return rule
+    known = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for rule in _RULES for cls in rule.optimizers)
+    raise TypeError(
+        f"The offload takes over {known}, but was given {type(optimizer).__module__}.{type(optimizer).__qualname__} "
+        f"(returned by configure_optimizers, or passed to offload() or fabric.setup()). Use torch.optim.AdamW(...) "
+        f"(any param groups, lr, betas, eps, weight_decay) — its state will live on the host.")
+
+
+def rule_named(name: str) -> HostRule:
+    """The registered rule a checkpoint names.
+
+    Raises:
+        ValueError: for a name no registered rule has.
+    """
+    for rule in _RULES:
+        if rule.name == name:
+            return rule
+    raise ValueError(f"No host rule is named {name!r}; registered: {[rule.name for rule in _RULES]}.")
