@@ -1,4 +1,7 @@
-"""The comparison methods of the projector benchmark: frozen, LoRA (peft) and GaLore (galore-torch)."""
+"""The comparison methods of the projector benchmark: frozen, LoRA (peft) and GaLore (galore-torch); and what an
+offload policy adds to a command-line run."""
+
+import logging
 
 import pytest
 import torch
@@ -98,3 +101,18 @@ def test_policies_build_each_method():
         OffloadPolicy(name="lsp", strategy=LSPOffloadStrategy(), method="lora")
     with pytest.raises(ValueError, match="method='dora' is not one of"):
         OffloadPolicy(name="none", strategy="auto", method="dora")
+
+
+def test_one_route_to_the_refit_callback_on_the_command_line(caplog: pytest.LogCaptureFixture) -> None:
+    # The policy's refit (conf/offload/lsp.yaml) joins a run whose strategy learns projectors, unless the run's own
+    # callbacks hold one: then that one is the run's, said in the log, and the policy adds none.
+    from lightning_offload import ProjectorRefit
+
+    policy = OffloadPolicy(name="lsp", strategy=LSPOffloadStrategy(projectors="learned"), refit=ProjectorRefit())
+    assert policy.callbacks() == [policy.refit]
+    own = ProjectorRefit(every_n_steps=7)
+    with caplog.at_level(logging.INFO, logger="lightning_offload.cli.policies"):
+        assert policy.callbacks([own]) == []
+    assert "offload.refit" in caplog.text and "is not added" in caplog.text
+    random = OffloadPolicy(name="lsp", strategy=LSPOffloadStrategy(), refit=ProjectorRefit())
+    assert random.callbacks() == []  # random projectors are never refitted

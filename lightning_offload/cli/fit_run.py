@@ -105,7 +105,8 @@ def build_trainer(cfg: DictConfig, policy: OffloadPolicy, run_dir: Path) -> Run:
     run's recorder and the Ctrl-C handler; the config logged as hyper-parameters."""
     recorder = RunRecorder(run_dir, resume=cfg.get("ckpt_path") is not None)
     interrupt = StopOnInterrupt(run_dir / "checkpoints" / "last.ckpt")
-    callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks") + policy.callbacks() + [recorder, interrupt]
+    configured = instantiate_dict(cfg.get("callbacks"), "callbacks")
+    callbacks = configured + policy.callbacks(configured) + [recorder, interrupt]
     loggers = instantiate_dict(cfg.get("logger"), "logger")
     if not loggers:
         # Lightning refuses a LearningRateMonitor without a logger; with `logger=null` there is nothing to monitor into.

@@ -13,7 +13,8 @@ compared side by side"):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
 from lightning_offload.faces.trainer.offload import LSPOffloadStrategy
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.injection import inject_meft
+
+log = logging.getLogger(__name__)
 
 METHODS = ("full", "frozen", "lora", "galore", "meft", "adapter")
 
@@ -98,9 +101,17 @@ class OffloadPolicy:
         """Whether the strategy compresses gradients with LSP projectors."""
         return isinstance(self.strategy, LSPOffloadStrategy) and self.strategy.settings.projection
 
-    def callbacks(self) -> list[pl.Callback]:
-        """The callbacks this policy adds to a run."""
-        return [self.refit] if self.refit is not None and self.learns_projectors else []
+    def callbacks(self, configured: Sequence[pl.Callback] = ()) -> list[pl.Callback]:
+        """The callbacks this policy adds to a run whose config already has ``configured``: its ``refit`` where the
+        strategy learns its projectors, unless the config's callbacks hold a ``ProjectorRefit`` of their own (that
+        one is the run's: one route to the refit callback, said in the log)."""
+        if self.refit is None or not self.learns_projectors:
+            return []
+        own = next((callback for callback in configured if isinstance(callback, type(self.refit))), None)
+        if own is not None:
+            log.info("The run's callbacks hold %r: offload.refit (%r) is not added.", own, self.refit)
+            return []
+        return [self.refit]
 
     def prepare(self, network: nn.Module) -> nn.Module:
         """Applies the method to the network to be trained (freezes layers or wraps it with LoRA); returns it."""
