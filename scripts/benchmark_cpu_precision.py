@@ -12,7 +12,7 @@ import argparse
 import platform
 
 import torch
-from harness import add_standard_arguments, alternate, markdown_table, ratios, seed_everything, spread, start, \
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, seed_everything, spread, \
     time_call, write_json
 
 from lightning_offload.models.smollm2 import load_smollm2
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     add_standard_arguments(parser, repeats=6, seed=0)
     args = parser.parse_args()
-    machine = start(args, __file__)
+    machine = begin_run(args, __file__)
     if machine is None:
         return
     generator = seed_everything(args.seed)

@@ -18,8 +18,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from harness import add_standard_arguments, alternate, markdown_table, ratios, spread, start, steady, time_steps, \
-    write_json
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, steady, \
+    time_steps, write_json
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     add_standard_arguments(parser, repeats=3, warmup=2, repeats_aliases=("--rounds",))
     args = parser.parse_args()
-    if start(args, __file__) is None:
+    if begin_run(args, __file__) is None:
         return
     faces = {"plain loop": plain_loop, "Fabric": fabric_loop, "Trainer": trainer_loop}
     configs = [(face, offloaded) for face in faces for offloaded in (False, True)]

@@ -15,7 +15,7 @@ import argparse
 
 import lightning.pytorch as pl
 import torch
-from harness import add_standard_arguments, alternate, markdown_table, seed_everything, spread, start, write_json
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, seed_everything, spread, write_json
 
 from lightning_offload import LSPOffloadStrategy, ProjectorRefit
 from lightning_offload.models.tiny import tiny_llama
@@ -47,13 +47,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="the fixed thread count compared with the default")
     add_standard_arguments(parser, repeats=3)
     args = parser.parse_args()
-    if start(args, __file__) is None:
+    if begin_run(args, __file__) is None:
         return
     settings: dict[str, int | None] = {"default": None, f"{args.threads} threads": args.threads}
     times = alternate(list(settings), args.repeats, lambda name, _: fit_seconds(settings[name]))
     print("\ntiny LLaMA initial fit, seconds\n")
-    print(markdown_table(["fit_threads", "median s (min–max)", "each round"],
-                         [[name, spread(values).cell(), [round(v, 2) for v in values]] for name, values in times.items()]))
+    rows = [[name, spread(values).cell(), [round(v, 2) for v in values]] for name, values in times.items()]
+    print(markdown_table(["fit_threads", "median s (min–max)", "each round"], rows))
     write_json(args.json, {"args": vars(args), "seconds": times})
 
 

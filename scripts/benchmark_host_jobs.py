@@ -18,7 +18,7 @@ import argparse
 
 import lightning.pytorch as pl
 import torch
-from harness import add_standard_arguments, markdown_table, seed_everything, spread, start, steady, write_json
+from harness import add_standard_arguments, begin_run, markdown_table, seed_everything, spread, steady, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
@@ -73,7 +73,7 @@ def main() -> None:
     if not args.warmup < args.steps <= 64:
         parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup} and be at most 64 (the telemetry "
                      f"keeps the latest 64 steps' figures).")
-    start(args, __file__)
+    begin_run(args, __file__)
     print(f"small LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}), 8x128 tokens\n")
     rows, figures = [], {}
     for strategy in ("zero_offload", "lsp_offload", "lsp_offload, dense ends"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from harness import add_standard_arguments, alternate, markdown_table, ratios, spread, start, write_json
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, write_json
 
 from lightning_offload.cli.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["lsp_offload", "zero_offload"])
     add_standard_arguments(parser, repeats=2, json_aliases=("--out",))
     args = parser.parse_args()
-    if start(args, __file__) is None:
+    if begin_run(args, __file__) is None:
         return
 
     def measure(config: tuple[str, str], repeat: int) -> BenchmarkRun:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from harness import add_standard_arguments, alternate, markdown_table, ratios, seed_everything, spread, start, \
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, seed_everything, spread, \
     time_steps, write_json
 
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
@@ -172,7 +172,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if start(args, __file__) is None:
+    if begin_run(args, __file__) is None:
         return
     generator = seed_everything(args.seed)
     results = {}

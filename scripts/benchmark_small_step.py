@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from harness import add_standard_arguments, alternate, markdown_table, ratios, seed_everything, spread, start, \
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, seed_everything, spread, \
     steady, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     if "plain fused AdamW" not in args.configs:
         parser.error("--configs must include 'plain fused AdamW': every figure is a ratio to it.")
-    if start(args, __file__) is None:
+    if begin_run(args, __file__) is None:
         return
     memory: dict[str, dict[str, float]] = {}
 

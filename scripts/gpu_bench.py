@@ -33,11 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+# The harness imports neither hydra nor wandb (nor torch at import): this script stays runnable without them.
+from harness import add_standard_arguments, begin_run, markdown_table, spread, steady, synchronize, write_json
 
 SHAPES: dict[str, dict[str, int]] = {
     # hidden, layers, heads, intermediate (LLaMA-style MLP), vocabulary
@@ -66,14 +68,14 @@ def _step_split(telemetry: Any) -> dict[str, Any]:
     """Median busy seconds per timeline lane over the steady steps, and the host worker's page faults per step."""
     if telemetry is None or not telemetry.completed:
         return {}
-    steps = [metrics for _, metrics in telemetry.completed]
-    steady = steps[2:] or steps  # the first steps include allocation and warm-up
+    # The first steps include allocation and warm-up.
+    steps = steady([metrics for _, metrics in telemetry.completed], 2)
 
     def median(key: str) -> float:
-        values = [m[key] for m in steady if key in m]
-        return statistics.median(values) if values else 0.0
+        values = [m[key] for m in steps if key in m]
+        return spread(values).median if values else 0.0
 
-    lanes = sorted({key for m in steady for key in m if key.startswith("offload/timeline/")})
+    lanes = sorted({key for m in steps for key in m if key.startswith("offload/timeline/")})
     return {"step_split_seconds": {key.removeprefix("offload/timeline/"): median(key) for key in lanes},
             "host_optimizer_seconds_per_step": median("offload/host_optimizer_seconds"),
             "host_page_faults_per_step": median("offload/host_page_faults"),
@@ -188,13 +190,11 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
             self._start = 0.0
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize()
             self.times.append(time.perf_counter() - self._start)
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -295,7 +295,7 @@ def _single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: 
         **_step_split(telemetry),
         **({"profile": profile.summary()} if profile is not None else {}),
         **({"phases_seconds_per_step": phase_reader.medians()} if phase_reader is not None else {}),
-        "median_step_seconds": statistics.median(module.times[2:] or module.times),
+        "median_step_seconds": spread(steady(module.times, 2)).median,
         "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "link_bytes_per_step": (
             telemetry.last.bytes_device_to_host + telemetry.last.bytes_host_to_device if telemetry is not None
@@ -395,27 +395,30 @@ def _gpu_tests(timeout: int) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table (written next to the JSON)."""
     gib, mib = 2**30, 2**20
-    lines = [f"Shape {report['shape']}, seq {report.get('seq')}; GPU tests: {report.get('gpu_tests', {}).get('summary', 'not run')}",
-             "", "| method | batch | s / step | × native | peak device GiB | link MiB / step (to host, to device) | "
-             "host Adam s / step (share during backward) | device wait s / step | host page faults / step | offload device MiB: persistent "
-             "(projectors + ring + scaled P), transient (S + B Xᵀ + held G), fit (state, extra peak) | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(value: Any, fmt: str) -> str:
         return "–" if value is None else format(value, fmt)
 
+    rows = []
     for m in report["methods"]:
         split = m.get("step_split_seconds", {})
         to_host, to_device = m.get("link_bytes_to_host_per_step"), m.get("link_bytes_to_device_per_step")
         link = (f"{to_host / mib:.1f}, {to_device / mib:.1f}" if to_host is not None and to_device is not None
                 else num(m.get("link_bytes_per_step") and m["link_bytes_per_step"] / mib, ".1f"))
         peak = m.get("peak_device_bytes")
-        lines.append(f"| {m['method']} | {m.get('batch', '–')} | {num(m.get('median_step_seconds'), '.3f')} | "
-                     f"{num(m.get('x_native'), '.2f')} | {num(peak and peak / gib, '.1f')} | {link} | "
+        rows.append([m["method"], m.get("batch", "–"), num(m.get("median_step_seconds"), ".3f"),
+                     num(m.get("x_native"), ".2f"), num(peak and peak / gib, ".1f"), link,
                      f"{num(m.get('host_optimizer_seconds_per_step'), '.3f')} "
-                     f"({num(m.get('host_share_before_backward_end'), '.0%')}) | "
-                     f"{num(split.get('device_wait_seconds'), '.3f')} | {num(m.get('host_page_faults_per_step'), '.0f')} "
-                     f"| {_memory_cell(m)} | {m.get('error', m.get('skipped', ''))} |")
+                     f"({num(m.get('host_share_before_backward_end'), '.0%')})",
+                     num(split.get("device_wait_seconds"), ".3f"), num(m.get("host_page_faults_per_step"), ".0f"),
+                     _memory_cell(m), m.get("error", m.get("skipped", ""))])
+    table = markdown_table(
+        ["method", "batch", "s / step", "× native", "peak device GiB", "link MiB / step (to host, to device)",
+         "host Adam s / step (share during backward)", "device wait s / step", "host page faults / step",
+         "offload device MiB: persistent (projectors + ring + scaled P), transient (S + B Xᵀ + held G), fit (state, "
+         "extra peak)", "error"], rows)
+    lines = [f"Shape {report['shape']}, seq {report.get('seq')}; GPU tests: "
+             f"{report.get('gpu_tests', {}).get('summary', 'not run')}", "", table]
     for cap, largest in report.get("largest_under_cap", {}).items():
         lines.append(f"\nLargest shape under {cap}: {largest and largest['shape']}")
     return "\n".join(lines)
@@ -440,9 +443,7 @@ def _write(report: dict[str, Any], out: str | None) -> None:
     # Written after every measurement: a run cut short (time limit, crash) keeps what it measured.
     if not out:
         return
-    with open(out + ".partial", "w") as handle:
-        json.dump(report, handle, indent=1)
-    os.replace(out + ".partial", out)
+    write_json(out, report)
     with open(os.path.splitext(out)[0] + ".md", "w") as handle:
         handle.write(markdown(report) + "\n")
 
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--single", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None)
+    add_standard_arguments(parser, json_aliases=("--out",))
     args = parser.parse_args(argv)
     if args.single:
         result = _single(args.single, args.shape, args.steps, args.batches[0], args.seq, args.cap_gib, args.profile,
@@ -482,6 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     if args.smoke:
         args.shape, args.steps, args.batches, args.seq = "tiny", 4, [2], 32
+    begin_run(args, __file__, argv)
 
     report: dict[str, Any] = {"shape": args.shape, "seq": args.seq, "methods": [], "largest_under_cap": {}}
     import torch
@@ -489,7 +491,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if torch.cuda.is_available() and not args.no_gpu_tests:
         report["gpu_tests"] = _gpu_tests(args.timeout)
         print(f"GPU tests: {report['gpu_tests']}", flush=True)
-        _write(report, args.out)
+        _write(report, args.json)
     for batch in args.batches:
         for method in args.methods:
             if batch != args.batches[0] and method not in BATCH_SWEEP_METHODS:
@@ -505,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if native and "median_step_seconds" in entry:
                 entry["x_native"] = entry["median_step_seconds"] / native["median_step_seconds"]
             print(json.dumps(entry), flush=True)
-            _write(report, args.out)
+            _write(report, args.json)
     # Where the offload methods' steps go, phase by phase: runs of their own, since the clock synchronizes the device
     # at every phase boundary (the step times above are taken without it).
     report["phases"] = {}
@@ -514,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = _run(method, args.shape, args, phases=True)
             report["phases"][method] = result.get("phases_seconds_per_step", result.get("error"))
             print(f"phases of {method}: {report['phases'][method]}", flush=True)
-            _write(report, args.out)
+            _write(report, args.json)
     if not args.smoke and not args.no_cap_search:
         for cap in (24.0, 4.0):
             largest = None
@@ -526,8 +528,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 largest = result
             report["largest_under_cap"][f"{cap:g}GiB"] = largest
             print(f"largest under {cap:g} GiB: {largest and largest['shape']}", flush=True)
-            _write(report, args.out)
-    _write(report, args.out)
+            _write(report, args.json)
+    _write(report, args.json)
     return report
 
 

@@ -246,7 +246,8 @@ def write_json(path: str | os.PathLike[str] | None, payload: Mapping[str, Any]) 
 
 def add_standard_arguments(parser: argparse.ArgumentParser, *, repeats: int | None = None, warmup: int | None = None,
                            seed: int | None = None, json_out: bool = True, trees: bool = False,
-                           repeats_aliases: Sequence[str] = (), json_aliases: Sequence[str] = ()) -> None:
+                           repeats_aliases: Sequence[str] = (), json_aliases: Sequence[str] = (),
+                           repeats_help: str = "rounds: every configuration runs once per round, interleaved") -> None:
     """Add the arguments the scripts share, with each script's own defaults.
 
     Args:
@@ -258,10 +259,11 @@ def add_standard_arguments(parser: argparse.ArgumentParser, *, repeats: int | No
         trees: Add ``--trees DIR DIR`` and ``--tree-rounds`` (:func:`alternate_trees`).
         repeats_aliases: Earlier names of ``--repeats`` the docs' commands use (``--rounds``).
         json_aliases: Earlier names of ``--json`` (``--out``).
+        repeats_help: ``--repeats``'s help, where a script's rounds are something more particular.
     """
     if repeats is not None:
         parser.add_argument("--repeats", *repeats_aliases, dest="repeats", type=int, default=repeats,
-                            help="rounds: every configuration runs once per round, interleaved")
+                            help=repeats_help)
     if warmup is not None:
         parser.add_argument("--warmup", type=int, default=warmup, help="leading steps of each run not timed")
     if seed is not None:
@@ -306,7 +308,7 @@ def alternate_trees(script: str, argv: Sequence[str], trees: Sequence[str], roun
     return results
 
 
-def start(args: argparse.Namespace, script: str, argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+def begin_run(args: argparse.Namespace, script: str, argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     """Begin a script's run: print the machine line; with ``--trees``, run the trees alternated and say so.
 
     Args:
