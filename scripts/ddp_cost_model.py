@@ -17,7 +17,8 @@ strategy's own rule: :mod:`benchmark_host_elements`); what is assumed is stated 
   back), at ``--host-gbs`` of effective memory bandwidth per node.
 
 Compute time is not modelled: what is shown is what each method adds to a step, to be compared with the step's
-own device time (0.10 s for the 1.3B shape at 4×512 on one H200, measured: docs/benchmarks.md, GPU).
+own device time (0.10 s for the 1.3B shape at 4×512 on one H200, measured: docs/benchmarks.md, "GPU: the last
+measurement").
 
     python scripts/ddp_cost_model.py
 """
