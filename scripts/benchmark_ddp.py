@@ -15,14 +15,14 @@ broadcast). Plain DDP's figure is computed, not measured: it all-reduces every f
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, write_json
 
 from lightning_offload.reporting.run_record import read_summary
 
@@ -51,53 +51,55 @@ def run(method: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return summary
 
 
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per method: the median over repeats of the runs' step seconds and bytes between ranks."""
+    rows = {}
+    for method, runs in results.items():
+        measured = spread(r["bytes_between_ranks_per_step"] for r in runs).median
+        # Plain DDP all-reduces every fp32 gradient: counted, as the offload strategies count theirs, as two passes.
+        bytes_per_step = measured if measured else runs[0]["trainable_parameters"] * 4.0 * 2
+        rows[method] = {"median_step_seconds": spread(r["median_step_seconds"] for r in runs).median,
+                        "bytes_between_ranks_per_step": bytes_per_step, "bytes_measured": bool(measured),
+                        "host_state_bytes_rank0": runs[0]["host_state_bytes"], "runs": runs}
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="JSON file for the figures")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--smoke", action="store_true", help="tiny LLaMA, 3 steps, 1 repeat")
+    add_standard_arguments(parser, repeats=3, seed=0, json_aliases=("--out",))
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.repeats = 3, 1
-    results: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
+    begin_run(args, __file__)
+    settings = vars(args) | {"json": args.json and str(args.json)}
     with tempfile.TemporaryDirectory() as workdir:
-        for repeat in range(args.repeats):
-            for method in METHODS:
-                summary = run(method, args, Path(workdir))
-                results[method].append({
-                    "median_step_seconds": summary["median_step_seconds"],
+
+        def measure(method: str, repeat: int) -> dict[str, Any]:
+            summary = run(method, args, Path(workdir))
+            return {"median_step_seconds": summary["median_step_seconds"],
                     # None where no offload strategy counts them (plain DDP).
                     "bytes_between_ranks_per_step": summary.get("bytes_between_ranks_per_step") or 0.0,
                     "trainable_parameters": summary["trainable_parameters"],
-                    "host_state_bytes": summary.get("host_state_bytes"),
-                })
-                print(f"[{repeat + 1}/{args.repeats}] {method}: {summary['median_step_seconds']:.2f} s/step",
-                      flush=True)
-                if args.out is not None:  # kept as it goes: a run cut short keeps what it measured
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)},
-                                                    "runs": results}, indent=2))
-    rows = {}
-    for method, runs in results.items():
-        seconds = statistics.median(r["median_step_seconds"] for r in runs)
-        measured = statistics.median(r["bytes_between_ranks_per_step"] for r in runs)
-        # Plain DDP all-reduces every fp32 gradient: counted, as the offload strategies count theirs, as two passes.
-        bytes_per_step = measured if measured else runs[0]["trainable_parameters"] * 4.0 * 2
-        rows[method] = {"median_step_seconds": seconds, "bytes_between_ranks_per_step": bytes_per_step,
-                        "bytes_measured": bool(measured), "host_state_bytes_rank0": runs[0]["host_state_bytes"],
-                        "runs": runs}
-    plain = rows["plain DDP (AdamW on the device)"]
-    print(f"\n{'method':<34}{'s/step':>8}{'× DDP':>8}{'MiB between ranks / step':>28}")
-    for method, row in rows.items():
-        note = "" if row["bytes_measured"] else " (computed)"
-        print(f"{method:<34}{row['median_step_seconds']:>8.2f}{row['median_step_seconds'] / plain['median_step_seconds']:>8.2f}"
-              f"{row['bytes_between_ranks_per_step'] / 2**20:>20.1f}{note}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "methods": rows}, indent=2))
+                    "host_state_bytes": summary.get("host_state_bytes")}
+
+        def progress(method: str, repeat: int, result: dict[str, Any]) -> None:
+            print(f"[{repeat + 1}/{args.repeats}] {method}: {result['median_step_seconds']:.2f} s/step", flush=True)
+            partial[method].append(result)
+            write_json(args.json, {"settings": settings, "runs": partial})  # a run cut short keeps what it measured
+
+        partial: dict[str, list[dict[str, Any]]] = {method: [] for method in METHODS}
+        rows = summarize(alternate(list(METHODS), args.repeats, measure, progress))
+    against = ratios({method: row["median_step_seconds"] for method, row in rows.items()},
+                     "plain DDP (AdamW on the device)")
+    print()
+    print(markdown_table(["method", "s/step", "× DDP", "MiB between ranks / step"],
+                         [[method, f"{row['median_step_seconds']:.2f}", f"{against[method]:.2f}",
+                           f"{row['bytes_between_ranks_per_step'] / 2**20:.1f}"
+                           + ("" if row["bytes_measured"] else " (computed)")] for method, row in rows.items()]))
+    write_json(args.json, {"settings": settings, "methods": rows})
 
 
 if __name__ == "__main__":

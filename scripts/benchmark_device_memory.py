@@ -22,6 +22,7 @@ import argparse
 from collections import defaultdict
 
 import torch
+from harness import add_standard_arguments, begin_run, markdown_table, write_json
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_offload.lsp.projector import SparseProjector
@@ -57,7 +58,9 @@ def main() -> None:
     parser.add_argument("--rank", type=float, default=0.25)
     parser.add_argument("--density", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (4×512 by default)")
+    add_standard_arguments(parser)
     args = parser.parse_args()
+    begin_run(args, __file__)
     shape = SHAPES[args.shape]
     config = LlamaConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
                          num_attention_heads=shape["heads"], intermediate_size=shape["intermediate"],
@@ -73,9 +76,7 @@ def main() -> None:
 
     print(f"{args.shape}: {len(modules)} projected layers, rank {args.rank}, density {args.density}, "
           f"{args.tokens} tokens per micro-batch\n")
-    print("| layers | o × i | d_o × d_i | indices + values | persistent now (projectors + ring share) | ratio | "
-          "previous release (projectors + S + update buffer) | S (transient) | B Xᵀ vs X (transient, bf16) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     totals = {"now": 0.0, "before": 0.0, "essential": 0.0}
     for (o, i), names in kinds.items():
         d_o, d_i = compressed_size(o, args.rank), compressed_size(i, args.rank)
@@ -90,10 +91,15 @@ def main() -> None:
         totals["before"] += before * count
         totals["essential"] += essential * count
         label = ", ".join(sorted(set(names)))
-        print(f"| {label} ({count}) | {o} × {i} | {d_o} × {d_i} | {essential / 1024:.0f} KiB | "
-              f"{now / 1024:.0f} KiB | {now / essential:.2f}× | {before / 1024:.0f} KiB | "
-              f"{d_o * d_i * 4 / 1024:.0f} KiB | {d_i * args.tokens * 2 / 2**20:.1f} vs "
-              f"{i * args.tokens * 2 / 2**20:.1f} MiB |")
+        rows.append([f"{label} ({count})", f"{o} × {i}", f"{d_o} × {d_i}", f"{essential / 1024:.0f} KiB",
+                     f"{now / 1024:.0f} KiB", f"{now / essential:.2f}×", f"{before / 1024:.0f} KiB",
+                     f"{d_o * d_i * 4 / 1024:.0f} KiB",
+                     f"{d_i * args.tokens * 2 / 2**20:.1f} vs {i * args.tokens * 2 / 2**20:.1f} MiB"])
+    print(markdown_table(["layers", "o × i", "d_o × d_i", "indices + values",
+                          "persistent now (projectors + ring share)", "ratio",
+                          "previous release (projectors + S + update buffer)", "S (transient)",
+                          "B Xᵀ vs X (transient, bf16)"], rows))
+    write_json(args.json, {"args": vars(args), "rows": rows, "totals_bytes": totals})
     gib = 2**30
     print(f"\nWhole model: persistent {totals['now'] / gib:.3f} GiB now (indices + values "
           f"{totals['essential'] / gib:.3f} GiB, {totals['now'] / totals['essential']:.2f}×) vs "

@@ -12,13 +12,14 @@ and the table gives the median over rounds of the median step time, and its rati
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, steady, \
+    time_steps, write_json
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -46,15 +47,6 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
 
-def _timed_loop(step: Callable[[int], None], steps: int, warmup: int) -> float:
-    seconds = []
-    for i in range(steps):
-        start = time.perf_counter()
-        step(i)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[warmup:])
-
-
 def _train(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, backward: Callable[[Any], None],
            clip: Callable[[], None], close: bool) -> float:
     """Times ``args.steps`` steps of two micro-batches each; closes an offload optimizer after."""
@@ -68,7 +60,7 @@ def _train(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, bac
         optimizer.zero_grad()
 
     try:
-        return _timed_loop(step, args.steps, args.warmup)
+        return spread(time_steps(step, args.steps, args.warmup)).median
     finally:
         if close:
             optimizer.close()
@@ -132,7 +124,7 @@ def trainer_loop(args: argparse.Namespace, offloaded: bool) -> float:
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
     trainer.fit(_Module(), DataLoader(TensorDataset(torch.cat(batches)), batch_size=args.batch))
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
-    return statistics.median(steps[args.warmup:])
+    return spread(steady(steps, args.warmup)).median
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,22 +138,24 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["lsp_offload", "zero_offload"], default="lsp_offload")
     parser.add_argument("--rank", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_standard_arguments(parser, repeats=3, warmup=2, repeats_aliases=("--rounds",))
     args = parser.parse_args()
+    if begin_run(args, __file__) is None:
+        return
     faces = {"plain loop": plain_loop, "Fabric": fabric_loop, "Trainer": trainer_loop}
-    results: dict[tuple[str, bool], list[float]] = {(face, off): [] for face in faces for off in (False, True)}
-    for _ in range(args.rounds):
-        for (face, offloaded), times in results.items():
-            times.append(faces[face](args, offloaded))
-    print(f"{args.strategy}, {args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| face | AdamW s / step | offload s / step | offload / AdamW |\n|---|---|---|---|")
+    configs = [(face, offloaded) for face in faces for offloaded in (False, True)]
+    results = alternate(configs, args.repeats, lambda config, _: faces[config[0]](args, config[1]))
+    print(f"\n{args.strategy}, {args.repeats} rounds\n")
+    rows = []
     for face in faces:
-        plain = statistics.median(results[(face, False)])
-        offload = statistics.median(results[(face, True)])
-        print(f"| {face} | {plain:.3f} | {offload:.3f} | {offload / plain:.2f} |")
+        # Each face against its own AdamW run: the ratio's difference between faces is what a face adds.
+        medians = {offloaded: spread(results[(face, offloaded)]).median for offloaded in (False, True)}
+        rows.append([face, f"{medians[False]:.3f}", f"{medians[True]:.3f}", f"{ratios(medians, False)[True]:.2f}"])
+    print(markdown_table(["face", "AdamW s / step", "offload s / step", "offload / AdamW"], rows))
+    write_json(args.json, {"args": vars(args), "seconds": {f"{face}|{'offload' if off else 'AdamW'}": values
+                                                           for (face, off), values in results.items()}})
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ wait for each other.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import lightning.pytorch as pl
 import torch
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, seed_everything, spread, write_json
 
 from lightning_offload import LSPOffloadStrategy, ProjectorRefit
 from lightning_offload.models.tiny import tiny_llama
@@ -27,7 +27,7 @@ def fit_seconds(fit_threads: int | None) -> float:
 
     from lightning_offload.tasks.causal_lm import CausalLMModule
 
-    torch.manual_seed(0)
+    seed_everything(0)
     model = tiny_llama(vocab_size=256, hidden=64, intermediate=172, heads=4, kv_heads=2)
     tokens = torch.randint(0, 256, (32, 32), generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens), batch_size=4,
@@ -44,16 +44,17 @@ def fit_seconds(fit_threads: int | None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="the fixed thread count compared with the default")
+    add_standard_arguments(parser, repeats=3)
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"default": [], f"{args.threads} threads": []}
-    for _ in range(args.repeats):
-        times["default"].append(fit_seconds(None))
-        times[f"{args.threads} threads"].append(fit_seconds(args.threads))
-    print(f"tiny LLaMA initial fit, torch {torch.__version__}, {torch.get_num_threads()} threads for the run")
-    for name, values in times.items():
-        print(f"fit_threads {name:<12} median {statistics.median(values):.2f} s  {[round(v, 2) for v in values]}")
+    if begin_run(args, __file__) is None:
+        return
+    settings: dict[str, int | None] = {"default": None, f"{args.threads} threads": args.threads}
+    times = alternate(list(settings), args.repeats, lambda name, _: fit_seconds(settings[name]))
+    print("\ntiny LLaMA initial fit, seconds\n")
+    rows = [[name, spread(values).cell(), [round(v, 2) for v in values]] for name, values in times.items()]
+    print(markdown_table(["fit_threads", "median s (min–max)", "each round"], rows))
+    write_json(args.json, {"args": vars(args), "seconds": times})
 
 
 if __name__ == "__main__":

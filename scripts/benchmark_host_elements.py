@@ -23,6 +23,7 @@ import argparse
 import itertools
 
 import torch
+from harness import add_standard_arguments, begin_run, markdown_table, write_json
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_offload.lsp.linear import ProjectedWeight
@@ -83,19 +84,23 @@ def main() -> None:
     parser.add_argument("--shape", default="llama_1b3", choices=SHAPES)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4 * 512, 16 * 512])
     parser.add_argument("--rank", type=float, default=0.25)
+    add_standard_arguments(parser)
     args = parser.parse_args()
+    begin_run(args, __file__)
     model = meta_model(args.shape)
     total = sum(p.numel() for p in model.parameters())
     print(f"{args.shape}: {total / 1e6:.0f}M parameters, rank {args.rank}, bf16 link and parameters\n")
-    print("| embeddings | head | tokens/step | host elements (M) | vs host/host | link MiB to host | link MiB to "
-          "device | device optimizer GiB |\n|---|---|---|---|---|---|---|---|")
+    rows, figures = [], {}
     for tokens in args.tokens:
         baseline = per_step(model, "host", "host", tokens, args.rank)["host_elements"]
         for embeddings, head in itertools.product(EMBEDDING_PLACEMENTS, HEAD_PLACEMENTS):
-            row = per_step(model, embeddings, head, tokens, args.rank)
-            print(f"| {embeddings} | {head} | {tokens} | {row['host_elements'] / 1e6:.1f} | "
-                  f"{row['host_elements'] / baseline:.2f} | {row['to_host'] / 2**20:.0f} | "
-                  f"{row['to_device'] / 2**20:.0f} | {row['device_optimizer'] / 2**30:.2f} |")
+            row = figures[f"{embeddings}|{head}|{tokens}"] = per_step(model, embeddings, head, tokens, args.rank)
+            rows.append([embeddings, head, tokens, f"{row['host_elements'] / 1e6:.1f}",
+                         f"{row['host_elements'] / baseline:.2f}", f"{row['to_host'] / 2**20:.0f}",
+                         f"{row['to_device'] / 2**20:.0f}", f"{row['device_optimizer'] / 2**30:.2f}"])
+    print(markdown_table(["embeddings", "head", "tokens/step", "host elements (M)", "vs host/host",
+                          "link MiB to host", "link MiB to device", "device optimizer GiB"], rows))
+    write_json(args.json, {"args": vars(args), "per_step": figures})
 
 
 if __name__ == "__main__":

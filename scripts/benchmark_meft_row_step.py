@@ -38,7 +38,6 @@ import argparse
 import collections
 import functools
 import importlib
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from harness import add_standard_arguments, begin_run, markdown_table, spread, write_json
 from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
@@ -163,9 +163,10 @@ class Sections:
         self.calls.clear()
 
     def print(self, steps: int) -> None:
-        print("\n| function | ms / step | calls / step |\n|---|---|---|")
-        for label, seconds in sorted(self.seconds.items(), key=lambda item: -item[1]):
-            print(f"| `{label}` | {seconds / steps * 1e3:.3f} | {self.calls[label] / steps:.1f} |")
+        print()
+        print(markdown_table(["function", "ms / step", "calls / step"],
+                             [[f"`{label}`", f"{seconds / steps * 1e3:.3f}", f"{self.calls[label] / steps:.1f}"]
+                              for label, seconds in sorted(self.seconds.items(), key=lambda item: -item[1])]))
 
 
 class FusedFloor:
@@ -193,7 +194,7 @@ class FusedFloor:
             start = now()
             optimizer.step()
             times.append(now() - start)
-        return times[0], statistics.median(times[1:])
+        return times[0], spread(times[1:]).median
 
 
 class SideBySide(pl.Callback):
@@ -262,19 +263,15 @@ def run(args: argparse.Namespace) -> list[tuple[float, int, float, float, float]
 def report(measured: list[tuple[float, int, float, float, float]]) -> None:
     """Medians and ranges of the row step, the fused floor and their ratio over the measured steps."""
     rows = [m[0] for m in measured]
-    elements = statistics.median(m[1] for m in measured)
-
-    def cell(values: list[float], scale: float, digits: int) -> str:
-        return f"{statistics.median(values) * scale:.{digits}f} ({min(values) * scale:.{digits}f}–" \
-               f"{max(values) * scale:.{digits}f})"
-
-    print(f"\n{len(measured)} steps measured, {elements / 1e6:.2f}M elements stepped per step (median)\n")
-    print("| host row step, ms | fused AdamW after the step, ms | × | fused AdamW in a row (cached), ms | × |\n"
-          "|---|---|---|---|---|")
+    elements = spread(m[1] for m in measured).median
     after, cached = [m[2] for m in measured], [m[3] for m in measured]
-    print(f"| {cell(rows, 1e3, 2)} | {cell(after, 1e3, 2)} | {cell([r / f for r, f in zip(rows, after)], 1, 1)} "
-          f"| {cell(cached, 1e3, 2)} | {cell([r / f for r, f in zip(rows, cached)], 1, 1)} |")
-    print(f"\nmeft/host_optimizer_seconds (the telemetry): {cell([m[4] for m in measured], 1e3, 2)} ms")
+    print(f"\n{len(measured)} steps measured, {elements / 1e6:.2f}M elements stepped per step (median)\n")
+    # Ratios step by step (the row step over the fused step measured right after it), then their median and range.
+    print(markdown_table(
+        ["host row step, ms", "fused AdamW after the step, ms", "×", "fused AdamW in a row (cached), ms", "×"],
+        [[spread(rows).cell(1e3, 2), spread(after).cell(1e3, 2), spread(r / f for r, f in zip(rows, after)).cell(1, 1),
+          spread(cached).cell(1e3, 2), spread(r / f for r, f in zip(rows, cached)).cell(1, 1)]]))
+    print(f"\nmeft/host_optimizer_seconds (the telemetry): {spread(m[4] for m in measured).cell(1e3, 2)} ms")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipelined", action="store_true",
                         help="meft_offload's default: a step's row updates overlap the next forward (and its figure "
                              "holds the previous step's updates, stretched by sharing the cores with that forward)")
+    add_standard_arguments(parser, trees=True)
     return parser
 
 
@@ -306,10 +304,17 @@ def main() -> None:
         if torch.get_num_threads() != 1:
             raise SystemExit("--cpu-clock counts this thread only: run it with --threads 1.")
         CLOCK[0] = time.thread_time
+    if begin_run(args, __file__) is None:
+        return
     kernel = native_row_adam()  # which row kernel the run measures (LIGHTNING_OFFLOAD_NATIVE=0: torch's)
-    print(f"{args.shape}: {torch.get_num_threads()} threads, torch {torch.__version__}, row kernel: "
+    print(f"{args.shape}: row kernel: "
           f"{'native (' + str(kernel.path) + ')' if kernel is not None else 'torch fused (assembled blocks)'}")
-    report(run(args))
+    measured = run(args)
+    report(measured)
+    write_json(args.json, {"args": vars(args), "kernel": str(kernel.path) if kernel is not None else None,
+                           "steps": [dict(zip(("row_seconds", "elements", "fused_after_seconds",
+                                               "fused_cached_seconds", "telemetry_row_seconds"), m))
+                                     for m in measured]})
 
 
 if __name__ == "__main__":

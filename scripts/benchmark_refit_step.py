@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
+from harness import add_standard_arguments, begin_run, seed_everything, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from tiny_modules import ProjectedUpdateRMS, TinyCausalLM, tiny_hf_model, token_data  # noqa: E402
@@ -26,7 +26,7 @@ from lightning_offload import LSPOffloadStrategy, ProjectorRefit  # noqa: E402
 
 
 def first_step_ratio(seed: int, refit_step: int, num_samples: int) -> float:
-    torch.manual_seed(seed)
+    seed_everything(seed)
     module = TinyCausalLM(tiny_hf_model("llama", seed=seed), lr=1e-3)
     strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="learned", pipelined=False)
     refit = ProjectorRefit(every_n_steps=refit_step, threshold=0.0, num_samples=num_samples, seed=seed)
@@ -42,10 +42,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--refit-step", type=int, default=60)
     parser.add_argument("--num-samples", type=int, default=4)
+    add_standard_arguments(parser)
     args = parser.parse_args(argv)
+    begin_run(args, __file__, argv)
     ratios = [first_step_ratio(seed, args.refit_step, args.num_samples) for seed in args.seeds]
     result = {"first_step_over_before": ratios, "median": statistics.median(ratios)}
     print(json.dumps(result, indent=2))
+    write_json(args.json, {"args": vars(args), **result})
     return result
 
 

@@ -23,24 +23,25 @@ pass, no gather, no norm, no zeroing).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, seed_everything, spread, \
+    time_steps, write_json
 
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
+#: Rounds of alternation: each row's median over ``--repeats`` calls is taken once per round.
+ROUNDS = 3
+
+
 def _time(step: Callable[[int], None], repeats: int) -> float:
-    seconds = []
-    for i in range(repeats):
-        start = time.perf_counter()
-        step(i)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])  # the first call sizes workspaces and creates state
+    # The first call sizes workspaces and creates state: not timed.
+    return spread(time_steps(step, repeats, warmup=1)).median
 
 
 def _fused_floor(rows: int, width: int, matrices: int, generator: torch.Generator) -> Callable[[int], None]:
@@ -56,16 +57,15 @@ def _fused_floor(rows: int, width: int, matrices: int, generator: torch.Generato
     return step
 
 
-def _table(results: dict[str, list[float]], elements: dict[str, int], floor_name: str) -> None:
-    print("| optimizer | ms / step | ns / element | × fused AdamW |\n|---|---|---|---|")
-    floor = statistics.median(results[floor_name]) / elements[floor_name]
-    for name, values in results.items():
-        seconds = statistics.median(values)
-        per_element = seconds / elements[name]
-        print(f"| {name} | {seconds * 1e3:.1f} | {per_element * 1e9:.2f} | {per_element / floor:.2f} |")
+def _table(results: dict[str, list[float]], elements: int, floor_name: str) -> None:
+    seconds = {name: spread(values).median for name, values in results.items()}
+    against = ratios(seconds, floor_name)  # the same element count: the ratio per element is the ratio per step
+    print(markdown_table(["optimizer", "ms / step", "ns / element", "× fused AdamW"],
+                         [[name, f"{value * 1e3:.1f}", f"{value / elements * 1e9:.2f}", f"{against[name]:.2f}"]
+                          for name, value in seconds.items()]))
 
 
-def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> None:
+def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> dict[str, list[float]]:
     """The row Adam on the touched rows of an embedding, gathered and in place, against fused AdamW on as many
     elements."""
     elements = args.rows * args.width
@@ -90,15 +90,13 @@ def embedding_table(args: argparse.Namespace, generator: torch.Generator) -> Non
     steps = {"torch AdamW (fused), dense": _fused_floor(args.rows, args.width, 1, generator),
              "BlockRowAdam.step_rows, gathered (the embedding's path)": gathered,
              "BlockRowAdam.step, in place, one slice per row": block_row}
-    results: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(3):  # interleaved, so load on the machine hits all alike
-        for name, step in steps.items():
-            results[name].append(_time(step, args.repeats))
+    results = alternate(list(steps), ROUNDS, lambda name, _: _time(steps[name], args.repeats))
     print(f"\nEmbedding: {args.rows} of {args.height} rows × {args.width} ({elements / 1e6:.1f}M elements per step)\n")
-    _table(results, dict.fromkeys(results, elements), "torch AdamW (fused), dense")
+    _table(results, elements, "torch AdamW (fused), dense")
+    return results
 
 
-def meft_table(args: argparse.Namespace, generator: torch.Generator) -> None:
+def meft_table(args: argparse.Namespace, generator: torch.Generator) -> dict[str, list[float]]:
     """BlockRowAdam's whole row step on one adapter against fused AdamW on the stepped element count."""
     block_rows = args.neurons // args.experts
     elements = 2 * args.blocks * block_rows * args.width  # keys and values
@@ -137,7 +135,7 @@ def meft_table(args: argparse.Namespace, generator: torch.Generator) -> None:
     def timed(choose: Callable[[int], torch.Tensor], part: int | None) -> Callable[[], float]:
         def run() -> float:
             seconds = [row_step(choose(i)) for i in range(args.repeats)][1:]
-            return statistics.median(sum(s) if part is None else s[part] for s in seconds)
+            return spread(sum(s) if part is None else s[part] for s in seconds).median
         return run
 
     floor = _fused_floor(args.blocks * block_rows, args.width, 2, generator)
@@ -149,14 +147,12 @@ def meft_table(args: argparse.Namespace, generator: torch.Generator) -> None:
             "– the gradient norm (without accumulation: summed as the gradients land, in backward)":
                 timed(drawn_per_step, 1),
             "– the step (catch-up, fused Adam)": timed(drawn_per_step, 2)}
-    results: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(3):
-        for name, run in runs.items():
-            results[name].append(run())
+    results = alternate(list(runs), ROUNDS, lambda name, _: runs[name]())
     print(f"\nMEFT adapter: {args.blocks} of {args.experts} blocks of {block_rows} rows × {args.width} "
           f"({touched_rows} of them with a gradient), keys and values ({elements / 1e6:.1f}M elements per step; "
           f"zeroing idle rows, norm, catch-up and Adam timed)\n")
-    _table(results, dict.fromkeys(results, elements), "torch AdamW (fused), dense")
+    _table(results, elements, "torch AdamW (fused), dense")
+    return results
 
 
 def main() -> None:
@@ -169,18 +165,22 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16, help="MEFT blocks stepped per step (4 sequences × 4)")
     parser.add_argument("--fill", type=float, default=1.0,
                         help="share of a stepped block's rows with a gradient (the rest idle: zeroed, then stepped)")
-    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=12, help="calls timed per figure (the first not counted)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--only", choices=("embedding", "meft"), default=None, help="run one table")
+    add_standard_arguments(parser, seed=0, trees=True)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    generator = torch.Generator().manual_seed(0)
+    if begin_run(args, __file__) is None:
+        return
+    generator = seed_everything(args.seed)
+    results = {}
     if args.only != "meft":
-        embedding_table(args, generator)
+        results["embedding"] = embedding_table(args, generator)
     if args.only != "embedding":
-        meft_table(args, generator)
+        results["meft"] = meft_table(args, generator)
+    write_json(args.json, {"args": vars(args), "seconds": results})
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ import argparse
 import json
 import math
 import os
-import platform
 from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
+from harness import begin_run, markdown_table
 
 import lightning_offload  # noqa: F401  (registers the strategy names)
 from lightning_offload import ProjectorRefit
@@ -234,8 +234,7 @@ def report(results: list[dict[str, Any]]) -> str:
     seeds' mean losses (steadier where AdamW's gain over the frozen run is small and one seed moves a share a lot)."""
     by = {(r["method"], r["seed"]): r["eval_loss"] for r in results}
     seeds = sorted({r["seed"] for r in results})
-    lines = ["| method | " + " | ".join(f"seed {s}: eval loss (share)" for s in seeds)
-             + " | mean share | share of the mean losses |", "|---|" + "---|" * (len(seeds) + 2)]
+    rows = []
     for method in METHODS:
         cells, shares, used = [], [], []
         for seed in seeds:
@@ -249,11 +248,11 @@ def report(results: list[dict[str, Any]]) -> str:
             cells.append(f"{loss:.4f} ({share:.0%})")
         if not shares:
             continue
-        mean = f"{sum(shares) / len(shares):.0%}"
         means = {m: sum(by[(m, s)] for s in used) / len(used) for m in (method, "frozen", "adamw")}
-        of_means = f"{(means['frozen'] - means[method]) / (means['frozen'] - means['adamw']):.0%}"
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean} | {of_means} |")
-    return "\n".join(lines)
+        of_means = (means["frozen"] - means[method]) / (means["frozen"] - means["adamw"])
+        rows.append([method, *cells, f"{sum(shares) / len(shares):.0%}", f"{of_means:.0%}"])
+    return markdown_table(["method", *(f"seed {s}: eval loss (share)" for s in seeds), "mean share",
+                           "share of the mean losses"], rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    machine = begin_run(args, __file__)
     if args.learned_scale != 1.0:
         _scale_updates(args.learned_scale, learned_only=True)
     if args.update_scale != 1.0:
@@ -325,8 +325,7 @@ def main() -> None:
                 print(f"{method:>16} seed {seed}: eval loss {result['eval_loss']:.4f}", flush=True)
                 results.append(result)
                 with open(args.out, "w") as f:
-                    json.dump({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                               "args": vars(args), "runs": results}, f, indent=1)
+                    json.dump({"machine": machine, "args": vars(args), "runs": results}, f, indent=1)
     print(report(results))
     if any(math.isnan(r["eval_loss"]) for r in results):
         raise SystemExit("a run diverged (nan eval loss)")

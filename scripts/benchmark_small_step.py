@@ -17,11 +17,12 @@ and the rest (the model's forward and backward).
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, seed_everything, spread, \
+    steady, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
@@ -73,10 +74,10 @@ def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidd
             untied: bool = False) -> tuple[float, dict[str, float], dict[str, float]]:
     """Median steady step seconds of one configuration, the median seconds of each engine phase, and its device
     bytes (:func:`device_bytes`)."""
-    torch.manual_seed(0)
+    generator = seed_everything(0)
     model = tiny_llama(vocab_size=vocab, hidden=hidden, intermediate=hidden * 11 // 4, heads=8, kv_heads=4, layers=4,
                        tie_word_embeddings=not untied)
-    tokens = torch.randint(0, vocab, (8 * steps, 128), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab, (8 * steps, 128), generator=generator)
     loader = DataLoader(TensorDataset(tokens), batch_size=8,
                         collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows]),
                                                  "labels": torch.stack([r[0] for r in rows])})
@@ -88,44 +89,47 @@ def measure(name: str, precision: str, steps: int, warmup: int, vocab: int, hidd
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock, phases])
     trainer.fit(module, train_dataloaders=loader)
-    return statistics.median(clock.seconds[warmup:]), phases.medians(), device_bytes(trainer, module)
+    return spread(steady(clock.seconds, warmup)).median, phases.medians(), device_bytes(trainer, module)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--untied", action="store_true", help="an LM head of its own (the default ties it)")
+    add_standard_arguments(parser, repeats=3, warmup=4, trees=True)
     args = parser.parse_args()
     if "plain fused AdamW" not in args.configs:
         parser.error("--configs must include 'plain fused AdamW': every figure is a ratio to it.")
-    results: dict[str, list[float]] = {name: [] for name in args.configs}
-    phase_runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.configs}
+    if begin_run(args, __file__) is None:
+        return
     memory: dict[str, dict[str, float]] = {}
-    for repeat in range(args.repeats):
-        for name in args.configs:
-            seconds, phases, memory[name] = measure(name, args.precision, args.steps, args.warmup, args.vocab,
-                                                    args.hidden, args.untied)
-            results[name].append(seconds)
-            phase_runs[name].append(phases)
-            print(f"[repeat {repeat}] {name}: {seconds * 1e3:.1f} ms/step", flush=True)
-    baseline = statistics.median(results["plain fused AdamW"])
+
+    def run(name: str, repeat: int) -> tuple[float, dict[str, float]]:
+        seconds, phases, memory[name] = measure(name, args.precision, args.steps, args.warmup, args.vocab,
+                                                args.hidden, args.untied)
+        return seconds, phases
+
+    def progress(name: str, repeat: int, result: tuple[float, dict[str, float]]) -> None:
+        print(f"[repeat {repeat}] {name}: {result[0] * 1e3:.1f} ms/step", flush=True)
+
+    runs = alternate(args.configs, args.repeats, run, progress)
+    results = {name: [seconds for seconds, _ in values] for name, values in runs.items()}
+    phase_runs = {name: [phases for _, phases in values] for name, values in runs.items()}
+    medians = {name: spread(values).median for name, values in results.items()}
+    against = ratios(medians, "plain fused AdamW")
     print(f"\nsmall LLaMA (hidden {args.hidden}, 4 layers, vocab {args.vocab}, {'untied' if args.untied else 'tied'} "
-          f"head), 8×128 tokens, {args.precision}, "
-          f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| configuration | ms / step (median) | × plain fused AdamW | device MiB kept beside the weights: "
-          "persistent, per step |")
-    print("|---|---|---|---|")
-    for name, values in results.items():
-        seconds = statistics.median(values)
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / baseline:.2f} | {memory[name]['persistent'] / 2**20:.1f}, "
-              f"{memory[name]['per step'] / 2**20:.1f} |")
-    print_phases(results, phase_runs, baseline)
+          f"head), 8×128 tokens, {args.precision}, {args.repeats} repeats\n")
+    print(markdown_table(
+        ["configuration", "ms / step (median)", "× plain fused AdamW",
+         "device MiB kept beside the weights: persistent, per step"],
+        [[name, f"{medians[name] * 1e3:.1f}", f"{against[name]:.2f}",
+          f"{memory[name]['persistent'] / 2**20:.1f}, {memory[name]['per step'] / 2**20:.1f}"] for name in results]))
+    print_phases(results, phase_runs, medians["plain fused AdamW"])
+    write_json(args.json, {"args": vars(args), "step_seconds": results, "phases": phase_runs, "device_bytes": memory})
 
 
 def print_phases(results: dict[str, list[float]], phase_runs: dict[str, list[dict[str, float]]],
@@ -137,16 +141,14 @@ def print_phases(results: dict[str, list[float]], phase_runs: dict[str, list[dic
         return
     print("\nWhere a step's time goes, ms per step (engine phases; 'rest' = step − phases, the model's forward and "
           "backward and Lightning's loop, to compare with plain AdamW's whole step):\n")
-    print("| configuration | " + " | ".join(PHASES) + " | rest | step |")
-    print("|---|" + "---|" * (len(PHASES) + 2))
+    rows = []
     for name in offloaded:
-        per_phase = {phase: statistics.median(run[phase] for run in phase_runs[name]) for phase in PHASES}
-        step = statistics.median(results[name])
-        cells = [f"{per_phase[phase] * 1e3:.1f}" for phase in PHASES]
-        print(f"| {name} | " + " | ".join(cells) + f" | {(step - sum(per_phase.values())) * 1e3:.1f} | "
-              f"{step * 1e3:.1f} |")
-    print(f"| plain fused AdamW | " + " | ".join("—" for _ in PHASES) + f" | {baseline * 1e3:.1f} | "
-          f"{baseline * 1e3:.1f} |")
+        per_phase = {phase: spread(run[phase] for run in phase_runs[name]).median for phase in PHASES}
+        step = spread(results[name]).median
+        rows.append([name, *(f"{per_phase[phase] * 1e3:.1f}" for phase in PHASES),
+                     f"{(step - sum(per_phase.values())) * 1e3:.1f}", f"{step * 1e3:.1f}"])
+    rows.append(["plain fused AdamW", *("—" for _ in PHASES), f"{baseline * 1e3:.1f}", f"{baseline * 1e3:.1f}"])
+    print(markdown_table(["configuration", *PHASES, "rest", "step"], rows))
 
 
 if __name__ == "__main__":

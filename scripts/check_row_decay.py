@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import platform
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import add_standard_arguments, begin_run, markdown_table, seed_everything, write_json  # noqa: E402
 from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer  # noqa: E402
 
 import lightning_offload  # noqa: E402
@@ -116,10 +116,10 @@ def loop_scale(steps: int, floor: float) -> float:
 def drift(steps_touched: int = 50, gap: int = 200, rare_every: int = 100) -> dict[str, float]:
     """Lags of idle rows behind dense AdamW, in units of lr (largest over a row's elements)."""
     lr, rows, width = 1e-3, 64, 16
-    generator = torch.Generator().manual_seed(0)
-    start = torch.randn(rows, width, generator=generator)
-    ours = BlockRowAdam([start.clone()], 1)
-    dense = torch.nn.Parameter(start.clone())
+    generator = seed_everything(0)
+    initial = torch.randn(rows, width, generator=generator)
+    ours = BlockRowAdam([initial.clone()], 1)
+    dense = torch.nn.Parameter(initial.clone())
     reference = torch.optim.AdamW([dense], lr=lr, weight_decay=0.0, fused=True)
     settings = RowAdamSettings(lr=lr, weight_decay=0.0)
     lags: dict[str, float] = {"first idle step": 0.0, f"after {gap} idle steps": 0.0, "rare row, largest": 0.0}
@@ -144,21 +144,23 @@ def drift(steps_touched: int = 50, gap: int = 200, rare_every: int = 100) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
+    add_standard_arguments(parser)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    begin_run(args, __file__)
     print("\nshare of AdamW's decoupled decay kept by never-touched embedding rows")
-    print("| run | AdamW's scale | ours | share kept |")
-    print("|---|---|---|---|")
+    rows = []
     for label, run, floor in (("Trainer, warm-up + cosine to 0", trainer_scale, 0.0),
                               ("Trainer, warm-up + cosine to 0.1·lr", trainer_scale, 0.1),
                               ("loop saved and resumed halfway, cosine to 0", loop_scale, 0.0)):
         want, got = adamw_scale(args.steps, floor), run(args.steps, floor)
-        print(f"| {label} | {want:.6f} | {got:.6f} | {100 * (1 - got) / (1 - want):.1f}% |")
+        rows.append([label, f"{want:.6f}", f"{got:.6f}", f"{100 * (1 - got) / (1 - want):.1f}%"])
+    print(markdown_table(["run", "AdamW's scale", "ours", "share kept"], rows))
     print("\nmomentum drift of idle rows (not reproduced by the row-sparse step), in units of lr")
-    for label, lag in drift().items():
+    lags = drift()
+    for label, lag in lags.items():
         print(f"- {label}: {lag:.2f}·lr")
+    write_json(args.json, {"args": vars(args), "decay": rows, "drift": lags})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ strategy's own rule: :mod:`benchmark_host_elements`); what is assumed is stated 
   back), at ``--host-gbs`` of effective memory bandwidth per node.
 
 Compute time is not modelled: what is shown is what each method adds to a step, to be compared with the step's
-own device time (0.10 s for the 1.3B shape at 4×512 on one H200, measured: docs/benchmarks.md, GPU).
+own device time (0.10 s for the 1.3B shape at 4×512 on one H200, measured: docs/benchmarks.md, "GPU: the last
+measurement").
 
     python scripts/ddp_cost_model.py
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from benchmark_host_elements import meta_model, per_step  # noqa: E402
+from harness import add_standard_arguments, begin_run, markdown_table, write_json  # noqa: E402
 
 #: fp32 parameter, gradient and two moments read, three written: bytes of memory traffic per fused AdamW element.
 ADAM_BYTES_PER_ELEMENT = 28
@@ -54,10 +56,10 @@ def main() -> None:
     parser.add_argument("--inter-gbps", type=float, nargs="+", default=[100.0, 400.0],
                         help="Gb/s of network per node, shared by its 8 GPUs")
     parser.add_argument("--host-gbs", type=float, default=100.0, help="host memory bandwidth per node, GB/s")
+    add_standard_arguments(parser)
     args = parser.parse_args()
-    print("| shape | nodes × GPUs | method | MiB between ranks / step (payload) | wire s / step (slow net; fast net) "
-          "| host Adam elements / node (M) | host Adam s / node |")
-    print("|---|---|---|---|---|---|---|")
+    begin_run(args, __file__)
+    rows = []
     for shape in args.shapes:
         model = meta_model(shape)
         parameters = sum(p.numel() for p in model.parameters())
@@ -74,8 +76,12 @@ def main() -> None:
                          for intra, inter in zip(args.intra_gbs, args.inter_gbps)]
                 per_node = host_elements / nodes
                 host_seconds = per_node * ADAM_BYTES_PER_ELEMENT / (args.host_gbs * 1e9)
-                print(f"| {shape} | {nodes} × {GPUS_PER_NODE} | {method} | {payload / 2**20:,.0f} | "
-                      f"{times[0]:.3f}; {times[1]:.3f} | {per_node / 1e6:,.0f} | {host_seconds:.3f} |")
+                rows.append([shape, f"{nodes} × {GPUS_PER_NODE}", method, f"{payload / 2**20:,.0f}",
+                             f"{times[0]:.3f}; {times[1]:.3f}", f"{per_node / 1e6:,.0f}", f"{host_seconds:.3f}"])
+    header = ["shape", "nodes × GPUs", "method", "MiB between ranks / step (payload)",
+              "wire s / step (slow net; fast net)", "host Adam elements / node (M)", "host Adam s / node"]
+    print(markdown_table(header, rows))
+    write_json(args.json, {"args": vars(args), "rows": [dict(zip(header, row)) for row in rows]})
     print(f"\nSlow: {args.intra_gbs[0]:g} GB/s per GPU in a node, {args.inter_gbps[0]:g} Gb/s per node; fast: "
           f"{args.intra_gbs[1]:g} GB/s, {args.inter_gbps[1]:g} Gb/s. Host: {args.host_gbs:g} GB/s per node, "
           f"{ADAM_BYTES_PER_ELEMENT} B per Adam element; {args.tokens} tokens per rank.")

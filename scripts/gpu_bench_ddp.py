@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from harness import add_standard_arguments, begin_run, spread, steady, write_json
 
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=64, layers=2, heads=4, intermediate=128, vocab=256),
@@ -92,12 +93,11 @@ def _single(method: str, args: argparse.Namespace) -> None:
     trainer.fit(module, DataLoader(Tokens(), batch_size=args.batch))
     if not trainer.is_global_zero:
         return
-    steady = clock.seconds[2:] or clock.seconds
     optimizer = getattr(trainer.strategy, "offload_optimizer", None)
     parameters = sum(p.numel() for p in module.parameters())
     result: dict[str, Any] = {
         "method": method, "ranks": trainer.world_size, "shape": args.shape, "batch_per_rank": args.batch,
-        "seq": args.seq, "median_step_seconds": statistics.median(steady), "parameters": parameters,
+        "seq": args.seq, "median_step_seconds": spread(steady(clock.seconds, 2)).median, "parameters": parameters,
         "device_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
     if optimizer is not None:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (larger shapes)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per method")
-    parser.add_argument("--out", default=None)
+    add_standard_arguments(parser, json_aliases=("--out",))
     parser.add_argument("--single", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.single is not None:
         _single(args.single, args)
         return {}
+    begin_run(args, __file__, argv)
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("single", "result")},
                               "methods": []}
-    out = Path(args.out) if args.out else None
     for method in args.methods:
         result_file = Path(f".gpu_bench_ddp_{method}_{os.getpid()}.json").resolve()
         command = [sys.executable, str(Path(__file__).resolve()), "--single", method, "--result", str(result_file),
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result_file.unlink(missing_ok=True)
         report["methods"].append(entry)
         print(json.dumps(entry)[:400], flush=True)
-        if out is not None:
-            out.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)  # after every method: a run cut short keeps what it measured
     return report
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# As `python scripts/x.py` would: the scripts import their shared harness (scripts/harness.py) by its bare name.
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
 
 
 def load_script(name: str) -> ModuleType:

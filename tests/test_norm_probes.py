@@ -4,7 +4,7 @@ the probes of every step's backward while clipping is in use (``lightning_offloa
 Without the probes ``ρ`` keeps the value of the fit (or 1 for random draws) while training changes how much of each
 gradient the subspace holds: on the tiny LLaMA below the estimate read 0.77–0.90× (random, lr 1e-2) and 0.75–0.84×
 (learned, lr 3e-3) of the true global norm after 150 steps, over data orders 0–3; with them, 0.95–1.05×
-(docs/benchmarks.md, "The clipping norm after training")."""
+(docs/benchmarks/2026-12-03.md, "The clipping norm after training")."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Gradient clipping estimates a projected weight's full-gradient norm as ``‖S‖
 stale: Adam moves the weight only inside the projectors' subspace, which changes how much of each new gradient the
 subspace holds. After 300 steps of the small LLaMA at rank 0.25 the estimate read 0.70× the true global norm with
 learned projectors and 0.94× (lr 1e-3) or 1.17× (lr 1e-4) with random ones (``scripts/benchmark_clip_norm.py
---steps 300``, docs/benchmarks.md): a ``max_grad_norm`` tuned on AdamW clipped 1.4× too late, or too early.
+--steps 300``, docs/benchmarks/2026-12-03.md): a ``max_grad_norm`` tuned on AdamW clipped 1.4× too late, or too early.
 
 So while clipping is in use the norm of ``G = Δᵀ X`` is measured from every step's backward, without forming ``G``:
 a layer draws ``m`` Rademacher probes ``z`` (``i × m``, ``±1``), forward keeps ``X z`` beside ``B X`` (``m`` numbers
@@ -17,7 +17,7 @@ averages ``‖S‖²`` and ``‖G z‖²/m`` over its measured steps, a step's w
 from the 16th measured step on, ``ρ = √(avg ‖S‖² / avg ‖G z‖²/m)`` replaces the layer's ``ρ`` at every step. New
 projectors (a refit) restart the averages from the ``ρ`` their fit measured.
 
-Why these choices (measured on the small LLaMA, docs/benchmarks.md):
+Why these choices (measured on the small LLaMA, docs/benchmarks/2026-12-03.md):
 
 - **Ratio of averages, not the average of per-step ratios.** One step's ``‖G z‖²/m`` is noisy (relative variance
   about ``2/(m·r)`` for a gradient of effective rank ``r``): averaging ``‖S‖²/(‖G z‖²/m)`` divides by that noise and

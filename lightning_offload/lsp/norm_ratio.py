@@ -8,7 +8,7 @@ on ``ρ`` alone, and two things spoil a careless measurement of it:
   against 0.35–0.5 on the small LLaMA at rank 0.25), so ``ρ`` measured there makes every later norm read low.
 - **Batch noise.** One batch's ``‖S‖/‖G‖`` moves a lot from batch to batch: at 4×64 tokens the global estimate
   from one held-out batch's ``ρ`` was 0.85–1.22× the truth over twelve draws, from four pooled batches 0.955–1.05×,
-  from eight 0.99× (``scripts/benchmark_clip_norm.py``, docs/benchmarks.md).
+  from eight 0.99× (``scripts/benchmark_clip_norm.py``, docs/benchmarks/2026-12-02.md).
 
 So ``ρ`` is pooled over several batches none of which the fit used, as ``√(mean_b ‖S_b‖²/‖G_b‖²)``: the ratio
 of sums ``√(Σ‖S‖²/Σ‖G‖²)`` weighs the large-gradient batches up and read 1–3% low against the median step.

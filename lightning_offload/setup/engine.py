@@ -43,8 +43,9 @@ class Placements:
     def of(cls, settings: OffloadSettings, sparse_embeddings_by_default: bool = True) -> Placements:
         """The placements ``settings`` ask for; ``sparse_embeddings_by_default`` is ``False`` where rows cannot be
         stepped sparsely (data parallelism)."""
-        # Defaults chosen by measurement (docs/benchmarks.md, "Embeddings and head off the dense host path"): the
-        # row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's gain.
+        # Defaults chosen by measurement (docs/benchmarks/2026-12-01.md, "Embeddings and head off the dense host
+        # path"): the row-sparse embedding kept the dense one's quality; projecting the head cost a fifth of AdamW's
+        # gain.
         # Without projection (zero_offload, the ZeRO-Offload baseline) everything stays dense.
         default = "sparse" if settings.projection and sparse_embeddings_by_default else "host"
         return cls(settings.embeddings if settings.embeddings is not None else default,

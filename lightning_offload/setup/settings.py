@@ -53,7 +53,7 @@ class OffloadSettings:
             :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` with its defaults is added unless the
             Trainer has one; a loop calls ``fit_projectors``). At rank 0.25 random draws kept as much of AdamW's gain
             as learned ones or more in most measured settings, at no fit cost; at rank 0.125 the measurements split,
-            so try both there (docs/benchmarks.md, "Projectors at the user's own learning rate").
+            so try both there (docs/benchmarks/2026-12-02.md, "Projectors at the user's own learning rate").
             Default: ``"random"``.
         projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
             ``random_projector`` (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).

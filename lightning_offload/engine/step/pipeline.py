@@ -56,7 +56,7 @@ class HostWorker:
     failure rules. That is the engine's choice when the device is the CPU: the "device" compute already runs on every
     core through its own intra-op threads, so a second thread has no idle core to use; its OpenMP team only competes
     with the main thread's for the same cores (each team spins between kernels), which slowed every kernel of the
-    forward, not only the host's (see docs/benchmarks.md, "Where a step's time goes").
+    forward, not only the host's (see docs/benchmarks/2026-12-03.md, "Where a step's time goes").
 
     Args:
         name: the thread's name.
