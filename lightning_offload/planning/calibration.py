@@ -127,7 +127,7 @@ def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     if device.type != "cuda":
         return Hardware(name, "cpu", matmul, sparse,
                         per_element, per_call, host_bandwidth, host_bandwidth, host_bandwidth, host_bandwidth,
-                        0, _host_memory())
+                        0, host_memory())
     pinned = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(1 << 26, dtype=torch.uint8, device=device)
     to_device = pinned.nbytes / _best_seconds(lambda: on_device.copy_(pinned, non_blocking=True), 3, sync)
@@ -136,7 +136,7 @@ def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     device_bandwidth = 2 * on_device.nbytes / _best_seconds(lambda: other.copy_(on_device), 3, sync)
     gpu = torch.cuda.get_device_properties(device)
     return Hardware(f"{gpu.name}; host {name}", "cuda", matmul, sparse, per_element, per_call, host_bandwidth,
-                    device_bandwidth, to_host, to_device, gpu.total_memory, _host_memory())
+                    device_bandwidth, to_host, to_device, gpu.total_memory, host_memory())
 
 
 def _cpu_name() -> str:
@@ -152,7 +152,8 @@ def _cpu_name() -> str:
     return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def _host_memory() -> int:
+def host_memory() -> int:
+    """This machine's memory in bytes (0 where the system does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

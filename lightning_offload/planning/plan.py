@@ -32,6 +32,8 @@ STRATEGIES = ("auto", "zero_offload", "lsp_offload", "meft_offload")
 #: Each precision's ``(parameter dtype, compute dtype)``.
 PRECISIONS = {"32-true": (torch.float32, torch.float32), "bf16-true": (torch.bfloat16, torch.bfloat16),
               "bf16-mixed": (torch.float32, torch.bfloat16)}
+#: Lightning's short spellings of the precisions above.
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
           "gb": 10**9, "tb": 10**12}
 
@@ -108,7 +110,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         gradient_checkpointing: plan with every block checkpointed (both figures are in the plan either way).
         hardware: a profile name (``"h200"``, ``"rtx4090"``, ``"laptop-4gb"``), a ``Hardware`` value, or ``None``
             to calibrate this machine (about a second, then cached).
-        device: the device calibrated when ``hardware`` is ``None`` (default: CUDA when present, else the CPU).
+        device: the device the run trains on, calibrated when ``hardware`` is ``None`` (default: the profile's
+            device, or CUDA when present, else the CPU).
         host_memory: the host's memory (default: the hardware's).
         meft: ``meft_offload``'s adapters, when the model has none injected yet (default: ``MEFTConfig()``).
         activation_bytes: bytes a forward keeps for backward, for a model that is not a Hugging Face causal LM.
@@ -123,6 +126,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     """
     offload = settings_for(strategy, settings)
     memory = parse_bytes(device_memory, "device_memory")
+    precision = PRECISION_ALIASES.get(str(precision), str(precision))
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one a plan knows; use one of {sorted(PRECISIONS)}.")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -132,7 +136,9 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         raise ValueError(f"headroom={headroom!r} must be a share of device_memory in [0, 1) (default 0.05).")
     param_dtype, compute_dtype = PRECISIONS[precision]
     hw = hardware_of(hardware, device, compute_dtype)
-    accelerator = hw.device != "cpu"
+    # What the engine allocates follows the device the run trains on (pinned buffers, speculation, the CPU's caches);
+    # the speeds may be another machine's (a profile).
+    accelerator = (torch.device(device).type if device is not None else hw.device) != "cpu"
     meft_part = meft_sizes(model, meft, batch_size, seq_len, compute_dtype, accelerator) \
         if strategy == "meft_offload" else None
     found = inventory(model, offload, param_dtype, meft_part.trained if meft_part else None)
@@ -198,7 +204,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     step = step_time(device_s, forward_s, host_s, largest_host, to_host, to_device, largest_link, hw, plain,
                      link.speculative)
     device_peak = peaks[work.checkpointing]
-    shares_memory = hw.device == "cpu"  # the CPU's "device" memory is the host's
+    shares_memory = not link.pinned  # a CPU device's memory is the host's
     host_needed = host + meft_host + (device_peak if shares_memory else 0)
     return Plan(strategy=strategy, settings=_shown_settings(settings), **run,
                 gradient_checkpointing=work.checkpointing, device_bytes=device_peak,
