@@ -108,20 +108,29 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
         model: as for :func:`~lightning_offload.planning.plan.plan` (``meta`` works).
         seq_len: tokens per sequence.
         device_memory: the device's memory (bytes or ``"4GiB"``).
-        precision: as for ``plan``.
-        hardware: a profile name, a ``Hardware`` value or ``None`` (this machine, calibrated once).
-        device: the device calibrated when ``hardware`` is ``None``.
-        time_budget: the longest step acceptable, in seconds (``None``: any).
-        strategies: the strategies compared.
+        precision: as for ``plan``. Default: ``"bf16-mixed"``.
+        hardware: a profile name, a ``Hardware`` value or ``None`` (this machine, calibrated once). Default: ``None``.
+        device: the device calibrated when ``hardware`` is ``None``. Default: ``None``.
+        time_budget: the longest step acceptable, in seconds. Default: ``None`` (any).
+        strategies: the strategies compared. Default: ``('auto', 'lsp_offload', 'zero_offload')``.
         ranks: ``lsp_offload``'s ranks tried (larger first: at equal speed the larger one wins).
+            Default: ``(0.25, 0.125)``.
         placements: ``(embeddings, head)`` pairs tried (``zero_offload`` takes those without projection).
-        batch_sizes: batch sizes tried.
-        checkpointing: gradient checkpointing off, on, or both.
-        host_memory: the host's memory (default: the hardware's).
+            Default: ``(('sparse', 'host'), ('sparse', 'projected'), ('host', 'host'), ('device', 'device'))``.
+        batch_sizes: batch sizes tried. Default: ``(1, 2, 4, 8, 16, 32)``.
+        checkpointing: gradient checkpointing off, on, or both. Default: ``(False, True)``.
+        host_memory: the host's memory. Default: ``None`` (the hardware's).
         settings: further settings every offload candidate takes (``link_dtype="bf16"``).
 
     Raises:
         ValueError: for a bad size, precision, strategy or setting (as ``plan`` raises them).
+
+    Example::
+
+        import lightning_offload
+        choice = lightning_offload.choose(model, seq_len=512, device_memory="4GiB", precision="bf16-true",
+                                          hardware="laptop-4gb")
+        print(choice.table())  # the chosen plan, then each rejected candidate and why
     """
     parse_bytes(device_memory, "device_memory")
     if time_budget is not None and not time_budget > 0:

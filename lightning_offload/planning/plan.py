@@ -102,27 +102,38 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         model: the model to train (a Hugging Face causal LM, or a module holding one); on any device, ``meta``
             included (nothing is allocated). Every parameter that requires grad is taken to be trained by AdamW.
         strategy: ``"auto"`` (plain AdamW on the device), ``"zero_offload"``, ``"lsp_offload"`` or
-            ``"meft_offload"``.
+            ``"meft_offload"``. Default: ``"lsp_offload"``.
         batch_size: sequences per step.
         seq_len: tokens per sequence.
-        device_memory: the device's memory (bytes, or ``"24GiB"``).
-        precision: ``"32-true"``, ``"bf16-true"`` or ``"bf16-mixed"``.
+        device_memory: the device's memory (bytes, or a string such as ``"24GiB"``).
+        precision: ``"32-true"``, ``"bf16-true"`` or ``"bf16-mixed"``. Default: ``"bf16-mixed"``.
         gradient_checkpointing: plan with every block checkpointed (both figures are in the plan either way).
+            Default: ``False``.
         hardware: a profile name (``"h200"``, ``"rtx4090"``, ``"laptop-4gb"``), a ``Hardware`` value, or ``None``
-            to calibrate this machine (about a second, then cached).
-        device: the device the run trains on, calibrated when ``hardware`` is ``None`` (default: the profile's
-            device, or CUDA when present, else the CPU).
-        host_memory: the host's memory (default: the hardware's).
-        meft: ``meft_offload``'s adapters, when the model has none injected yet (default: ``MEFTConfig()``).
+            to calibrate this machine (about a second, then cached). Default: ``None``.
+        device: the device the run trains on, calibrated when ``hardware`` is ``None``. Default: ``None`` (the
+            profile's device, or CUDA when present, else the CPU).
+        host_memory: the host's memory (bytes or a size string). Default: ``None`` (the hardware's).
+        meft: ``meft_offload``'s adapters, when the model has none injected yet. Default: ``None``
+            (``MEFTConfig()``).
         activation_bytes: bytes a forward keeps for backward, for a model that is not a Hugging Face causal LM.
+            Default: ``None`` (measured by a forward on the meta device).
         headroom: the share of ``device_memory`` kept free when deciding whether the run fits: the allocator's
             fragmentation and the CUDA context count against a memory cap but not in ``max_memory_allocated``.
+            Default: ``0.05``.
         settings: the strategy's settings, as the strategies take them (``rank=0.125``, ``update="scaled"``,
             ``embeddings="host"``, ``link_dtype="bf16"``...).
 
     Raises:
         ValueError: for an unknown strategy or precision, a setting the strategy refuses, or a size that is not
             positive. TypeError: for an unknown setting.
+
+    Example::
+
+        import lightning_offload
+        plan = lightning_offload.plan(model, "lsp_offload", batch_size=4, seq_len=512, device_memory="24GiB",
+                                      precision="bf16-true", gradient_checkpointing=True, hardware="rtx4090")
+        print(plan.table())  # plan.fits, plan.device_bytes, plan.host_bytes, plan.step_seconds, plan.figures()
     """
     offload = settings_for(strategy, settings)
     memory = parse_bytes(device_memory, "device_memory")
