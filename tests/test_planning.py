@@ -120,6 +120,15 @@ def test_checkpointing_keeps_less_than_the_whole_forward() -> None:
     assert doubled.device_parts["activations"] == 2 * found.device_parts["activations"]
 
 
+def test_attention_is_counted_as_the_fused_kernels_keep_it() -> None:
+    # Flash / memory-efficient attention keeps no T × T probabilities: activations grow linearly with the sequence
+    # (the meta device's math path would keep the probabilities, and double the sequence would more than double them).
+    common = dict(batch_size=2, device_memory="1GiB", precision="32-true", hardware=CPU)
+    short = plan(_model(), "auto", seq_len=128, **common).device_parts["activations"]
+    long = plan(_model(), "auto", seq_len=512, **common).device_parts["activations"]
+    assert long == pytest.approx(4 * short, rel=0.02)
+
+
 def test_projection_keeps_fewer_activations_than_plain_training() -> None:
     common = dict(batch_size=2, seq_len=64, device_memory="1GiB", precision="32-true", hardware=CPU)
     lsp = plan(_model(), "lsp_offload", **common)

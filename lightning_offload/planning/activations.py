@@ -88,6 +88,38 @@ class _SavesProjection(torch.autograd.Function):
         raise RuntimeError("the activation measurement has no backward")
 
 
+class _FusedAttention(torch.autograd.Function):
+    """Scaled dot-product attention as a fused (flash / memory-efficient) kernel keeps it for backward: the queries,
+    keys, values, the output and one fp32 log-sum-exp per query. On the meta device torch runs the math path, which
+    would also keep the ``T × T`` attention probabilities that CUDA's (and the CPU's) fused kernels never store."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        ctx.save_for_backward(query, key, value, out, query.new_empty(query.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # never run: the measurement has no backward
+        raise RuntimeError("the activation measurement has no backward")
+
+
+def _fused_attention(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return _FusedAttention.apply(query, key, value)
+
+
+@contextlib.contextmanager
+def _fused_attention_kernels() -> Iterator[None]:
+    """Count attention as the fused kernels keep it while the measurement runs (Hugging Face's ``sdpa`` attention
+    looks the function up at each call)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _fused_attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
 def _projection_forward(d_in: int, product_dtype: torch.dtype) -> Any:
     def forward(self: nn.Module, x: Tensor) -> Tensor:
         return _SavesProjection.apply(x, self.weight, self.bias, is_hf_conv1d(self), d_in, product_dtype)
@@ -175,7 +207,8 @@ def _measure(model: nn.Module, network: nn.Module, seq_len: int, dtype: torch.dt
     pad_token_id = getattr(network.config, "pad_token_id", None)
     network.config.pad_token_id = None
     try:
-        with _stand_ins(stand_ins), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooked = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with _stand_ins(stand_ins), _fused_attention_kernels(), hooked:
             functional_call(network, tensors, (), {"input_ids": ids, "labels": ids}, strict=False)
     finally:
         network.config.pad_token_id = pad_token_id
