@@ -219,3 +219,22 @@ def test_sizes_parse() -> None:
 def test_the_package_exports_the_planner() -> None:
     assert lightning_offload.plan is plan
     assert lightning_offload.choose is choose
+
+
+def test_meft_offload_host_bytes_and_row_traffic_against_a_run(tmp_path) -> None:
+    from test_meft import batches, loader, meft_model, trainer
+
+    from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
+    from lightning_offload.setup.report import facts_of
+    from lightning_offload.tasks.causal_lm import CausalLMModule
+
+    model = meft_model()
+    predicted = plan(model, "meft_offload", batch_size=2, seq_len=12, device_memory="1GiB", precision="32-true",
+                     hardware=CPU, device="cpu")
+    strategy = MEFTOffloadStrategy(device="cpu")
+    trainer(tmp_path, 3, strategy).fit(CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(3, seed=2)))
+    assert predicted.host_state_bytes == pytest.approx(strategy.offload_optimizer.host_state_bytes(), rel=0.05)
+    assert predicted.host_rows_bytes == facts_of(strategy).host_rows_bytes
+    rows = strategy.figures_at_step_end()
+    # The plan's row traffic is MEFTConfig.row_bound's: what a step can move at most.
+    assert 0 < rows["meft/bytes_host_to_device"] <= predicted.link_bytes_to_device
