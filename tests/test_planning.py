@@ -238,3 +238,14 @@ def test_meft_offload_host_bytes_and_row_traffic_against_a_run(tmp_path) -> None
     rows = strategy.figures_at_step_end()
     # The plan's row traffic is MEFTConfig.row_bound's: what a step can move at most.
     assert 0 < rows["meft/bytes_host_to_device"] <= predicted.link_bytes_to_device
+
+
+def test_the_benchmark_measures_what_it_plans() -> None:
+    from scripts_loader import load_script
+
+    benchmark = load_script("benchmark_plan")
+    seconds, figures = benchmark.measure("gpt2", "lsp_offload", steps=2, warmup=0)
+    found = benchmark.planned("gpt2", "lsp_offload", CPU)
+    assert seconds > 0
+    assert found.host_state_bytes == pytest.approx(figures["host_state_bytes"], rel=0.05)
+    assert found.link_bytes_per_step == pytest.approx(figures["to_host"] + figures["to_device"], rel=0.05)
