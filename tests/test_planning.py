@@ -21,7 +21,7 @@ from lightning_offload.planning.plan import parse_bytes, plan
 from lightning_offload.planning.report import prediction_errors
 
 #: Fixed speeds, so that no test calibrates (and no figure depends on this machine's load).
-CPU = Hardware("test CPU", "cpu", 1e11, 1e-9, 1e-9, 1e-5, 1e10, 1e10, 1e10, 1e10, 0, 64 * 2**30, False)
+CPU = Hardware("test CPU", "cpu", 1e11, 1e-9, 1e-9, 1e-5, 1e10, 1e10, 1e10, 1e10, 0, 64 * 2**30, 1e-4, measured=False)
 TOKENS = (2, 16)
 
 
@@ -148,6 +148,19 @@ def test_the_cpu_step_adds_its_parts_and_a_gpu_overlaps_them() -> None:
     assert gpu.exposed == pytest.approx(gpu.step - gpu.device)
     wide = plan(_model(), "lsp_offload", hardware="h200", **{**common, "batch_size": 512}).step
     assert wide.step < wide.device + wide.link + wide.host  # where the device dominates, the host hides behind it
+
+
+def test_the_engines_fixed_cost_per_tensor_is_counted() -> None:
+    from dataclasses import replace
+
+    common = dict(batch_size=2, seq_len=64, device_memory="1GiB", precision="32-true")
+    quiet = plan(_model(), "lsp_offload", hardware=replace(CPU, seconds_per_offloaded_tensor=0.0), **common)
+    costly = plan(_model(), "lsp_offload", hardware=replace(CPU, seconds_per_offloaded_tensor=1.0), **common)
+    tensors = quiet.projected_layers + 2 + 2 * 2 + 1  # embeddings (rows), head, two norms per layer, the final norm
+    assert costly.step.device - quiet.step.device == pytest.approx(tensors)
+    native = [plan(_model(), "auto", hardware=replace(CPU, seconds_per_offloaded_tensor=s), **common).step_seconds
+              for s in (0.0, 1.0)]
+    assert native[0] == native[1]  # plain training has no offload engine
 
 
 def test_choose_picks_a_fitting_plan_and_says_why_others_lost() -> None:

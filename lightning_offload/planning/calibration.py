@@ -23,7 +23,7 @@ from lightning_offload.engine.cache_root import cache_root
 from lightning_offload.lsp.projector import random_projector
 
 #: Bump when what is measured changes: older cached calibrations are then measured anew.
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Hardware:
         link_to_device: bytes/s of a pinned host→device copy.
         device_memory: bytes of device memory (0 when unknown).
         host_memory: bytes of host memory.
+        seconds_per_offloaded_tensor: the engine's fixed cost per offloaded tensor and step beyond its arithmetic and
+            its Adam call (hooks, the send, the slot's step and apply, Python).
         measured: whether these were measured on this machine (``False``: a named profile's assumed figures).
     """
 
@@ -58,20 +60,21 @@ class Hardware:
     link_to_device: float
     device_memory: int
     host_memory: int
+    seconds_per_offloaded_tensor: float = 0.0
     measured: bool = True
 
 
 _GIB = 2**30
 #: Named hardware, assumed from vendors' figures (not measured): plan for a machine you do not have. Matmul rates are
 #: ~70% of the dense bf16 peak, links what pinned copies reach on their PCIe generation, host Adam ~4× this
-#: project's 2-core figure for a 16-core host.
+#: project's 2-core figure for a 16-core host, the engine's fixed cost per tensor a guess.
 PROFILES: dict[str, Hardware] = {
     "h200": Hardware("NVIDIA H200 (assumed: 700 TFLOP/s bf16, 4.8 TB/s, PCIe 5 ~50 GB/s)", "cuda", 700e12, 2e-12,
-                     1.2e-10, 20e-6, 40e9, 4.0e12, 50e9, 50e9, 141 * 10**9, 1024 * _GIB, False),
+                     1.2e-10, 20e-6, 40e9, 4.0e12, 50e9, 50e9, 141 * 10**9, 1024 * _GIB, 50e-6, False),
     "rtx4090": Hardware("RTX 4090 (assumed: 150 TFLOP/s bf16, 1 TB/s, PCIe 4 ~25 GB/s)", "cuda", 150e12, 8e-12,
-                        2.5e-10, 20e-6, 25e9, 0.9e12, 25e9, 25e9, 24 * _GIB, 64 * _GIB, False),
+                        2.5e-10, 20e-6, 25e9, 0.9e12, 25e9, 25e9, 24 * _GIB, 64 * _GIB, 50e-6, False),
     "laptop-4gb": Hardware("4 GiB laptop GPU (assumed: 20 TFLOP/s fp16, 190 GB/s, PCIe 3 ~12 GB/s)", "cuda", 20e12,
-                           4e-11, 5e-10, 30e-6, 15e9, 0.19e12, 12e9, 12e9, 4 * _GIB, 16 * _GIB, False),
+                           4e-11, 5e-10, 30e-6, 15e9, 0.19e12, 12e9, 12e9, 4 * _GIB, 16 * _GIB, 80e-6, False),
 }
 
 
@@ -109,6 +112,42 @@ def _sparse_rate(device: torch.device) -> float:
     return seconds / (size * density * columns)
 
 
+def _offload_overhead(device: torch.device, per_call: float) -> float:
+    """The engine's fixed cost per offloaded tensor and step: a stack of small projected Linears stepped by the engine
+    against the same stack under one fused AdamW, the difference per layer less one Adam call (counted apart)."""
+    from lightning_offload.setup.engine import Placements, build_engine  # the engine itself, as every face builds it
+    from lightning_offload.setup.settings import OffloadSettings
+
+    layers, width = 8, 128
+
+    def stepper(offloaded: bool) -> tuple[Callable[[], object], Callable[[], None]]:
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers))).to(device)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+        inputs = torch.randn(16, width, device=device)
+        settings = OffloadSettings(rank=0.25, density=4)
+        setup = build_engine(model, adamw, settings, Placements.of(settings), device, "calibration", lambda m: None,
+                             lambda m: None) if offloaded else None
+        optimizer = setup.optimizer if setup is not None else adamw
+
+        def step() -> None:
+            def closure() -> torch.Tensor:
+                loss = model(inputs).square().mean()
+                loss.backward()
+                return loss
+            optimizer.step(closure)
+            optimizer.zero_grad(set_to_none=True)
+        return step, (setup.release if setup is not None else (lambda: None))
+
+    timings = []
+    for offloaded in (False, True):
+        step, release = stepper(offloaded)
+        try:
+            timings.append(_best_seconds(step, 5, _sync(device)))
+        finally:
+            release()
+    return max(0.0, (timings[1] - timings[0]) / layers - per_call)
+
+
 def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -123,11 +162,11 @@ def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     source, target = torch.randn(1 << 24), torch.empty(1 << 24)
     host_bandwidth = 2 * source.nbytes / _best_seconds(lambda: target.copy_(source), 3)
     sparse = _sparse_rate(device)
+    overhead = _offload_overhead(device, per_call)
     name = _cpu_name()
     if device.type != "cuda":
-        return Hardware(name, "cpu", matmul, sparse,
-                        per_element, per_call, host_bandwidth, host_bandwidth, host_bandwidth, host_bandwidth,
-                        0, host_memory())
+        return Hardware(name, "cpu", matmul, sparse, per_element, per_call, host_bandwidth, host_bandwidth,
+                        host_bandwidth, host_bandwidth, 0, host_memory(), overhead)
     pinned = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(1 << 26, dtype=torch.uint8, device=device)
     to_device = pinned.nbytes / _best_seconds(lambda: on_device.copy_(pinned, non_blocking=True), 3, sync)
@@ -136,7 +175,7 @@ def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     device_bandwidth = 2 * on_device.nbytes / _best_seconds(lambda: other.copy_(on_device), 3, sync)
     gpu = torch.cuda.get_device_properties(device)
     return Hardware(f"{gpu.name}; host {name}", "cuda", matmul, sparse, per_element, per_call, host_bandwidth,
-                    device_bandwidth, to_host, to_device, gpu.total_memory, host_memory())
+                    device_bandwidth, to_host, to_device, gpu.total_memory, host_memory(), overhead)
 
 
 def _cpu_name() -> str:

@@ -94,6 +94,8 @@ def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool, 
                           + density * e.projector_sizes[0] * e.projector_sizes[1] for e in projected)
     seconds += nonzero_columns * hw.sparse_seconds_per_nonzero_column
     seconds += sum(3 * e.numel * e.itemsize for e in found.of("projected", "scaled")) / hw.device_bandwidth
+    if not plain:  # the engine's fixed cost per offloaded tensor (hooks, sends, the slot's step, Python)
+        seconds += len(found.of("projected", "scaled", "dense", "rows")) * hw.seconds_per_offloaded_tensor
     if plain or found.of("device"):
         stepped = found.entries if plain else found.of("device")
         elements = sum(e.numel for e in stepped)
