@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.meft.injection import inject_meft, meft_adapters
     from lightning_offload.setup.hardware_precision import PrecisionChoice, hardware_precision
     from lightning_offload.setup.loop_optimizer import LoopOffloadOptimizer
+    from lightning_offload.planning.calibration import Hardware, calibrate
+    from lightning_offload.planning.choose import Choice, choose
+    from lightning_offload.planning.plan import plan
+    from lightning_offload.planning.report import Plan
     from lightning_offload.setup.settings import OffloadSettings
 
 #: Each public name and the module that defines it (the modules of Lightning-bound names import Lightning).
@@ -99,17 +103,27 @@ _SOURCES: dict[str, str] = {
     "to_plain_adamw_checkpoint": "lightning_offload.faces.trainer.plain_checkpoint",
     "ProjectorRefit": "lightning_offload.faces.trainer.refit",
     "OffloadSettings": "lightning_offload.setup.settings",
+    "plan": "lightning_offload.planning.plan",
+    "Plan": "lightning_offload.planning.report",
+    "choose": "lightning_offload.planning.choose",
+    "Choice": "lightning_offload.planning.choose",
+    "Hardware": "lightning_offload.planning.calibration",
+    "calibrate": "lightning_offload.planning.calibration",
 }
 
 __version__ = "0.1.0"
 __all__ = [
     "BlockRowAdam",
+    "calibrate",
+    "Choice",
+    "choose",
     "FabricMEFTOffload",
     "FabricOffload",
     "FabricOffloadDDP",
     "FabricZeroOffload",
     "FabricZeroOffloadDDP",
     "FitSettings",
+    "Hardware",
     "hardware_precision",
     "HostRule",
     "inject_meft",
@@ -129,6 +143,8 @@ __all__ = [
     "OffloadOptimizer",
     "OffloadSettings",
     "OffloadTelemetry",
+    "Plan",
+    "plan",
     "PlainConversion",
     "PrecisionChoice",
     "ProjectedWeight",

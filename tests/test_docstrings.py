@@ -39,7 +39,7 @@ FABRIC_STRATEGIES = [lo.FabricOffload, lo.FabricZeroOffload, lo.FabricMEFTOffloa
                      lo.FabricZeroOffloadDDP]
 CLASSES = [lo.ProjectorRefit, lo.SparseProjector, lo.BlockRowAdam, lo.OffloadOptimizer, lo.MEFTAdapter,
            *FABRIC_STRATEGIES]
-FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector, lo.offload]
+FUNCTIONS = [lo.inject_meft, lo.random_projector, lo.signed_permutation_projector, lo.offload, lo.plan, lo.choose]
 PUBLIC = STRATEGIES + DATACLASSES + CLASSES + FUNCTIONS
 
 _SECTION = re.compile(r"(Args|Arguments|Attributes):")

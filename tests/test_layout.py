@@ -2,8 +2,8 @@
 those below, and the faces are peers.
 
 lsp (projectors and projected layers) < engine (the offload optimizer; no Lightning) < setup (what every face shares;
-no Lightning) < meft (the adapters; no Lightning strategy) < faces (one per training loop: trainer, fabric, loop, hf;
-none imports another) < the product (registries, cli, tasks, reporting, models, data). Imports inside functions count
+no Lightning) < meft (the adapters; no Lightning strategy) and planning (a run's plan; no Lightning) < faces (one per
+training loop: trainer, fabric, loop, hf; none imports another) < the product (registries, cli, tasks, reporting, models, data). Imports inside functions count
 too: a cycle hidden in a local import is still a cycle.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning_offload
 
 PACKAGE = Path(lightning_offload.__file__).parent
-LAYERS = {"lsp": 0, "engine": 1, "setup": 2, "meft": 3, "faces": 4, "registries": 5, "cli": 5, "tasks": 5,
+LAYERS = {"lsp": 0, "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4, "registries": 5, "cli": 5, "tasks": 5,
           "reporting": 5, "models": 5, "data": 5}
 #: The faces, peers in their layer: each is one kind of training loop.
 FACES = {"trainer", "fabric", "loop", "hf"}
@@ -73,7 +73,7 @@ def test_lsp_the_engine_and_the_set_up_do_not_use_lightning() -> None:
     # lsp/ is torch math, engine/ the offload optimizer and setup/ what every face shares: each must run in any
     # training loop, so Lightning (its Trainer's strategies and callbacks, Fabric's strategies) lives in faces/.
     offending = {str(path.relative_to(PACKAGE)): _lightning_imports(path)
-                 for layer in ("lsp", "engine", "setup") for path in (PACKAGE / layer).rglob("*.py")}
+                 for layer in ("lsp", "engine", "setup", "planning") for path in (PACKAGE / layer).rglob("*.py")}
     offending = {path: names for path, names in offending.items() if names}
     assert not offending, f"Lightning imported below the faces: {offending}"
 

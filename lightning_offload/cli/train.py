@@ -25,6 +25,7 @@ from lightning_offload.cli.devices import data_parallel_offload
 from lightning_offload.cli.failures import error_paragraph, log_to_files, remove_fresh_run_dir
 from lightning_offload.cli.fit_run import build_trainer, fit_between_evaluations, report
 from lightning_offload.cli.machine_size import RunSize, size_to_machine
+from lightning_offload.cli.plan_run import choice_of_run, log_plan, plan_mode, plan_of_run, record_errors
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
@@ -128,7 +129,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         module.load_state_dict(read_checkpoint(cfg.weights_from)["state_dict"])
         _say("Weights loaded from %s; the optimizer starts afresh at step 0.", cfg.weights_from)
 
+    mode = plan_mode(cfg)
+    if mode in ("plan", "choose"):
+        return _plan_only(cfg, module, policy, mode)
     run = build_trainer(cfg, policy, run_dir)
+    planned = _planned(cfg, module, policy, run.loggers) if mode != "off" else None
     evaluations = fit_between_evaluations(cfg, module, datamodule, heldout, run)
     if rank_zero_only.rank != 0:
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
@@ -146,11 +151,37 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         summary.update({"heldout_task": getattr(heldout, "task", None) or type(heldout).__name__,
                         "heldout_loss_before": evaluations.heldout_before,
                         "heldout_loss_after": evaluations.heldout_after})
+    if planned is not None:
+        record_errors(planned, summary, run.loggers, run.trainer.global_step)
     metrics = report(run_dir, summary, run, evaluations)
     objects = {"cfg": cfg, "model": lm, "datamodule": datamodule, "policy": policy, "module": module,
                "trainer": run.trainer, "callbacks": run.callbacks, "loggers": run.loggers, "recorder": run.recorder,
                "summary": summary}
     return metrics, objects
+
+
+def _plan_only(cfg: DictConfig, module: pl.LightningModule, policy: OffloadPolicy,
+               mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``+plan=true`` / ``+plan=choose``: the run's plan (or the chooser's answer) printed, nothing trained."""
+    if mode == "choose":
+        choice = choice_of_run(cfg, module)
+        print(choice.table())
+        return ({f"plan/{k}": v for k, v in choice.plan.summary_figures().items()} if choice.plan else {},
+                {"cfg": cfg, "module": module, "choice": choice})
+    found = plan_of_run(cfg, module, policy)
+    print(found.table())
+    return found.figures(), {"cfg": cfg, "module": module, "policy": policy, "plan": found}
+
+
+def _planned(cfg: DictConfig, module: pl.LightningModule, policy: OffloadPolicy, loggers: list[Any]) -> Any:
+    """The run's plan, logged; ``None`` (and a warning) when it cannot be planned: a plan never stops a run."""
+    try:
+        found = plan_of_run(cfg, module, policy)
+    except Exception as error:  # noqa: BLE001  (a model the planner cannot read still trains)
+        log.warning("No plan for this run (%s: %s); it trains as configured.", type(error).__name__, error)
+        return None
+    log_plan(found, loggers)
+    return found
 
 
 def _checked_settings(cfg: DictConfig) -> tuple[OptimSettings, OffloadPolicy, RunSize]:

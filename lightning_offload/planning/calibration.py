@@ -1,0 +1,249 @@
+"""The machine's speeds a step-time prediction needs, measured in about a second (:func:`calibrate`) and kept per
+machine under the cache root, or taken from a named hardware profile (:data:`PROFILES`).
+
+Measured: the device's matmul rate in the compute dtype, the rate of the sparse products that compress gradients
+(``lsp/projector.py``'s own kernels), the host's fused Adam per element and per call (the engine's host step is one
+``torch.optim.Adam(fused=True)`` per tensor), the host's memory bandwidth (memcpy: the CPU device's "link" and its
+elementwise passes), and on CUDA the pinned copies each way and the device's own memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lightning_offload.engine.cache_root import cache_root
+from lightning_offload.lsp.projector import random_projector
+
+#: Bump when what is measured changes: older cached calibrations are then measured anew.
+CALIBRATION_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Speeds of one machine (seconds are per unit of work).
+
+    Attributes:
+        name: the machine, in words (the CPU, the GPU, torch's version).
+        device: ``"cpu"`` or ``"cuda"``: whether host and device share the cores (no overlap on the CPU).
+        matmul_flops: device matmul FLOP/s in the compute dtype.
+        sparse_seconds_per_nonzero_column: device seconds per projector nonzero per column it multiplies.
+        adam_seconds_per_element: host fused Adam, per element.
+        adam_seconds_per_call: host fused Adam, per tensor stepped (dispatch and launch).
+        host_bandwidth: host memory bandwidth (bytes/s) of a copy.
+        device_bandwidth: device memory bandwidth (bytes/s) of a copy (the CPU's: ``host_bandwidth``).
+        link_to_host: bytes/s of a pinned device→host copy (the CPU: a memcpy).
+        link_to_device: bytes/s of a pinned host→device copy.
+        device_memory: bytes of device memory (0 when unknown).
+        host_memory: bytes of host memory.
+        seconds_per_offloaded_tensor: the engine's fixed cost per offloaded tensor and step beyond its arithmetic and
+            its Adam call (hooks, the send, the slot's step and apply, Python).
+        measured: whether these were measured on this machine (``False``: a named profile's assumed figures).
+    """
+
+    name: str
+    device: str
+    matmul_flops: float
+    sparse_seconds_per_nonzero_column: float
+    adam_seconds_per_element: float
+    adam_seconds_per_call: float
+    host_bandwidth: float
+    device_bandwidth: float
+    link_to_host: float
+    link_to_device: float
+    device_memory: int
+    host_memory: int
+    seconds_per_offloaded_tensor: float = 0.0
+    measured: bool = True
+
+
+_GIB = 2**30
+#: Named hardware, assumed from vendors' figures (not measured): plan for a machine you do not have. Matmul rates are
+#: ~70% of the dense bf16 peak, links what pinned copies reach on their PCIe generation, host Adam ~4× this
+#: project's 2-core figure for a 16-core host, the engine's fixed cost per tensor a guess.
+PROFILES: dict[str, Hardware] = {
+    "h200": Hardware("NVIDIA H200 (assumed: 700 TFLOP/s bf16, 4.8 TB/s, PCIe 5 ~50 GB/s)", "cuda", 700e12, 2e-12,
+                     1.2e-10, 20e-6, 40e9, 4.0e12, 50e9, 50e9, 141 * 10**9, 1024 * _GIB, 50e-6, False),
+    "rtx4090": Hardware("RTX 4090 (assumed: 150 TFLOP/s bf16, 1 TB/s, PCIe 4 ~25 GB/s)", "cuda", 150e12, 8e-12,
+                        2.5e-10, 20e-6, 25e9, 0.9e12, 25e9, 25e9, 24 * _GIB, 64 * _GIB, 50e-6, False),
+    "laptop-4gb": Hardware("4 GiB laptop GPU (assumed: 20 TFLOP/s fp16, 190 GB/s, PCIe 3 ~12 GB/s)", "cuda", 20e12,
+                           4e-11, 5e-10, 30e-6, 15e9, 0.19e12, 12e9, 12e9, 4 * _GIB, 16 * _GIB, 80e-6, False),
+}
+
+
+def _best_seconds(work: Callable[[], object], repeats: int, synchronize: Callable[[], None] = lambda: None) -> float:
+    """The shortest of ``repeats`` timings of ``work`` after one warm-up (the machine at its quietest)."""
+    work()
+    synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _adam_rates() -> tuple[float, float]:
+    """Host fused Adam seconds per element (a 4M-element tensor) and per call (a 64-element one)."""
+    def stepper(numel: int) -> Callable[[], object]:
+        param = torch.zeros(numel, requires_grad=True)
+        param.grad = torch.full((numel,), 1e-3)
+        adam = torch.optim.Adam([param], fused=True)
+        return adam.step
+    small = _best_seconds(stepper(64), 20)
+    large = _best_seconds(stepper(1 << 22), 3)
+    return max(large - small, 1e-12) / (1 << 22), small
+
+
+def _sparse_rate(device: torch.device) -> float:
+    """Seconds per projector nonzero per column of the gradient-compression product on ``device``."""
+    size, columns, density = 2048, 256, 8
+    projector = random_projector(size, size // 4, density, torch.Generator().manual_seed(0), device)
+    block = torch.randn(size, columns, device=device)
+    seconds = _best_seconds(lambda: projector.compress_rows(block), 10, _sync(device))
+    return seconds / (size * density * columns)
+
+
+def _offload_overhead(device: torch.device, per_call: float) -> float:
+    """The engine's fixed cost per offloaded tensor and step: a stack of small projected Linears stepped by the engine
+    against the same stack under one fused AdamW, the difference per layer less one Adam call (counted apart)."""
+    from lightning_offload.setup.engine import Placements, build_engine  # the engine itself, as every face builds it
+    from lightning_offload.setup.settings import OffloadSettings
+
+    layers, width = 8, 128
+
+    def stepper(offloaded: bool) -> tuple[Callable[[], object], Callable[[], None]]:
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers))).to(device)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+        inputs = torch.randn(16, width, device=device)
+        settings = OffloadSettings(rank=0.25, density=4)
+        setup = build_engine(model, adamw, settings, Placements.of(settings), device, "calibration", lambda m: None,
+                             lambda m: None) if offloaded else None
+        optimizer = setup.optimizer if setup is not None else adamw
+
+        def step() -> None:
+            def closure() -> torch.Tensor:
+                loss = model(inputs).square().mean()
+                loss.backward()
+                return loss
+            optimizer.step(closure)
+            optimizer.zero_grad(set_to_none=True)
+        return step, (setup.release if setup is not None else (lambda: None))
+
+    timings = []
+    for offloaded in (False, True):
+        step, release = stepper(offloaded)
+        try:
+            timings.append(_best_seconds(step, 5, _sync(device)))
+        finally:
+            release()
+    return max(0.0, (timings[1] - timings[0]) / layers - per_call)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
+    """Measure this machine's speeds on ``device`` in ``dtype`` (about a second on a CPU)."""
+    sync = _sync(device)
+    n = 1024 if device.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    matmul = 2 * n**3 / _best_seconds(lambda: a @ b, 3, sync)
+    per_element, per_call = _adam_rates()
+    source, target = torch.randn(1 << 24), torch.empty(1 << 24)
+    host_bandwidth = 2 * source.nbytes / _best_seconds(lambda: target.copy_(source), 3)
+    sparse = _sparse_rate(device)
+    overhead = _offload_overhead(device, per_call)
+    name = _cpu_name()
+    if device.type != "cuda":
+        return Hardware(name, "cpu", matmul, sparse, per_element, per_call, host_bandwidth, host_bandwidth,
+                        host_bandwidth, host_bandwidth, 0, host_memory(), overhead)
+    pinned = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(1 << 26, dtype=torch.uint8, device=device)
+    to_device = pinned.nbytes / _best_seconds(lambda: on_device.copy_(pinned, non_blocking=True), 3, sync)
+    to_host = pinned.nbytes / _best_seconds(lambda: pinned.copy_(on_device, non_blocking=True), 3, sync)
+    other = torch.empty_like(on_device)
+    device_bandwidth = 2 * on_device.nbytes / _best_seconds(lambda: other.copy_(on_device), 3, sync)
+    gpu = torch.cuda.get_device_properties(device)
+    return Hardware(f"{gpu.name}; host {name}", "cuda", matmul, sparse, per_element, per_call, host_bandwidth,
+                    device_bandwidth, to_host, to_device, gpu.total_memory, host_memory(), overhead)
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), cores and torch's version."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def host_memory() -> int:
+    """This machine's memory in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def calibrate(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+              cache: bool = True) -> Hardware:
+    """This machine's speeds on ``device`` (``None``: CUDA when present, else the CPU) in ``dtype``: measured once
+    and kept in ``<cache root>/planning/`` per machine, device, dtype and thread count.
+
+    Args:
+        device: the training device.
+        dtype: the compute dtype (matmuls are measured in it).
+        cache: read and write the cached figures (``False``: measure now, keep nothing).
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    key = f"{_cpu_name()}|{device.type}|{dtype}|v{CALIBRATION_VERSION}"
+    if device.type == "cuda":
+        key += f"|{torch.cuda.get_device_name(device)}"
+    path = cache_root() / "planning" / "calibration.json"
+    stored: dict[str, dict] = {}
+    if cache and path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            stored = {}  # an unreadable cache is measured anew
+        if key in stored:
+            return Hardware(**stored[key])
+    hardware = measure(device, dtype)
+    if cache:
+        stored[key] = asdict(hardware)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(stored, indent=1))
+        partial.replace(path)
+    return hardware
+
+
+def hardware(profile: str | Hardware | None, device: torch.device | str | None, dtype: torch.dtype) -> Hardware:
+    """The hardware a plan predicts for: a :class:`Hardware`, a name in :data:`PROFILES`, or ``None`` (this machine,
+    calibrated).
+
+    Raises:
+        ValueError: for an unknown profile name, naming the known ones.
+    """
+    if isinstance(profile, Hardware):
+        return profile
+    if profile is None:
+        return calibrate(device, dtype)
+    if profile not in PROFILES:
+        raise ValueError(f"hardware={profile!r} is not a known profile; use one of {sorted(PROFILES)}, a Hardware "
+                         f"value, or None to calibrate this machine.")
+    return PROFILES[profile]

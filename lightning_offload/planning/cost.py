@@ -1,0 +1,137 @@
+"""The step-time cost model: device compute, link, host Adam and the part that cannot overlap, from a run's inventory
+and the machine's speeds.
+
+- **Device compute.** Matmuls: ``2·T`` FLOPs per weight element forward, as much again for the input gradients, and
+  for each weight whose gradient autograd forms (dense, device, scaled) as much again for it; attention
+  ``4·T·s·h`` per block forward and twice that backward. A projected weight's gradient GEMM is replaced by the
+  products of ``lsp/linear.py`` (``B Xᵀ`` in forward, ``A Δᵀ`` in backward: sparse, at the calibrated sparse rate;
+  then a ``d_o × d_i`` GEMM), and its update is expanded and added on the device (sparse work plus one pass over the
+  weight).
+  Gradient checkpointing runs the blocks' forward twice. A plain run adds its device AdamW.
+- **Link.** Bytes each way over the calibrated pinned-copy bandwidth (on the CPU, memcpy).
+- **Host.** One fused Adam call per tensor (per-call cost) plus its elements; row-sparse embeddings' rows at twice the
+  per-element cost (gathered, caught up, scattered), MEFT's rows likewise (both factors assumed, not measured).
+- **Overlap.** On the CPU the "device" and the host share the cores and the engine runs host jobs inline, so the parts
+  add. On a GPU the layer-wise pipeline overlaps them: speculative host steps (the GPU default) start during backward,
+  so a step takes the longest of the three plus a tail (the largest tensor's host step and copies, the embedding's
+  that arrives last and is needed first — DESIGN.md's physical limit); without speculation the host and link work
+  overlap the next forward only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_offload.planning.calibration import Hardware
+from lightning_offload.planning.inventory import Entry, Inventory
+
+#: Host Adam work per element of a gathered row step relative to the fused kernel on a whole tensor.
+ROW_STEP_FACTOR = 2.0
+#: MEFT's block row Adam per element relative to fused Adam on a whole tensor. Assumed, not measured here: the lazy row
+#: Adam measured 25–30× on the H200 host (DESIGN.md §10); the block Adam since steps whole blocks in place, in one pass.
+MEFT_ROW_FACTOR = 2.0
+#: Bytes a device AdamW reads and writes per element (weight, gradient, two moments; in and out where written).
+DEVICE_ADAM_BYTES = 28
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The shape of one step's device work.
+
+    Attributes:
+        tokens: tokens per step (batch × sequence length).
+        seq_len: tokens per sequence (attention's quadratic term).
+        hidden: the model's hidden size.
+        blocks: transformer blocks.
+        matmul_elements: elements of every Linear/Conv1D weight (the head included).
+        formed_elements: elements of the Linear/Conv1D weights whose full gradient autograd forms (trained and not
+            projected: the weight-gradient GEMM runs for them).
+        checkpointing: gradient checkpointing on.
+    """
+
+    tokens: int
+    seq_len: int
+    hidden: int
+    blocks: int
+    matmul_elements: int
+    formed_elements: int
+    checkpointing: bool
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step and its parts (seconds).
+
+    Attributes:
+        device: device compute (forward, backward, projections, updates applied; a plain run's AdamW).
+        link: copies over the link, both directions.
+        host: host Adam.
+        exposed: what does not overlap the device's compute (the step minus ``device``).
+        step: the predicted step.
+    """
+
+    device: float
+    link: float
+    host: float
+    exposed: float
+    step: float
+
+
+def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool, density: int) -> tuple[float, float]:
+    """Device compute of a step: ``(total, forward)`` seconds."""
+    projected = found.of("projected")
+    attention = 4 * work.tokens * work.seq_len * work.hidden * work.blocks
+    forward = 2 * work.tokens * work.matmul_elements + attention
+    # Backward: input gradients (attention twice its forward), and the weight gradients autograd forms.
+    flops = forward + (2 * work.tokens * work.matmul_elements + 2 * attention) + 2 * work.tokens * work.formed_elements
+    if work.checkpointing:
+        flops += forward
+    flops += sum(2 * work.tokens * e.host_numel for e in projected)  # S = (AΔᵀ)(BXᵀ)ᵀ
+    seconds = flops / hw.matmul_flops
+    # B Xᵀ in forward and A Δᵀ in backward: every nonzero of each projector times every token; the update's expansion
+    # touches every nonzero of A per column of the weight, then one pass over the weight (read, write).
+    nonzero_columns = sum(density * (e.projector_sizes[0] + e.projector_sizes[1]) * work.tokens
+                          + density * e.projector_sizes[0] * e.projector_sizes[1] for e in projected)
+    seconds += nonzero_columns * hw.sparse_seconds_per_nonzero_column
+    seconds += sum(3 * e.numel * e.itemsize for e in found.of("projected", "scaled")) / hw.device_bandwidth
+    if not plain:  # the engine's fixed cost per offloaded tensor (hooks, sends, the slot's step, Python)
+        seconds += len(found.of("projected", "scaled", "dense", "rows")) * hw.seconds_per_offloaded_tensor
+    if plain or found.of("device"):
+        stepped = found.entries if plain else found.of("device")
+        elements = sum(e.numel for e in stepped)
+        if hw.device == "cpu":  # torch's fused AdamW on the CPU is the host's kernel
+            calls = 1 if plain else len(stepped)  # a plain run's fused AdamW steps its whole group in one call
+            seconds += calls * hw.adam_seconds_per_call + elements * hw.adam_seconds_per_element
+        else:
+            seconds += elements * DEVICE_ADAM_BYTES / hw.device_bandwidth
+    return seconds, forward / hw.matmul_flops
+
+
+def host_seconds(entries: list[Entry], hw: Hardware, rows_touched: int,
+                 meft_row_elements: int = 0) -> tuple[float, float]:
+    """Host Adam of a step: ``(total, largest single tensor)`` seconds (``rows_touched``: a row-sparse embedding's
+    rows per step; ``meft_row_elements``: MEFT's row elements stepped)."""
+    def one(entry: Entry) -> float:
+        elements = entry.host_numel if entry.kind != "rows" else \
+            min(rows_touched, entry.shape[0]) * entry.shape[1] * ROW_STEP_FACTOR
+        return hw.adam_seconds_per_call + elements * hw.adam_seconds_per_element
+    times = [one(e) for e in entries if e.kind in ("dense", "projected", "scaled", "rows")]
+    meft = meft_row_elements * MEFT_ROW_FACTOR * hw.adam_seconds_per_element
+    return sum(times) + meft, max(times, default=0.0)
+
+
+def step_time(device: float, forward: float, host: float, largest_host: float, to_host: int, to_device: int,
+              largest_link: int, hw: Hardware, plain: bool, speculative: bool) -> StepTime:
+    """Combine the parts into a step (see the module docstring for the overlap rules)."""
+    if plain:
+        return StepTime(device, 0.0, 0.0, 0.0, device)
+    if hw.device == "cpu":
+        link = (to_host + to_device) / hw.host_bandwidth
+        return StepTime(device, link, host, link + host, device + link + host)
+    link = max(to_host / hw.link_to_host, to_device / hw.link_to_device)
+    tail = largest_host + largest_link / hw.link_to_host + largest_link / hw.link_to_device
+    if speculative:
+        step = max(device, link, host) + tail
+    else:  # host work starts after backward; it overlaps the next forward only
+        step = device + max(0.0, host + link - forward) + tail
+    return StepTime(device, link, host, step - device, step)

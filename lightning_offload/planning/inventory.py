@@ -1,0 +1,212 @@
+"""What an offload run keeps where, counted from the model's parameters alone: which tensor becomes which kind of slot
+(the set-up layer's own placement and projection rules decide, :func:`inventory`), and the bytes each kind holds on
+the host and sends over the link per step (:func:`host_bytes`, :func:`link_bytes`).
+
+Nothing here allocates: shapes and dtypes are read, so a model on the ``meta`` device is planned as cheaply as a real
+one. The per-kind byte counts follow the slot modules of ``engine/slots/`` buffer for buffer (each function names the
+one it follows); ``tests/test_planning.py`` holds them to the engine's own telemetry on real engines, so a slot that
+grows a buffer without this file following fails there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from lightning_offload.lsp.channel_scales import scaled_projection_size
+from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.setup.embeddings_head import plan_placement
+from lightning_offload.setup.engine import Placements
+from lightning_offload.setup.projection import compressed_dim, projected_modules
+from lightning_offload.setup.settings import OffloadSettings
+
+#: Bytes of a fused ``torch.optim.Adam``'s ``step`` (a 0-d fp32 tensor beside each tensor's moments).
+ADAM_STEP_BYTES = 4
+#: Slot kinds: how each trained tensor is stepped.
+KINDS = ("projected", "scaled", "dense", "rows", "device", "frozen")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One trained tensor and how the engine steps it.
+
+    Attributes:
+        name: the parameter's (or module's) qualified name.
+        kind: one of :data:`KINDS`.
+        shape: the parameter's shape.
+        itemsize: bytes per element of the parameter as it trains (its dtype under the run's precision).
+        compressed: ``(d_o, d_i)`` of a projected weight, ``(channels, r)`` of a scaled one; else ``None``.
+        projector_sizes: ``(o, i)`` of a projected weight (the dims its projectors compress), else ``None``.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    itemsize: int
+    compressed: tuple[int, int] | None = None
+    projector_sizes: tuple[int, int] | None = None
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def host_numel(self) -> int:
+        """Elements the host steps each step: the compressed ones for a projected or scaled weight."""
+        return math.prod(self.compressed) if self.compressed is not None else self.numel
+
+
+@dataclass
+class Inventory:
+    """Every trained tensor of a model under a strategy's settings, by kind.
+
+    Attributes:
+        entries: one per trained tensor (tied weights once).
+        weight_bytes: bytes of every parameter on the device, trained or not.
+        parameters: elements of every parameter.
+        messages: what the placement decided, one line each (as the strategy logs it).
+    """
+
+    entries: list[Entry] = field(default_factory=list)
+    weight_bytes: int = 0
+    parameters: int = 0
+    messages: list[str] = field(default_factory=list)
+
+    def of(self, *kinds: str) -> list[Entry]:
+        """The entries of the given kinds."""
+        return [e for e in self.entries if e.kind in kinds]
+
+
+def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a user's ``AdamW(model.parameters())`` trains (those that require grad; tied ones once)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def inventory(model: nn.Module, settings: OffloadSettings | None, param_dtype: torch.dtype | None,
+              trained: list[nn.Parameter] | None = None) -> Inventory:
+    """Which trained tensor of ``model`` becomes which kind of slot under ``settings`` (``None``: plain training, every
+    tensor stepped on the device).
+
+    Args:
+        model: the model (any device, ``meta`` included); the user's optimizer is taken to train every parameter that
+            requires grad, in groups without Adam's coupled L2 (AdamW).
+        settings: the strategy's settings.
+        param_dtype: the dtype parameters train in (``bf16-true``: bf16); ``None`` keeps each parameter's own.
+        trained: the parameters trained, where not those that require grad (a base model MEFT will freeze).
+
+    Raises:
+        ValueError: a setting that does not fit the model (a ``target_modules`` pattern that matches nothing, a rank
+            larger than a layer), from the set-up layer's own checks.
+    """
+    trained = trained_parameters(model) if trained is None else trained
+    found = Inventory(parameters=sum(p.numel() for p in model.parameters()))
+    itemsize = (lambda p: torch.empty((), dtype=param_dtype).element_size()) if param_dtype is not None else \
+        (lambda p: p.element_size())
+    found.weight_bytes = sum(p.numel() * itemsize(p) for p in model.parameters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    if settings is None:
+        found.entries = [Entry(names[id(p)], "device", tuple(p.shape), itemsize(p)) for p in trained]
+        return found
+    placements = Placements.of(settings)
+    ids = {id(p) for p in trained}
+    placement = plan_placement(model, ids, placements.embeddings, placements.head)
+    found.messages = list(placement.messages)
+    kinds: dict[int, Entry] = {}
+    if settings.projection:
+        groups = SimpleNamespace(param_groups=[{"params": trained}])
+        for name, module in projected_modules(model, groups, settings, placement).items():
+            weight = module.weight
+            if id(weight) not in kinds:
+                kinds[id(weight)] = _projected_entry(name, module, settings, itemsize(weight))
+    for kind, tensors in (("device", placement.device), ("frozen", placement.frozen), ("rows", placement.row_sparse)):
+        for p in tensors:
+            kinds.setdefault(id(p), Entry(names[id(p)], kind, tuple(p.shape), itemsize(p)))
+    found.entries = [kinds.get(id(p)) or Entry(names[id(p)], "dense", tuple(p.shape), itemsize(p)) for p in trained]
+    return found
+
+
+def _projected_entry(name: str, module: nn.Module, settings: OffloadSettings, itemsize: int) -> Entry:
+    """A projected (or scaled) weight's entry, sized and checked by the set-up layer's own rules."""
+    out_features, in_features = ProjectedWeight.weight_shape(module)
+    shape = tuple(module.weight.shape)
+    if settings.update == "scaled":
+        for side, size in (("output", out_features), ("input", in_features)):
+            compressed_dim(settings, name, side, size, density=1)
+        channels = max(out_features, in_features)
+        return Entry(f"{name}.weight", "scaled", shape, itemsize,
+                     (channels, scaled_projection_size(out_features, in_features, settings.rank)),
+                     (out_features, in_features))
+    d_out = compressed_dim(settings, name, "output", out_features)
+    d_in = compressed_dim(settings, name, "input", in_features)
+    return Entry(f"{name}.weight", "projected", shape, itemsize, (d_out, d_in), (out_features, in_features))
+
+
+@dataclass(frozen=True)
+class Link:
+    """What the run's link carries and how it is staged.
+
+    Attributes:
+        itemsize: bytes per element of gradients (and compressed updates) on the link (``link_dtype``).
+        pinned: host buffers are pinned (an accelerator device): staging copies exist even for fp32 parameters.
+        speculative: host steps run speculatively, each keeping a backup of its variable and moments.
+        rows_touched: embedding rows a step touches (``embeddings="sparse"``).
+    """
+
+    itemsize: int
+    pinned: bool
+    speculative: bool
+    rows_touched: int
+
+
+def host_bytes(entry: Entry, link: Link) -> int:
+    """Host bytes one slot holds in steady state (after its first step, when Adam's moments exist), as
+    ``OffloadOptimizer.host_state_bytes`` counts them."""
+    n, fp32_copy = entry.host_numel, 4 if link.itemsize != 4 else 0
+    if entry.kind == "dense":  # engine/slots/dense_slot.py + host_adam_slot.py
+        staged = entry.itemsize if entry.itemsize != 4 else 0  # the value crosses back in the parameter's dtype
+        held = n * (4 + link.itemsize + staged + fp32_copy + 8) + ADAM_STEP_BYTES
+    elif entry.kind == "projected":  # engine/slots/projected_slot.py: Z, landing, staging in the link dtype
+        staged = link.itemsize if link.itemsize != 4 else 0  # U staged in a narrower link dtype
+        held = n * (4 + link.itemsize + staged + fp32_copy + 8) + ADAM_STEP_BYTES
+    elif entry.kind == "scaled":  # engine/slots/scaled_slot.py: Z = channels × r, and two fp32 vectors per channel
+        held = n * (4 + link.itemsize + fp32_copy + 8) + ADAM_STEP_BYTES + 8 * entry.compressed[0]
+    elif entry.kind == "rows":  # engine/slots/row_slot.py and the row Adam (engine/rows/block_row_adam.py)
+        return _row_slot_bytes(entry, link)
+    else:
+        return 0
+    # engine/step/host_jobs.py: a speculative step backs up the variable and its moments (and step) first.
+    backup = n * 12 + ADAM_STEP_BYTES if link.speculative and entry.kind in ("dense", "projected") else 0
+    return held + backup
+
+
+def _row_slot_bytes(entry: Entry, link: Link) -> int:
+    rows, width = entry.shape
+    cells = rows * width
+    staged = entry.itemsize if (link.pinned or entry.itemsize != 4) else 0
+    fp32_copy = 4 if link.itemsize != 4 else 0
+    slot = cells * (4 + link.itemsize + staged + fp32_copy) + rows * 8  # master, landing, staging, row numbers
+    row_adam = cells * 8 + rows * (8 + 16 + 8)  # moments; last step, two scales (float64), decay marks
+    capacity = min(rows, link.rows_touched)  # engine/rows/row_adam_kernel.py:RowWorkspace, grown to the most rows
+    workspace = capacity * (3 * width * 4 + 4 * 4 + 8 + 8)
+    return slot + row_adam + workspace
+
+
+def link_bytes(entry: Entry, link: Link) -> tuple[int, int]:
+    """``(device→host, host→device)`` bytes one slot moves per step, as its ``prepare`` counts them."""
+    n = entry.host_numel
+    if entry.kind == "dense":
+        return n * link.itemsize, n * entry.itemsize
+    if entry.kind == "projected":
+        return n * link.itemsize, n * link.itemsize
+    if entry.kind == "scaled":
+        channels = entry.compressed[0]
+        return n * link.itemsize + 4 * channels, 4 * channels
+    if entry.kind == "rows":
+        rows = min(entry.shape[0], link.rows_touched)
+        return rows * (entry.shape[1] * link.itemsize + 8), rows * entry.shape[1] * entry.itemsize
+    return 0, 0

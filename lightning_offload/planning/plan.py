@@ -1,0 +1,264 @@
+"""``plan(model, strategy, ...)``: before a run, whether it fits the device and the host and how long a step will take,
+from the model's parameters (any device, ``meta`` included), the strategy's settings and the machine's speeds.
+
+Every figure is computed by the rules the run itself follows: which tensors are projected or placed elsewhere comes
+from the set-up layer (:mod:`lightning_offload.planning.inventory`), activations from a forward on the meta device
+(:mod:`~lightning_offload.planning.activations`), speeds from a short calibration or a named profile
+(:mod:`~lightning_offload.planning.calibration`), step time from the cost model
+(:mod:`~lightning_offload.planning.cost`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_offload.lsp.linear import is_hf_conv1d
+from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.planning.activations import Activations, blocks_of, measure_activations, network_of
+from lightning_offload.planning.calibration import Hardware, hardware as hardware_of
+from lightning_offload.planning.cost import StepTime, Workload, device_seconds, host_seconds, step_time
+from lightning_offload.planning.device_bytes import DeviceParts, device_parts
+from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes
+from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
+from lightning_offload.planning.report import Plan
+from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
+
+STRATEGIES = ("auto", "zero_offload", "lsp_offload", "meft_offload")
+#: Each precision's ``(parameter dtype, compute dtype)``.
+PRECISIONS = {"32-true": (torch.float32, torch.float32), "bf16-true": (torch.bfloat16, torch.bfloat16),
+              "bf16-mixed": (torch.float32, torch.bfloat16)}
+#: Lightning's short spellings of the precisions above.
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(value: int | float | str, name: str) -> int:
+    """``value`` in bytes: a number, or a string like ``"24GiB"`` / ``"4 GB"``.
+
+    Raises:
+        ValueError: for a value that is not positive or not a size, naming it and the forms accepted.
+    """
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}={value!r} is not a size: use bytes (an int) or a string like '24GiB' or '4GB'.")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of bytes (or a string like '24GiB').")
+    return int(value)
+
+
+def settings_for(strategy: str, settings: dict[str, Any]) -> OffloadSettings | None:
+    """The strategy's settings value, validated as the strategy validates it (``None`` for plain training).
+
+    Raises:
+        ValueError: for an unknown strategy, or a setting it refuses. TypeError: for an unknown setting.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one a plan knows; use one of {STRATEGIES} ('auto': plain "
+                         f"AdamW on the device).")
+    owner = f"plan(strategy={strategy!r})"
+    if strategy == "auto":
+        if settings:
+            raise ValueError(f"{owner}: {', '.join(sorted(settings))} do not apply to plain training on the device. "
+                             f"Remove them, or plan strategy='lsp_offload' or 'zero_offload'.")
+        return None
+    forced = {"projection": False} if strategy in ("zero_offload", "meft_offload") else {}
+    return loop_face_settings(owner, settings, forced)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the plan reads of the model beyond its parameters."""
+
+    hidden: int
+    blocks: int
+    matmul: dict[str, nn.Module]
+
+
+def _shape(model: nn.Module) -> _Shape:
+    network = network_of(model)
+    config = network.config
+    blocks = blocks_of(network)
+    matmul = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)}
+    return _Shape(int(getattr(config, "hidden_size", getattr(config, "n_embd", 0))),
+                  len(blocks) if blocks is not None else 0, matmul)
+
+
+def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, seq_len: int,
+         device_memory: int | float | str, precision: str = "bf16-mixed", gradient_checkpointing: bool = False,
+         hardware: str | Hardware | None = None, device: torch.device | str | None = None,
+         host_memory: int | float | str | None = None, meft: MEFTConfig | None = None,
+         activation_bytes: int | None = None, headroom: float = 0.05, **settings: Any) -> Plan:
+    """Predict a run: device and host bytes, link bytes per step, whether it fits, and the step time with its parts.
+
+    Args:
+        model: the model to train (a Hugging Face causal LM, or a module holding one); on any device, ``meta``
+            included (nothing is allocated). Every parameter that requires grad is taken to be trained by AdamW.
+        strategy: ``"auto"`` (plain AdamW on the device), ``"zero_offload"``, ``"lsp_offload"`` or
+            ``"meft_offload"``. Default: ``"lsp_offload"``.
+        batch_size: sequences per step.
+        seq_len: tokens per sequence.
+        device_memory: the device's memory (bytes, or a string such as ``"24GiB"``).
+        precision: ``"32-true"``, ``"bf16-true"`` or ``"bf16-mixed"``. Default: ``"bf16-mixed"``.
+        gradient_checkpointing: plan with every block checkpointed (both figures are in the plan either way).
+            Default: ``False``.
+        hardware: a profile name (``"h200"``, ``"rtx4090"``, ``"laptop-4gb"``), a ``Hardware`` value, or ``None``
+            to calibrate this machine (about a second, then cached). Default: ``None``.
+        device: the device the run trains on, calibrated when ``hardware`` is ``None``. Default: ``None`` (the
+            profile's device, or CUDA when present, else the CPU).
+        host_memory: the host's memory (bytes or a size string). Default: ``None`` (the hardware's).
+        meft: ``meft_offload``'s adapters, when the model has none injected yet. Default: ``None``
+            (``MEFTConfig()``).
+        activation_bytes: bytes a forward keeps for backward, for a model that is not a Hugging Face causal LM.
+            Default: ``None`` (measured by a forward on the meta device).
+        headroom: the share of ``device_memory`` kept free when deciding whether the run fits: the allocator's
+            fragmentation and the CUDA context count against a memory cap but not in ``max_memory_allocated``.
+            Default: ``0.05``.
+        settings: the strategy's settings, as the strategies take them (``rank=0.125``, ``update="scaled"``,
+            ``embeddings="host"``, ``link_dtype="bf16"``...).
+
+    Raises:
+        ValueError: for an unknown strategy or precision, a setting the strategy refuses, or a size that is not
+            positive. TypeError: for an unknown setting.
+
+    Example::
+
+        import lightning_offload
+        plan = lightning_offload.plan(model, "lsp_offload", batch_size=4, seq_len=512, device_memory="24GiB",
+                                      precision="bf16-true", gradient_checkpointing=True, hardware="rtx4090")
+        print(plan.table())  # plan.fits, plan.device_bytes, plan.host_bytes, plan.step_seconds, plan.figures()
+    """
+    offload = settings_for(strategy, settings)
+    memory = parse_bytes(device_memory, "device_memory")
+    precision = PRECISION_ALIASES.get(str(precision), str(precision))
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one a plan knows; use one of {sorted(PRECISIONS)}.")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int.")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom!r} must be a share of device_memory in [0, 1) (default 0.05).")
+    param_dtype, compute_dtype = PRECISIONS[precision]
+    hw = hardware_of(hardware, device, compute_dtype)
+    # What the engine allocates follows the device the run trains on (pinned buffers, speculation, the CPU's caches);
+    # the speeds may be another machine's (a profile).
+    accelerator = (torch.device(device).type if device is not None else hw.device) != "cpu"
+    meft_part = meft_sizes(model, meft, batch_size, seq_len, compute_dtype, accelerator) \
+        if strategy == "meft_offload" else None
+    found = inventory(model, offload, param_dtype, meft_part.trained if meft_part else None)
+    if meft_part is not None:
+        found.entries += meft_part.routers
+    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator),
+                rows_touched=batch_size * seq_len)
+    parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
+                         offload.update_buffers if offload else None, link.itemsize)
+    activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes)
+    shape = _shape(model)
+    work = Workload(batch_size * seq_len, seq_len, shape.hidden, shape.blocks,
+                    sum(m.weight.numel() for m in shape.matmul.values()),
+                    _formed_elements(found, shape, offload is None), gradient_checkpointing)
+    return _assemble(strategy, offload, found, parts, activations, link, work, hw, memory,
+                     parse_bytes(host_memory, "host_memory") if host_memory is not None else hw.host_memory,
+                     meft_part, dict(batch_size=batch_size, seq_len=seq_len, precision=precision), headroom)
+
+
+def _link_itemsize(settings: OffloadSettings | None) -> int:
+    return 2 if settings is not None and settings.link_dtype == "bf16" else 4
+
+
+def _speculative(settings: OffloadSettings | None, accelerator: bool) -> bool:
+    if settings is None:
+        return False
+    return settings.speculative if settings.speculative is not None else accelerator
+
+
+def _formed_elements(found: Inventory, shape: _Shape, plain: bool) -> int:
+    """Elements of the matmul weights whose full gradient autograd forms (trained, not projected)."""
+    weights = {f"{name}.weight" for name in shape.matmul}
+    kinds = ("device",) if plain else ("dense", "device", "scaled")
+    return sum(e.numel for e in found.of(*kinds) if e.name in weights)
+
+
+def _activations(model: nn.Module, found: Inventory, batch_size: int, seq_len: int, dtype: torch.dtype,
+                 accelerator: bool, given: int | None) -> Activations:
+    if given is not None:
+        return Activations(int(given), int(given), 0, 0)
+    projected = {e.name.removesuffix(".weight"): e.compressed[1] for e in found.of("projected")}
+    return measure_activations(model, batch_size, seq_len, dtype, projected,
+                               dtype if accelerator else torch.float32)
+
+
+def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory, parts: DeviceParts,
+              activations: Activations, link: Link, work: Workload, hw: Hardware, device_memory: int,
+              host_memory: int, meft_part: MEFTSizes | None, run: dict[str, Any], headroom: float) -> Plan:
+    """The plan's figures from its parts."""
+    plain = settings is None
+    to_host = sum(link_bytes(e, link)[0] for e in found.entries)
+    to_device = sum(link_bytes(e, link)[1] for e in found.entries)
+    host = sum(host_bytes(e, link) for e in found.entries)
+    meft_host = meft_part.host_bytes if meft_part else 0
+    meft_rows = meft_part.row_elements if meft_part else 0
+    if meft_part is not None:
+        to_host, to_device = to_host + meft_part.to_host, to_device + meft_part.to_device
+    peaks = {checkpointing: _device_peak(parts, activations, checkpointing, plain, found)
+             + (meft_part.device_bytes if meft_part else 0) for checkpointing in (False, True)}
+    device_s, forward_s = device_seconds(found, work, hw, plain, settings.density if settings else 0)
+    host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
+    largest_link = max((link_bytes(e, link)[0] for e in found.entries), default=0)
+    step = step_time(device_s, forward_s, host_s, largest_host, to_host, to_device, largest_link, hw, plain,
+                     link.speculative)
+    device_peak = peaks[work.checkpointing]
+    shares_memory = not link.pinned  # a CPU device's memory is the host's
+    host_needed = host + meft_host + (device_peak if shares_memory else 0)
+    return Plan(strategy=strategy, settings=_shown_settings(settings), **run,
+                gradient_checkpointing=work.checkpointing, device_bytes=device_peak,
+                device_bytes_by_checkpointing=peaks, device_parts=_parts(parts, activations, work.checkpointing),
+                host_bytes=host + meft_host, host_state_bytes=host, host_rows_bytes=meft_host,
+                link_bytes_to_host=to_host, link_bytes_to_device=to_device, device_memory=device_memory,
+                host_memory=host_memory, fits_device=device_peak <= device_memory * (1 - headroom),
+                fits_host=host_memory == 0 or host_needed <= host_memory, step=step, hardware=hw.name,
+                persistent=dict(parts.persistent), projected_layers=len(found.of("projected", "scaled")),
+                notes=tuple(found.messages))
+
+
+def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bool, plain: bool,
+                 found: Inventory) -> int:
+    """Peak device bytes, at the start of backward: what persists, the gradients still held in ``.grad`` from the
+    previous step, every saved activation and the logits' gradient.
+
+    A ``param.grad`` lives from its backward until the next ``zero_grad``, which Lightning's automatic optimization
+    calls after the next forward (before its backward): so a plain run's gradients, and an offload's dense, row and
+    device-placed ones, are there while the forward saves its activations (the native 1.3B run measured on an H200,
+    15.2 GiB, is weights + gradients + moments + activations). The compressed ``S`` leave as they are produced, and
+    the scaled rule's ``G`` (taken out of ``.grad`` at the step) grow while activations are freed: the larger of the
+    two.
+    """
+    kept = activations.kept(checkpointing) + activations.transient
+    persistent = parts.weights + parts.optimizer_state + sum(parts.persistent.values())
+    if plain:
+        return persistent + parts.gradients + kept
+    held = sum(e.numel * e.itemsize for e in found.of("dense", "rows", "device"))
+    scaled = sum(e.numel * e.itemsize for e in found.of("scaled"))
+    return persistent + held + max(kept, scaled)
+
+
+def _parts(parts: DeviceParts, activations: Activations, checkpointing: bool) -> dict[str, int]:
+    return {"weights": parts.weights, "gradients": parts.gradients, "optimizer_state": parts.optimizer_state,
+            **{f"persistent/{k}": v for k, v in parts.persistent.items()},
+            "activations": activations.kept(checkpointing), "activations_transient": activations.transient}
+
+
+def _shown_settings(settings: OffloadSettings | None) -> dict[str, Any]:
+    """The settings that differ from their defaults, for the table and the run's record."""
+    if settings is None:
+        return {}
+    defaults = OffloadSettings(projection=settings.projection)
+    return {name: value for name, value in vars(settings).items()
+            if name != "projector_factory" and value != getattr(defaults, name)}

@@ -1,0 +1,67 @@
+"""The command line's plan mode (``+plan=true`` prints the plan and trains nothing; ``+plan=choose`` the chooser's
+answer) and the plan every run logs beside its telemetry, with each prediction's error in its summary."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+
+from lightning_offload.reporting.run_record import read_summary
+
+TINY = ["model=tiny_llama", "trainer=cpu", "trainer.precision=32-true", "data.max_val_blocks=8",
+        "trainer.limit_val_batches=2", "+plan_hardware=rtx4090"]  # a profile: no test calibrates this machine
+
+
+def _train(overrides: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple:
+    from test_configs import compose_cfg
+
+    from lightning_offload.cli.train import train
+
+    monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    GlobalHydra.instance().clear()
+    return train(compose_cfg(overrides, run_dir))
+
+
+def test_plan_mode_prints_the_plan_and_trains_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    metrics, objects = _train([*TINY, "logger=none", "+plan=true"], run_dir, monkeypatch, tmp_path)
+    printed = capsys.readouterr().out
+    assert "lsp_offload" in printed and "device memory" in printed and "step time" in printed
+    assert metrics["plan/offload/host_state_bytes"] == objects["plan"].host_state_bytes > 0
+    assert objects["plan"].batch_size == 4 and objects["plan"].seq_len == 128  # the data config's
+    assert not (run_dir / "summary.json").exists()  # nothing trained, nothing summarised
+
+
+def test_plan_choose_prints_the_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _, objects = _train([*TINY, "logger=none", "+plan=choose", "+plan_device_memory=64MiB"], tmp_path / "run",
+                        monkeypatch, tmp_path)
+    assert objects["choice"].best is not None
+    assert "Chosen:" in capsys.readouterr().out
+
+
+def test_a_bad_plan_value_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"plan='maybe'"):
+        _train([*TINY, "logger=none", "+plan=maybe"], tmp_path / "run", monkeypatch, tmp_path)
+
+
+def test_every_run_logs_its_plan_and_the_prediction_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = tmp_path / "run"
+    _train([*TINY, "logger=csv", "trainer.max_steps=3", "trainer.val_check_interval=3"], run_dir, monkeypatch,
+           tmp_path)
+    summary = read_summary(run_dir)
+    assert summary["plan"]["strategy"] == "lsp_offload"
+    errors = summary["plan_errors"]
+    # The bytes the plan counts are the engine's (a tiny model's sparse embedding rows: the batch's distinct tokens,
+    # fewer than the plan's bound of one per token; those rows are a small share of the whole).
+    assert abs(errors["plan_error/host_state_bytes"]) < 0.05
+    assert abs(errors["plan_error/link_bytes_to_host_per_step"]) < 0.05
+    assert "plan_error/median_step_seconds" in errors
+    (metrics_file,) = run_dir.rglob("metrics.csv")
+    with metrics_file.open() as f:
+        header = next(csv.reader(f))
+    assert "plan/offload/host_state_bytes" in header and "plan_error/host_state_bytes" in header
