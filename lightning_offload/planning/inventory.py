@@ -167,7 +167,7 @@ def host_bytes(entry: Entry, link: Link) -> int:
     """Host bytes one slot holds in steady state (after its first step, when Adam's moments exist), as
     ``OffloadOptimizer.host_state_bytes`` counts them."""
     n, fp32_copy = entry.host_numel, 4 if link.itemsize != 4 else 0
-    if entry.kind == "dense":  # engine/slots/dense_slot.py + host_adam_slot.py
+    if entry.kind == "dense":  # engine/slots/dense_slot.py + host_step_slot.py
         staged = entry.itemsize if entry.itemsize != 4 else 0  # the value crosses back in the parameter's dtype
         held = n * (4 + link.itemsize + staged + fp32_copy + 8) + ADAM_STEP_BYTES
     elif entry.kind == "projected":  # engine/slots/projected_slot.py: Z, landing, staging in the link dtype
