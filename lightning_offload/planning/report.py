@@ -36,6 +36,8 @@ class Plan:
         persistent: the offload machinery's device bytes between steps, by category.
         projected_layers: layers projected (or scaled).
         notes: what the placement decided, one line each.
+        step_is_lower_bound: the step time leaves out what dominates on this hardware (a CPU: the model's own Python,
+            autograd and elementwise work), so a run takes longer; said in the table.
     """
 
     strategy: str
@@ -61,6 +63,7 @@ class Plan:
     persistent: dict[str, int] = field(default_factory=dict)
     projected_layers: int = 0
     notes: tuple[str, ...] = ()
+    step_is_lower_bound: bool = False
 
     @property
     def fits(self) -> bool:
@@ -136,7 +139,9 @@ class Plan:
                             + (f" (adapter rows {gib(self.host_rows_bytes)})" if self.host_rows_bytes else "")),
             ("link / step", f"{self.link_bytes_to_host / 2**20:,.1f} MiB to host, "
                             f"{self.link_bytes_to_device / 2**20:,.1f} MiB to device"),
-            ("step time", f"{self.step.step:.3f} s ({self.tokens_per_second:,.0f} tokens/s) on {self.hardware}"),
+            ("step time", f"{self.step.step:.3f} s ({self.tokens_per_second:,.0f} tokens/s) on {self.hardware}"
+                          + (" (a lower bound on a CPU: the model's own Python, autograd and elementwise work are "
+                             "not modelled)" if self.step_is_lower_bound else "")),
             ("  parts", f"device {self.step.device:.3f} s, link {self.step.link:.3f} s, host Adam "
                         f"{self.step.host:.3f} s, not overlapped {self.step.exposed:.3f} s"),
         ]
