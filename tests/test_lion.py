@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_offload import Lion, offload, signed_permutation_projector
+from lightning_offload import LSPOffloadStrategy, Lion, offload, signed_permutation_projector
 from lightning_offload.engine.rules.host_rule import host_rule_for
 from lightning_offload.lsp.projector import random_projector
 from lightning_offload.lsp.rotation import coordinate_map
-from tiny_modules import tiny_hf_model, token_data
+from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
 
 LR, DECAY, STEPS = 3e-3, 0.1, 10
 LOSSLESS = dict(rank=1.0, density=1, min_dim=16, projector_factory=signed_permutation_projector)
@@ -124,6 +124,26 @@ def _one_lsp_step() -> Any:
     loss_of(model, batches()[0]).backward()
     optimizer.step()
     return optimizer
+
+
+class LionModule(TinyCausalLM):
+    """A user's LightningModule whose configure_optimizers returns Lion with a schedule to lr 0."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = Lion(self.parameters(), lr=LR, weight_decay=DECAY)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, to_zero)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_the_trainer_s_lsp_offload_with_lion_equals_plain_lightning_with_lion() -> None:
+    # The Trainer habit: configure_optimizers returns Lion, gradient_clip_val clips; the offload (lossless projectors,
+    # so exact) equals plain Lightning on a separate model.
+    runs = []
+    for strategy in ("auto", LSPOffloadStrategy(embeddings="host", **LOSSLESS)):
+        module = LionModule(tiny_hf_model("llama"))
+        trainer(strategy, max_steps=STEPS, gradient_clip_val=0.5).fit(module, token_data(n=4 * STEPS, batch_size=4))
+        runs.append(module.model)
+    _assert_same_weights(runs[1], runs[0])
 
 
 def test_lion_keeps_one_moment_per_tensor_on_the_host() -> None:
