@@ -270,3 +270,26 @@ def test_the_benchmark_measures_what_it_plans() -> None:
     assert seconds > 0
     assert found.host_state_bytes == pytest.approx(figures["host_state_bytes"], rel=0.05)
     assert found.link_bytes_per_step == pytest.approx(figures["to_host"] + figures["to_device"], rel=0.05)
+
+
+
+def test_a_lion_plan_counts_lion_s_one_moment_as_the_engine_keeps_it() -> None:
+    # The user's optimizer decides the host state (engine/rules): Lion keeps one moment and no step counter, and the
+    # row-sparse embedding steps densely under it; the plan follows the same rules as a real engine's telemetry.
+    model = _model()
+    optimizer = lightning_offload.offload(model, lightning_offload.Lion(model.parameters(), lr=1e-3), "lsp_offload")
+    ids = (torch.randperm(200, generator=torch.Generator().manual_seed(0))[:32] + 16).reshape(TOKENS)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    measured = optimizer.host_state_bytes()
+    optimizer.close()
+    common = dict(batch_size=TOKENS[0], seq_len=TOKENS[1], device_memory="1GiB", precision="32-true", hardware=CPU,
+                  device="cpu")
+    lion = plan(model, "lsp_offload", optimizer="lion", **common)
+    adamw = plan(model, "lsp_offload", **common)
+    assert lion.host_state_bytes == pytest.approx(measured, rel=0.05)
+    assert lion.host_state_bytes < adamw.host_state_bytes and "Lion" in lion.table()
+    with pytest.raises(ValueError, match="update='scaled'.*Lion"):
+        plan(model, "lsp_offload", optimizer=lightning_offload.Lion, update="scaled", **common)
+    with pytest.raises(TypeError, match="optimizer='sgd'"):
+        plan(model, "lsp_offload", optimizer="sgd", **common)

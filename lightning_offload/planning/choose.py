@@ -101,7 +101,8 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
            time_budget: float | None = None, strategies: Sequence[str] = ("auto", "lsp_offload", "zero_offload"),
            ranks: Sequence[float] = (0.25, 0.125), placements: Sequence[tuple[str, str]] = PLACEMENTS,
            batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), checkpointing: Sequence[bool] = (False, True),
-           host_memory: int | float | str | None = None, **settings: Any) -> Choice:
+           host_memory: int | float | str | None = None, optimizer: type[torch.optim.Optimizer] | str | None = None,
+           **settings: Any) -> Choice:
     """The combination that fits ``device_memory`` (and the host) with the best predicted tokens per second.
 
     Args:
@@ -120,6 +121,7 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
         batch_sizes: batch sizes tried. Default: ``(1, 2, 4, 8, 16, 32)``.
         checkpointing: gradient checkpointing off, on, or both. Default: ``(False, True)``.
         host_memory: the host's memory. Default: ``None`` (the hardware's).
+        optimizer: the user's optimizer, as for ``plan``. Default: ``None`` (``torch.optim.AdamW``).
         settings: further settings every offload candidate takes (``link_dtype="bf16"``).
 
     Raises:
@@ -144,7 +146,7 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
         try:
             found = plan(model, strategy, batch_size=batch, seq_len=seq_len, device_memory=device_memory,
                          precision=precision, gradient_checkpointing=ckpt, hardware=hw, host_memory=host_memory,
-                         **combo)
+                         optimizer=optimizer, **combo)
         except ValueError as error:  # a rank or placement this model cannot take
             candidates.append(Candidate(strategy, combo, batch, ckpt, None, f"cannot be set up: {error}"))
             continue

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_offload.engine.rules.adam import ADAM
+from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.planning.inventory import Entry, Inventory
 
 #: Device bytes per projector nonzero on an accelerator: fp32 value and int32 permutation (the index is sized apart).
@@ -59,20 +61,22 @@ def projector_bytes(entry: Entry, density: int, accelerator: bool) -> int:
 
 
 def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool, update_buffers: int | None,
-                 link_itemsize: int) -> DeviceParts:
+                 link_itemsize: int, rule: HostRule = ADAM) -> DeviceParts:
     """The device bytes of ``found``'s run, activations apart.
 
     Args:
         found: the run's inventory.
-        plain: plain training (every tensor stepped by a device AdamW; moments in the parameter's dtype, as torch's).
+        plain: plain training (every tensor stepped by the user's optimizer on the device; moments in the parameter's
+            dtype, as torch's).
         density: the projectors' nonzeros per column.
         accelerator: the device is a GPU (no CPU caches, an update ring by default).
         update_buffers: the ring's buffers (``None``: the engine's default, 4 on a GPU, none on the CPU).
         link_itemsize: bytes per element on the link (the ring's dtype).
+        rule: the user's optimizer's rule (how many moments it keeps, and its step counter).
     """
     if plain:
         gradients = sum(e.numel * e.itemsize for e in found.entries)
-        return DeviceParts(found.weight_bytes, gradients, 2 * gradients, {})
+        return DeviceParts(found.weight_bytes, gradients, rule.moments * gradients, {})
     projected, scaled, device = found.of("projected"), found.of("scaled"), found.of("device")
     # Dense and row gradients are .grad until sent; S is fp32 until sent; the scaled rule holds G until its scales
     # return (offload/device_held_gradient_bytes), so all of them can coexist at the end of backward.
@@ -85,6 +89,7 @@ def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool,
         "update_ring": buffers * largest * link_itemsize if projected else 0,
         "scaled_projections": sum(e.compressed[1] * min(e.projector_sizes) * 4 for e in scaled),
         # fp32 moments, plus an fp32 master where the parameter is narrower, and each tensor's step.
-        "device_optimizer": sum(e.numel * (8 + (4 if e.itemsize != 4 else 0)) + 4 for e in device),
+        "device_optimizer": sum(e.numel * (4 * rule.moments + (4 if e.itemsize != 4 else 0)) + rule.step_bytes
+                                for e in device),
     }
     return DeviceParts(found.weight_bytes, gradients, 0, persistent)

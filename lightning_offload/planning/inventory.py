@@ -16,16 +16,19 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from lightning_offload.engine.rules.adam import ADAM
+from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of
+from lightning_offload.engine.slots.scaled_slot import refuse_rule_without_scales
 from lightning_offload.lsp.channel_scales import scaled_projection_size
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.setup.embeddings_head import plan_placement
-from lightning_offload.setup.engine import Placements
+from lightning_offload.setup.engine import Placements, rows_stepped_densely
 from lightning_offload.setup.projection import compressed_dim, projected_modules
 from lightning_offload.setup.settings import OffloadSettings
 
 #: Bytes of a fused ``torch.optim.Adam``'s ``step`` (a 0-d fp32 tensor beside each tensor's moments).
-ADAM_STEP_BYTES = 4
 #: Slot kinds: how each trained tensor is stepped.
 KINDS = ("projected", "scaled", "dense", "rows", "device", "frozen")
 
@@ -88,16 +91,18 @@ def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def inventory(model: nn.Module, settings: OffloadSettings | None, param_dtype: torch.dtype | None,
-              trained: list[nn.Parameter] | None = None) -> Inventory:
+              trained: list[nn.Parameter] | None = None,
+              optimizer: type[Optimizer] = torch.optim.AdamW) -> Inventory:
     """Which trained tensor of ``model`` becomes which kind of slot under ``settings`` (``None``: plain training, every
     tensor stepped on the device).
 
     Args:
         model: the model (any device, ``meta`` included); the user's optimizer is taken to train every parameter that
-            requires grad, in groups without Adam's coupled L2 (AdamW).
+            requires grad, in one group with its defaults.
         settings: the strategy's settings.
         param_dtype: the dtype parameters train in (``bf16-true``: bf16); ``None`` keeps each parameter's own.
         trained: the parameters trained, where not those that require grad (a base model MEFT will freeze).
+        optimizer: the user's optimizer class (its rule decides, as at set-up, whether embeddings step by rows).
 
     Raises:
         ValueError: a setting that does not fit the model (a ``target_modules`` pattern that matches nothing, a rank
@@ -114,7 +119,12 @@ def inventory(model: nn.Module, settings: OffloadSettings | None, param_dtype: t
         return found
     placements = Placements.of(settings)
     ids = {id(p) for p in trained}
-    placement = plan_placement(model, ids, placements.embeddings, placements.head)
+    # The user's optimizer as the set-up sees it (built over the parameters' identities: nothing is allocated), so
+    # the row placement follows the same rule as the engine's (setup/engine.py: rows_stepped_densely).
+    if settings.projection and settings.update == "scaled":
+        refuse_rule_without_scales(host_rule_of(optimizer))
+    reasons = rows_stepped_densely(optimizer(trained), placements.embeddings_by_default) if trained else {}
+    placement = plan_placement(model, ids, placements.embeddings, placements.head, dense_reasons=reasons)
     found.messages = list(placement.messages)
     kinds: dict[int, Entry] = {}
     if settings.projection:
@@ -163,24 +173,25 @@ class Link:
     rows_touched: int
 
 
-def host_bytes(entry: Entry, link: Link) -> int:
-    """Host bytes one slot holds in steady state (after its first step, when Adam's moments exist), as
-    ``OffloadOptimizer.host_state_bytes`` counts them."""
+def host_bytes(entry: Entry, link: Link, rule: HostRule = ADAM) -> int:
+    """Host bytes one slot holds in steady state (after its first step, when its optimizer's state exists), as
+    ``OffloadOptimizer.host_state_bytes`` counts them, under the user's optimizer's ``rule``."""
     n, fp32_copy = entry.host_numel, 4 if link.itemsize != 4 else 0
+    moments, step = 4 * rule.moments, rule.step_bytes
     if entry.kind == "dense":  # engine/slots/dense_slot.py + host_step_slot.py
         staged = entry.itemsize if entry.itemsize != 4 else 0  # the value crosses back in the parameter's dtype
-        held = n * (4 + link.itemsize + staged + fp32_copy + 8) + ADAM_STEP_BYTES
+        held = n * (4 + link.itemsize + staged + fp32_copy + moments) + step
     elif entry.kind == "projected":  # engine/slots/projected_slot.py: Z, landing, staging in the link dtype
         staged = link.itemsize if link.itemsize != 4 else 0  # U staged in a narrower link dtype
-        held = n * (4 + link.itemsize + staged + fp32_copy + 8) + ADAM_STEP_BYTES
+        held = n * (4 + link.itemsize + staged + fp32_copy + moments) + step
     elif entry.kind == "scaled":  # engine/slots/scaled_slot.py: Z = channels × r, and two fp32 vectors per channel
-        held = n * (4 + link.itemsize + fp32_copy + 8) + ADAM_STEP_BYTES + 8 * entry.compressed[0]
+        held = n * (4 + link.itemsize + fp32_copy + moments) + step + 8 * entry.compressed[0]
     elif entry.kind == "rows":  # engine/slots/row_slot.py and the row Adam (engine/rows/block_row_adam.py)
         return _row_slot_bytes(entry, link)
     else:
         return 0
     # engine/step/host_jobs.py: a speculative step backs up the variable and its moments (and step) first.
-    backup = n * 12 + ADAM_STEP_BYTES if link.speculative and entry.kind in ("dense", "projected") else 0
+    backup = n * (4 + moments) + step if link.speculative and entry.kind in ("dense", "projected") else 0
     return held + backup
 
 

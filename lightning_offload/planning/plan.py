@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of, optimizer_class
 from lightning_offload.lsp.linear import is_hf_conv1d
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.planning.activations import Activations, blocks_of, measure_activations, network_of
@@ -95,12 +96,14 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
          device_memory: int | float | str, precision: str = "bf16-mixed", gradient_checkpointing: bool = False,
          hardware: str | Hardware | None = None, device: torch.device | str | None = None,
          host_memory: int | float | str | None = None, meft: MEFTConfig | None = None,
-         activation_bytes: int | None = None, headroom: float = 0.05, **settings: Any) -> Plan:
+         activation_bytes: int | None = None, headroom: float = 0.05,
+         optimizer: type[torch.optim.Optimizer] | str | None = None, **settings: Any) -> Plan:
     """Predict a run: device and host bytes, link bytes per step, whether it fits, and the step time with its parts.
 
     Args:
         model: the model to train (a Hugging Face causal LM, or a module holding one); on any device, ``meta``
-            included (nothing is allocated). Every parameter that requires grad is taken to be trained by AdamW.
+            included (nothing is allocated). Every parameter that requires grad is taken to be trained by
+            ``optimizer``.
         strategy: ``"auto"`` (plain AdamW on the device), ``"zero_offload"``, ``"lsp_offload"`` or
             ``"meft_offload"``. Default: ``"lsp_offload"``.
         batch_size: sequences per step.
@@ -121,12 +124,15 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         headroom: the share of ``device_memory`` kept free when deciding whether the run fits: the allocator's
             fragmentation and the CUDA context count against a memory cap but not in ``max_memory_allocated``.
             Default: ``0.05``.
+        optimizer: the user's optimizer: a class the offload takes over or its name (``"adamw"``, ``"adam"``,
+            ``"lion"``); its state is what the host (or, for plain training, the device) keeps. Default: ``None``
+            (``torch.optim.AdamW``).
         settings: the strategy's settings, as the strategies take them (``rank=0.125``, ``update="scaled"``,
             ``embeddings="host"``, ``link_dtype="bf16"``...).
 
     Raises:
         ValueError: for an unknown strategy or precision, a setting the strategy refuses, or a size that is not
-            positive. TypeError: for an unknown setting.
+            positive. TypeError: for an unknown setting, or an optimizer the offload does not take over.
 
     Example::
 
@@ -136,7 +142,44 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         print(plan.table())  # plan.fits, plan.device_bytes, plan.host_bytes, plan.step_seconds, plan.figures()
     """
     offload = settings_for(strategy, settings)
+    user_optimizer = optimizer_class(optimizer)
+    rule = host_rule_of(user_optimizer)
+    if strategy == "meft_offload":
+        rule.refuse_rows("meft_offload's adapter rows")  # as the engine refuses it at set-up
     memory = parse_bytes(device_memory, "device_memory")
+    precision = _checked_step(precision, batch_size, seq_len, headroom)
+    param_dtype, compute_dtype = PRECISIONS[precision]
+    hw = hardware_of(hardware, device, compute_dtype)
+    # What the engine allocates follows the device the run trains on (pinned buffers, speculation, the CPU's caches);
+    # the speeds may be another machine's (a profile).
+    accelerator = (torch.device(device).type if device is not None else hw.device) != "cpu"
+    meft_part = meft_sizes(model, meft, batch_size, seq_len, compute_dtype, accelerator) \
+        if strategy == "meft_offload" else None
+    found = inventory(model, offload, param_dtype, meft_part.trained if meft_part else None, user_optimizer)
+    if meft_part is not None:
+        found.entries += meft_part.routers
+    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator),
+                rows_touched=batch_size * seq_len)
+    parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
+                         offload.update_buffers if offload else None, link.itemsize, rule)
+    activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes)
+    shape = _shape(model)
+    work = Workload(batch_size * seq_len, seq_len, shape.hidden, shape.blocks,
+                    sum(m.weight.numel() for m in shape.matmul.values()),
+                    _formed_elements(found, shape, offload is None), gradient_checkpointing)
+    return _assemble(strategy, offload, found, parts, activations, link, work, hw, memory,
+                     parse_bytes(host_memory, "host_memory") if host_memory is not None else hw.host_memory,
+                     meft_part, dict(batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                     optimizer=user_optimizer.__name__), headroom, rule)
+
+
+def _checked_step(precision: str, batch_size: int, seq_len: int, headroom: float) -> str:
+    """The precision's full name, once the step's arguments are checked.
+
+    Raises:
+        ValueError: naming a precision no plan knows, a batch size or length that is not a positive int, or a headroom
+            outside ``[0, 1)``.
+    """
     precision = PRECISION_ALIASES.get(str(precision), str(precision))
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one a plan knows; use one of {sorted(PRECISIONS)}.")
@@ -145,28 +188,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
             raise ValueError(f"{name}={value!r} must be a positive int.")
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom!r} must be a share of device_memory in [0, 1) (default 0.05).")
-    param_dtype, compute_dtype = PRECISIONS[precision]
-    hw = hardware_of(hardware, device, compute_dtype)
-    # What the engine allocates follows the device the run trains on (pinned buffers, speculation, the CPU's caches);
-    # the speeds may be another machine's (a profile).
-    accelerator = (torch.device(device).type if device is not None else hw.device) != "cpu"
-    meft_part = meft_sizes(model, meft, batch_size, seq_len, compute_dtype, accelerator) \
-        if strategy == "meft_offload" else None
-    found = inventory(model, offload, param_dtype, meft_part.trained if meft_part else None)
-    if meft_part is not None:
-        found.entries += meft_part.routers
-    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator),
-                rows_touched=batch_size * seq_len)
-    parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
-                         offload.update_buffers if offload else None, link.itemsize)
-    activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes)
-    shape = _shape(model)
-    work = Workload(batch_size * seq_len, seq_len, shape.hidden, shape.blocks,
-                    sum(m.weight.numel() for m in shape.matmul.values()),
-                    _formed_elements(found, shape, offload is None), gradient_checkpointing)
-    return _assemble(strategy, offload, found, parts, activations, link, work, hw, memory,
-                     parse_bytes(host_memory, "host_memory") if host_memory is not None else hw.host_memory,
-                     meft_part, dict(batch_size=batch_size, seq_len=seq_len, precision=precision), headroom)
+    return precision
 
 
 def _link_itemsize(settings: OffloadSettings | None) -> int:
@@ -197,12 +219,13 @@ def _activations(model: nn.Module, found: Inventory, batch_size: int, seq_len: i
 
 def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory, parts: DeviceParts,
               activations: Activations, link: Link, work: Workload, hw: Hardware, device_memory: int,
-              host_memory: int, meft_part: MEFTSizes | None, run: dict[str, Any], headroom: float) -> Plan:
+              host_memory: int, meft_part: MEFTSizes | None, run: dict[str, Any], headroom: float,
+              rule: HostRule) -> Plan:
     """The plan's figures from its parts."""
     plain = settings is None
     to_host = sum(link_bytes(e, link)[0] for e in found.entries)
     to_device = sum(link_bytes(e, link)[1] for e in found.entries)
-    host = sum(host_bytes(e, link) for e in found.entries)
+    host = sum(host_bytes(e, link, rule) for e in found.entries)
     meft_host = meft_part.host_bytes if meft_part else 0
     meft_rows = meft_part.row_elements if meft_part else 0
     if meft_part is not None:

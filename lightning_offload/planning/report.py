@@ -36,6 +36,7 @@ class Plan:
         persistent: the offload machinery's device bytes between steps, by category.
         projected_layers: layers projected (or scaled).
         notes: what the placement decided, one line each.
+        optimizer: the user's optimizer planned for (its state is what the host keeps; shown where not AdamW).
         step_is_lower_bound: the step time leaves out what dominates on this hardware (a CPU: the model's own Python,
             autograd and elementwise work), so a run takes longer; said in the table.
     """
@@ -64,6 +65,7 @@ class Plan:
     projected_layers: int = 0
     notes: tuple[str, ...] = ()
     step_is_lower_bound: bool = False
+    optimizer: str = "AdamW"
 
     @property
     def fits(self) -> bool:
@@ -127,7 +129,9 @@ class Plan:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.settings.items()) or "defaults"
         ok = lambda fits: "fits" if fits else "DOES NOT FIT"  # noqa: E731
         rows = [
-            ("strategy", f"{self.strategy} ({shown}); {self.precision}; {self.projected_layers} projected layers"),
+            ("strategy", f"{self.strategy} ({shown}); "
+                         + (f"{self.optimizer}; " if self.optimizer != "AdamW" else "")
+                         + f"{self.precision}; {self.projected_layers} projected layers"),
             ("step", f"batch {self.batch_size} × {self.seq_len} tokens, gradient checkpointing "
                      f"{'on' if self.gradient_checkpointing else 'off'}"),
             ("device memory", f"{gib(self.device_bytes)} of {gib(self.device_memory)}: {ok(self.fits_device)} "

@@ -35,6 +35,8 @@ class HostRule:
             decoupled weight decay or not (where the rule has both).
         decoupled: ``(optimizer, group) -> bool``: whether the group's weight decay multiplies the weight by
             ``1 − lr·λ`` (AdamW's) rather than adding ``λW`` to the gradient (Adam's L2).
+        moments: fp32 moments it keeps per stepped element by default (what a plan counts; Adam: 2, Lion: 1).
+        step_bytes: bytes of the step counter it keeps per tensor (a fused Adam's is a 4-byte tensor).
         check: ``(optimizer) -> None``: refuse a configuration of the user's optimizer the rule cannot step.
         rows: whether the engine's row Adam steps it (``embeddings="sparse"``, MEFT's adapter rows).
         scaled: whether ``update="scaled"`` can take its direction (the scaled rule's scales read Adam's).
@@ -47,6 +49,8 @@ class HostRule:
     second_moments: tuple[str, ...]
     build: Callable[[Tensor, dict[str, Any], bool], Optimizer]
     decoupled: Callable[[Optimizer, dict[str, Any]], bool]
+    moments: int
+    step_bytes: int
     check: Callable[[Optimizer], None] = lambda optimizer: None
     rows: bool = False
     scaled: bool = False
@@ -99,13 +103,27 @@ def host_rule_for(optimizer: Optimizer) -> HostRule:
         f"(any param groups, lr, betas, eps, weight_decay) — its state will live on the host.")
 
 
-def rule_named(name: str) -> HostRule:
-    """The registered rule a checkpoint names.
+def host_rule_of(optimizer_class: type[Optimizer]) -> HostRule:
+    """The rule that steps ``optimizer_class``'s tensors (a class :func:`optimizer_class` returned)."""
+    return next(rule for rule in _RULES if optimizer_class in rule.optimizers)
+
+
+def optimizer_class(optimizer: type[Optimizer] | str | None) -> type[Optimizer]:
+    """The user's optimizer class a plan is for: a class a rule takes, or its name in any case (``"adamw"``,
+    ``"Lion"``); ``None`` is ``torch.optim.AdamW``.
 
     Raises:
-        ValueError: for a name no registered rule has.
+        TypeError: for a class or name no rule takes, naming the ones that have one.
     """
-    for rule in _RULES:
-        if rule.name == name:
-            return rule
-    raise ValueError(f"No host rule is named {name!r}; registered: {[rule.name for rule in _RULES]}.")
+    classes = [cls for rule in _RULES for cls in rule.optimizers]
+    if optimizer is None:
+        optimizer = "AdamW"
+    if isinstance(optimizer, str):
+        found = next((cls for cls in classes if cls.__name__.lower() == optimizer.lower()), None)
+    else:
+        found = optimizer if optimizer in classes else None
+    if found is None:
+        raise TypeError(f"optimizer={optimizer!r} is not one the offload takes over; use one of "
+                        f"{[cls.__name__ for cls in classes]} (a class or its name).")
+    return found
+

@@ -85,4 +85,6 @@ LION = register_host_rule(HostRule(
     second_moments=(),
     build=_lion_over,
     decoupled=lambda optimizer, group: True,  # Lion's decay multiplies the weight, always
+    moments=1,
+    step_bytes=0,  # Lion counts no steps
 ))

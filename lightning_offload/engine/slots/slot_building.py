@@ -13,7 +13,7 @@ from lightning_offload.engine.slots.dense_slot import DenseSlot
 from lightning_offload.engine.slots.projected_slot import ProjectedSlot, UpdatePrefetch
 from lightning_offload.engine.slots.remote_slot import RemoteSlot
 from lightning_offload.engine.slots.row_slot import RowSlot
-from lightning_offload.engine.slots.scaled_slot import ScaledSlot, scaled_across_ranks_error
+from lightning_offload.engine.slots.scaled_slot import ScaledSlot, refuse_rule_without_scales, scaled_across_ranks_error
 from lightning_offload.engine.slots.slot import Lanes, Slot
 from lightning_offload.engine.step.data_parallel import contiguous_owners
 from lightning_offload.lsp.channel_scales import ScaledWeight
@@ -41,9 +41,8 @@ def build_slots(
     scaled = any(isinstance(layer, ScaledWeight) for layer in projected)
     if lanes.ranks is not None and scaled:
         raise scaled_across_ranks_error()
-    if scaled and not lanes.rule.scaled:
-        raise ValueError(f"update='scaled' takes its direction and scales from Adam's moments; the user's optimizer "
-                         f"steps by {lanes.rule.name}. Use update='projected' (the default), or Adam/AdamW.")
+    if scaled:
+        refuse_rule_without_scales(lanes.rule)
     if row_sparse:
         lanes.rule.refuse_rows("embeddings='sparse'")
     by_param = {id(layer.weight): layer for layer in projected}
