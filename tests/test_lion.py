@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lightning_offload import LSPOffloadStrategy, Lion, offload, signed_permutation_projector
-from lightning_offload.engine.rules.host_rule import host_rule_for
 from lightning_offload.lsp.projector import random_projector
 from lightning_offload.lsp.rotation import coordinate_map
 from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
@@ -179,8 +178,11 @@ def test_the_kinds_that_are_adam_s_arithmetic_refuse_lion_by_name(caplog: pytest
     assert "stepped by Lion" in caplog.text
     assert not any(type(slot).__name__ == "RowSlot" for slot in optimizer.slots)
     optimizer.close()
-    with pytest.raises(ValueError, match="adapter rows.*Lion"):
-        host_rule_for(Lion(model.parameters())).refuse_rows("meft_offload's adapter rows")
+    # MEFT's rows join the engine through attach_row_blocks (Fabric's and the Trainer's meft_offload): refused there.
+    optimizer = offload(model, Lion(model.parameters()), "zero_offload", embeddings="host")
+    with pytest.raises(ValueError, match="adapter rows.*Lion.*lsp_offload or zero_offload"):
+        optimizer.attach_row_blocks([], lambda: None)
+    optimizer.close()
 
 
 def test_a_checkpoint_resumes_only_under_the_optimizer_that_wrote_it() -> None:

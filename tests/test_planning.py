@@ -286,10 +286,14 @@ def test_a_lion_plan_counts_lion_s_one_moment_as_the_engine_keeps_it() -> None:
     common = dict(batch_size=TOKENS[0], seq_len=TOKENS[1], device_memory="1GiB", precision="32-true", hardware=CPU,
                   device="cpu")
     lion = plan(model, "lsp_offload", optimizer="lion", **common)
+    same = plan(model, "lsp_offload", optimizer=lightning_offload.Lion(model.parameters()), **common)
+    assert same.host_state_bytes == lion.host_state_bytes  # the user's optimizer itself works too
     adamw = plan(model, "lsp_offload", **common)
     assert lion.host_state_bytes == pytest.approx(measured, rel=0.05)
     assert lion.host_state_bytes < adamw.host_state_bytes and "Lion" in lion.table()
     with pytest.raises(ValueError, match="update='scaled'.*Lion"):
         plan(model, "lsp_offload", optimizer=lightning_offload.Lion, update="scaled", **common)
+    with pytest.raises(ValueError, match="adapter rows.*Lion"):
+        plan(model, "meft_offload", optimizer="lion", **common)
     with pytest.raises(TypeError, match="optimizer='sgd'"):
         plan(model, "lsp_offload", optimizer="sgd", **common)

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
 from lightning_offload.engine.figures.telemetry import OffloadTelemetry
 from lightning_offload.engine.rules.host_rule import HostRule

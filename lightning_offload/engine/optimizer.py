@@ -30,7 +30,7 @@ from lightning_offload.engine.figures.state_sizes import (
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
-from lightning_offload.engine.rules.host_rule import host_rule_for
+from lightning_offload.engine.rules.host_rule import MEFT_ROWS, host_rule_for
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.engine.slots.slot import Lanes, Slot
 from lightning_offload.engine.slots.slot_building import build_slots
@@ -81,8 +81,8 @@ class OffloadOptimizer(Optimizer):
             (:mod:`~lightning_offload.engine.step.host_jobs`; results equal the other path's bit for bit). Costs a host
             copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU,
             where host and "device" share the cores; measured: it only adds contention there).
-        keep_on_device: parameters stepped on the device (:class:`~lightning_offload.engine.step.device_optimizer.DeviceOptimizer`)
-            instead of the host: clipped and checked like the rest, state on the device. Default: ``()``.
+        keep_on_device: parameters stepped on the device instead of the host (``DeviceOptimizer``): clipped and
+            checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
             each way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
         frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
@@ -330,7 +330,7 @@ class OffloadOptimizer(Optimizer):
             raise ValueError("Host row blocks train on one process: their gradients are not reduced between ranks.")
         if self.norms.rows is not None:
             raise ValueError("This optimizer already steps host row blocks; attach them all in one call.")
-        self.lanes.rule.refuse_rows("meft_offload's adapter rows")
+        self.lanes.rule.refuse_rows(*MEFT_ROWS)
         gradients = RowGradients(self.lanes.worker, self.lanes.link)
         slots = [RowBlocksSlot(rows, settings, gradients, self.lanes) for rows in blocks]
         self.slots += slots  # after every other slot: their jobs queue last, as the forward needs them last

@@ -101,7 +101,8 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
            time_budget: float | None = None, strategies: Sequence[str] = ("auto", "lsp_offload", "zero_offload"),
            ranks: Sequence[float] = (0.25, 0.125), placements: Sequence[tuple[str, str]] = PLACEMENTS,
            batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), checkpointing: Sequence[bool] = (False, True),
-           host_memory: int | float | str | None = None, optimizer: type[torch.optim.Optimizer] | str | None = None,
+           host_memory: int | float | str | None = None,
+           optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | str | None = None,
            **settings: Any) -> Choice:
     """The combination that fits ``device_memory`` (and the host) with the best predicted tokens per second.
 

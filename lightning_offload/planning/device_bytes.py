@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_offload.engine.rules.adam import ADAM
 from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.planning.inventory import Entry, Inventory
 
@@ -61,7 +60,7 @@ def projector_bytes(entry: Entry, density: int, accelerator: bool) -> int:
 
 
 def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool, update_buffers: int | None,
-                 link_itemsize: int, rule: HostRule = ADAM) -> DeviceParts:
+                 link_itemsize: int, rule: HostRule) -> DeviceParts:
     """The device bytes of ``found``'s run, activations apart.
 
     Args:

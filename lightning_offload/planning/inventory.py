@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_offload.engine.rules.adam import ADAM
 from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of
 from lightning_offload.engine.slots.scaled_slot import refuse_rule_without_scales
 from lightning_offload.lsp.channel_scales import scaled_projection_size
@@ -173,7 +172,7 @@ class Link:
     rows_touched: int
 
 
-def host_bytes(entry: Entry, link: Link, rule: HostRule = ADAM) -> int:
+def host_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
     """Host bytes one slot holds in steady state (after its first step, when its optimizer's state exists), as
     ``OffloadOptimizer.host_state_bytes`` counts them, under the user's optimizer's ``rule``."""
     n, fp32_copy = entry.host_numel, 4 if link.itemsize != 4 else 0

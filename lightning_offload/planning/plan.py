@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of, optimizer_class
+from lightning_offload.engine.rules.host_rule import MEFT_ROWS, HostRule, host_rule_of, optimizer_class
 from lightning_offload.lsp.linear import is_hf_conv1d
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.planning.activations import Activations, blocks_of, measure_activations, network_of
 from lightning_offload.planning.calibration import Hardware, hardware as hardware_of
-from lightning_offload.planning.cost import StepTime, Workload, device_seconds, host_seconds, step_time
+from lightning_offload.planning.cost import Workload, device_seconds, host_seconds, step_time
 from lightning_offload.planning.device_bytes import DeviceParts, device_parts
 from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes
 from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
@@ -97,7 +97,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
          hardware: str | Hardware | None = None, device: torch.device | str | None = None,
          host_memory: int | float | str | None = None, meft: MEFTConfig | None = None,
          activation_bytes: int | None = None, headroom: float = 0.05,
-         optimizer: type[torch.optim.Optimizer] | str | None = None, **settings: Any) -> Plan:
+         optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | str | None = None,
+         **settings: Any) -> Plan:
     """Predict a run: device and host bytes, link bytes per step, whether it fits, and the step time with its parts.
 
     Args:
@@ -124,8 +125,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         headroom: the share of ``device_memory`` kept free when deciding whether the run fits: the allocator's
             fragmentation and the CUDA context count against a memory cap but not in ``max_memory_allocated``.
             Default: ``0.05``.
-        optimizer: the user's optimizer: a class the offload takes over or its name (``"adamw"``, ``"adam"``,
-            ``"lion"``); its state is what the host (or, for plain training, the device) keeps. Default: ``None``
+        optimizer: the user's optimizer, its class, or the class's name (``"adamw"``, ``"adam"``, ``"lion"``); its
+            state is what the host (or, for plain training, the device) keeps. Default: ``None``
             (``torch.optim.AdamW``).
         settings: the strategy's settings, as the strategies take them (``rank=0.125``, ``update="scaled"``,
             ``embeddings="host"``, ``link_dtype="bf16"``...).
@@ -145,7 +146,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     user_optimizer = optimizer_class(optimizer)
     rule = host_rule_of(user_optimizer)
     if strategy == "meft_offload":
-        rule.refuse_rows("meft_offload's adapter rows")  # as the engine refuses it at set-up
+        rule.refuse_rows(*MEFT_ROWS)  # as the engine refuses it at set-up
     memory = parse_bytes(device_memory, "device_memory")
     precision = _checked_step(precision, batch_size, seq_len, headroom)
     param_dtype, compute_dtype = PRECISIONS[precision]

@@ -64,17 +64,23 @@ class HostRule:
         weight decay decoupled or not (``False`` where the tensor's decay is applied elsewhere: ``Z`` has none)."""
         return self.build(tensor, hparams, decoupled)
 
-    def refuse_rows(self, setting: str) -> None:
+    def refuse_rows(self, setting: str, instead: str) -> None:
         """Refuse a row-stepped kind under a rule the row Adam does not implement.
 
+        Args:
+            setting: what steps rows (``"embeddings='sparse'"``, :data:`MEFT_ROWS`).
+            instead: what to use instead, besides Adam/AdamW.
+
         Raises:
-            ValueError: naming ``setting`` and what to use instead, unless the rule has rows.
+            ValueError: naming ``setting`` and ``instead``, unless the rule has rows.
         """
         if not self.rows:
             raise ValueError(f"{setting} steps rows with the engine's row Adam, which has no {self.name} rule: "
-                             f"the user's optimizer would silently become Adam there. Use Adam/AdamW, or "
-                             f"{'embeddings=' + repr('host') if 'embeddings' in setting else 'another strategy'}.")
+                             f"the user's optimizer would silently become Adam there. Use Adam/AdamW, or {instead}.")
 
+
+#: What ``meft_offload`` steps by rows, and what to train with instead (for :meth:`HostRule.refuse_rows`).
+MEFT_ROWS = ("meft_offload's adapter rows", "lsp_offload or zero_offload")
 
 _RULES: list[HostRule] = []
 
@@ -108,9 +114,9 @@ def host_rule_of(optimizer_class: type[Optimizer]) -> HostRule:
     return next(rule for rule in _RULES if optimizer_class in rule.optimizers)
 
 
-def optimizer_class(optimizer: type[Optimizer] | str | None) -> type[Optimizer]:
-    """The user's optimizer class a plan is for: a class a rule takes, or its name in any case (``"adamw"``,
-    ``"Lion"``); ``None`` is ``torch.optim.AdamW``.
+def optimizer_class(optimizer: type[Optimizer] | Optimizer | str | None) -> type[Optimizer]:
+    """The user's optimizer class a plan is for: a class a rule takes, an optimizer of one, or the class's name in any
+    case (``"adamw"``, ``"Lion"``); ``None`` is ``torch.optim.AdamW``.
 
     Raises:
         TypeError: for a class or name no rule takes, naming the ones that have one.
@@ -118,6 +124,8 @@ def optimizer_class(optimizer: type[Optimizer] | str | None) -> type[Optimizer]:
     classes = [cls for rule in _RULES for cls in rule.optimizers]
     if optimizer is None:
         optimizer = "AdamW"
+    if isinstance(optimizer, Optimizer):
+        optimizer = type(getattr(optimizer, "_optimizer", optimizer))  # the user's own (a LightningOptimizer's)
     if isinstance(optimizer, str):
         found = next((cls for cls in classes if cls.__name__.lower() == optimizer.lower()), None)
     else:

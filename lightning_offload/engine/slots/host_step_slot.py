@@ -42,7 +42,8 @@ class HostStepSlot(Slot):
         self.host_grad = torch.zeros(host_param.shape, dtype=lanes.link_dtype, pin_memory=lanes.pin)
         self.host_update = host_update
         self.host_grad_fp32 = torch.zeros(host_param.shape) if lanes.link_dtype != torch.float32 else None
-        # A projected weight's coupled L2 term λ·A W Bᵀ, landed from the device (dense parameters: the host optimizer adds it).
+        # A projected weight's coupled L2 term λ·A W Bᵀ, landed from the device (dense parameters: the host optimizer
+        # adds it).
         self.host_l2: Tensor | None = None
         # fp32 copy of an fp32-link gradient that a speculative step clamps or adds L2 to: the landing buffer must stay
         # as it arrived, in case the step is redone (allocated at the first such step).
@@ -120,7 +121,8 @@ class HostStepSlot(Slot):
     def state_tensors(self) -> list[Tensor]:
         tensors = [t for t in (self.host_param, self.host_grad, self.host_update, self.host_grad_fp32, self.host_l2,
                                self.host_grad_work) if t is not None]
-        return tensors + [v for state in self.host_optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return tensors + [v for state in self.host_optimizer.state.values() for v in state.values()
+                          if torch.is_tensor(v)]
 
     def host_state(self) -> dict[str, Any]:
         return self.host_optimizer.state_dict()

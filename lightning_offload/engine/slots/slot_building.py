@@ -44,7 +44,7 @@ def build_slots(
     if scaled:
         refuse_rule_without_scales(lanes.rule)
     if row_sparse:
-        lanes.rule.refuse_rows("embeddings='sparse'")
+        lanes.rule.refuse_rows("embeddings='sparse'", "embeddings='host'")
     by_param = {id(layer.weight): layer for layer in projected}
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}

@@ -81,7 +81,8 @@ class StepOrchestrator:
         take them when they complete."""
         ring = self.lanes.ring
         return (host_state_bytes(self.slots, self.host_jobs),
-                device_persistent_bytes(self.slots, ring, self.device_optimizer), ring.fallbacks if ring is not None else 0)
+                device_persistent_bytes(self.slots, ring, self.device_optimizer),
+                ring.fallbacks if ring is not None else 0)
 
     # ------------------------------------------------------------------------------------------------ backward
     def collect(self, closure: Callable[[], Any]) -> Any:
