@@ -229,6 +229,14 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return {"method": method, "seed": seed, "eval_loss_before": before, "eval_loss": after}
 
 
+def gain_share(frozen: float, loss: float, adamw: float) -> float | None:
+    """The share of AdamW's gain over the frozen run that a method's ``loss`` reached; ``None`` where AdamW gained
+    nothing (it ended at the frozen run's loss), so no share is defined."""
+    if adamw == frozen:
+        return None
+    return (frozen - loss) / (frozen - adamw)
+
+
 def report(results: list[dict[str, Any]]) -> str:
     """Markdown table: eval loss and share of AdamW's gain per seed, the mean of those shares, and the share of the
     seeds' mean losses (steadier where AdamW's gain over the frozen run is small and one seed moves a share a lot)."""
@@ -242,15 +250,19 @@ def report(results: list[dict[str, Any]]) -> str:
             if loss is None or frozen is None or adamw is None:
                 cells.append("—")
                 continue
-            share = (frozen - loss) / (frozen - adamw)
-            shares.append(share)
+            share = gain_share(frozen, loss, adamw)
             used.append(seed)
+            if share is None:
+                cells.append(f"{loss:.4f} (no AdamW gain)")
+                continue
+            shares.append(share)
             cells.append(f"{loss:.4f} ({share:.0%})")
-        if not shares:
+        if not used:
             continue
         means = {m: sum(by[(m, s)] for s in used) / len(used) for m in (method, "frozen", "adamw")}
-        of_means = (means["frozen"] - means[method]) / (means["frozen"] - means["adamw"])
-        rows.append([method, *cells, f"{sum(shares) / len(shares):.0%}", f"{of_means:.0%}"])
+        of_means = gain_share(means["frozen"], means[method], means["adamw"])
+        rows.append([method, *cells, f"{sum(shares) / len(shares):.0%}" if shares else "—",
+                     "—" if of_means is None else f"{of_means:.0%}"])
     return markdown_table(["method", *(f"seed {s}: eval loss (share)" for s in seeds), "mean share",
                            "share of the mean losses"], rows)
 

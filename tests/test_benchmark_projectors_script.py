@@ -84,6 +84,17 @@ def test_shared_lr_script_reports_shares_per_seed_and_their_mean():
     assert "random_r0.25" not in table  # a method without runs has no row
 
 
+def test_shared_lr_report_says_where_adamw_gained_nothing():
+    # A seed where AdamW ends at the frozen run's loss defines no share: said in its cell, left out of the mean.
+    runs = [{"method": m, "seed": s, "eval_loss": loss} for m, s, loss in [
+        ("adamw", 0, 3.0), ("frozen", 0, 4.0), ("learned_r0.25", 0, 3.5),
+        ("adamw", 1, 3.5), ("frozen", 1, 3.5), ("learned_r0.25", 1, 3.4)]]
+    learned = next(line for line in _shared_lr_script().report(runs).splitlines()
+                   if line.startswith("| learned_r0.25"))
+    # Seed 0: 50%; seed 1: none; the mean losses (frozen 3.75, AdamW 3.25, learned 3.45) give 60%.
+    assert "3.5000 (50%)" in learned and "3.4000 (no AdamW gain)" in learned and learned.endswith("| 50% | 60% |")
+
+
 def test_block_diagonal_draws_mix_coordinates_only_within_their_block():
     from lightning_offload.lsp.linear import update_scale
 
