@@ -6,13 +6,10 @@ parts they share, and hands each step to the engine's orchestrator
 :class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
 ``configure_optimizers``. It shares that optimizer's ``param_groups`` dicts, so per-group hyper-parameters are
 honoured and LR schedulers (which write ``param_groups[i]["lr"]``) keep working. The user's optimizer never
-steps and holds no state. All optimizer state lives on the host, in the slots: a projected weight's Adam on
-``S = A G Bᵀ`` (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense parameter's fp32 master and Adam
-(:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding's rows
-(:mod:`~lightning_offload.engine.slots.row_slot`), MEFT's adapter rows
-(:mod:`~lightning_offload.engine.slots.row_blocks_slot`), or nothing where another rank steps the tensor
-(:mod:`~lightning_offload.engine.slots.remote_slot`). This module holds the set-up, the clipping calls, accounting and
-checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and what each slot kind owns.
+steps and holds no state. All optimizer state lives on the host, in the slots (:mod:`~lightning_offload.engine.slots`:
+a projected weight's Adam on ``S = A G Bᵀ``, a dense parameter's fp32 master and Adam, an embedding's or MEFT's
+adapter rows, or nothing where another rank steps the tensor). This module holds the set-up, the clipping calls,
+accounting and checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and each slot kind.
 """
 from __future__ import annotations
 
