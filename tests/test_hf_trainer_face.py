@@ -28,7 +28,8 @@ def _fit(model: torch.nn.Module, tmp_path: Path, max_grad_norm: float,
         max_grad_norm=max_grad_norm, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
         data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDicts(), optimizers=(optimizer, scheduler))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDicts(),
+                                   optimizers=(optimizer, scheduler))
     trainer.train()
     return trainer
 

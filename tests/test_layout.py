@@ -3,8 +3,8 @@ those below, and the faces are peers.
 
 lsp (projectors and projected layers) < engine (the offload optimizer; no Lightning) < setup (what every face shares;
 no Lightning) < meft (the adapters; no Lightning strategy) and planning (a run's plan; no Lightning) < faces (one per
-training loop: trainer, fabric, loop, hf; none imports another) < the product (registries, cli, tasks, reporting, models, data). Imports inside functions count
-too: a cycle hidden in a local import is still a cycle.
+training loop: trainer, fabric, loop, hf; none imports another) < the product (registries, cli, tasks, reporting,
+models, data). Imports inside functions count too: a cycle hidden in a local import is still a cycle.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import lightning_offload
 
 PACKAGE = Path(lightning_offload.__file__).parent
-LAYERS = {"lsp": 0, "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4, "registries": 5, "cli": 5, "tasks": 5,
-          "reporting": 5, "models": 5, "data": 5}
+LAYERS = {"lsp": 0, "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4, "registries": 5, "cli": 5,
+          "tasks": 5, "reporting": 5, "models": 5, "data": 5}
 #: The faces, peers in their layer: each is one kind of training loop.
 FACES = {"trainer", "fabric", "loop", "hf"}
 
@@ -105,7 +105,8 @@ def test_reporting_imports_no_face() -> None:
 
 def test_the_lightning_check_sees_every_form_of_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("import torch\nimport lightning.pytorch as pl\ndef f():\n    from lightning_fabric import Fabric\n")
+    module.write_text("import torch\nimport lightning.pytorch as pl\ndef f():\n"
+                      "    from lightning_fabric import Fabric\n")
     assert _lightning_imports(module) == ["lightning.pytorch", "lightning_fabric"]
 
 
@@ -307,3 +308,31 @@ def test_the_step_and_the_checkpoint_know_slots_only_through_their_interface() -
     found = {str(p.relative_to(PACKAGE)): sorted((_imports(p) & kinds) | _attribute_reads(p, internals))
              for p in readers}
     assert not {path: names for path, names in found.items() if names}
+
+
+LINE_MAX_CHARS = 120  # the project's style: a line past it is rewrapped (docstrings and comments re-flowed)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _long_lines(path: Path) -> list[str]:
+    """``file:line (length)`` for each line of ``path`` longer than :data:`LINE_MAX_CHARS` characters."""
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return [f"{name}:{number} ({len(line)} chars)"
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > LINE_MAX_CHARS]
+
+
+def test_no_line_is_over_its_length() -> None:
+    # The package, the scripts and the tests: a docstring that grew when its module moved deeper is rewrapped.
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    assert any(path.parent.name == "scripts" for path in files) and Path(__file__).resolve() in files
+    long = [line for path in sorted(files) for line in _long_lines(path)]
+    assert not long, f"lines over {LINE_MAX_CHARS} characters (rewrap them): {long}"
+
+
+def test_the_line_length_check_names_file_and_line(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    # Characters, not bytes: the last line is at the limit in characters but over it in UTF-8 bytes.
+    module.write_text(f"x = 1\n{'#' * LINE_MAX_CHARS}\n{'#' * (LINE_MAX_CHARS + 1)}\n"
+                      f"# ×{'−' * (LINE_MAX_CHARS - 3)}\n", encoding="utf-8")
+    assert _long_lines(module) == [f"{module}:3 ({LINE_MAX_CHARS + 1} chars)"]

@@ -67,8 +67,10 @@ def test_a_plain_loop_trains_without_lightning() -> None:
 
 # Lightning first or this package first; the registries' own modules as the first Lightning import too.
 ORDERS = {
-    "lightning_offload_then_lightning": "import lightning_offload\nimport lightning.pytorch as pl\nimport lightning as L",
-    "lightning_then_lightning_offload": "import lightning as L\nimport lightning.pytorch as pl\nimport lightning_offload",
+    "lightning_offload_then_lightning": "import lightning_offload\nimport lightning.pytorch as pl\n"
+                                        "import lightning as L",
+    "lightning_then_lightning_offload": "import lightning as L\nimport lightning.pytorch as pl\n"
+                                        "import lightning_offload",
     "registry_module_first": "import lightning_offload\nfrom lightning.fabric.strategies import STRATEGY_REGISTRY\n"
                              "import lightning.pytorch as pl\nimport lightning as L",
     # Our Fabric module imports Lightning itself, and filling the registries needs that module whole.

@@ -1,4 +1,5 @@
-"""MEFT: injection, Key-Experts routing, host rows with the block Adam, accumulation, resume, the meft_offload strategy."""
+"""MEFT: injection, Key-Experts routing, host rows with the block Adam, accumulation, resume,
+the meft_offload strategy."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ ROWS, WIDTH, BLOCK = 48, 16, 4  # 12 blocks of 64 elements: whole vectors for up
 
 @pytest.fixture
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """``native_row_adam()`` looked up again (its cache cleared, the build kept under ``tmp_path``), and cleared after."""
+    """``native_row_adam()`` looked up again (its cache cleared, the build kept under ``tmp_path``),
+    and cleared after."""
     monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path))
     native_row_adam.cache_clear()
     yield
@@ -181,7 +182,8 @@ def _train(tmp_path: Path, hidden: int, row_block: int | None) -> tuple[list[tor
     kernel = native_row_adam()
     if kernel is not None:
         step = kernel.step_blocks
-        kernel.step_blocks = lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs)  # type: ignore[method-assign]
+        kernel.step_blocks = (  # type: ignore[method-assign]
+            lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs))
     try:
         trainer(tmp_path, 5, MEFTOffloadStrategy(device="cpu", row_block=row_block), gradient_clip_val=0.5).fit(
             CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(5, seed=3)))

@@ -145,12 +145,14 @@ def test_the_projector_fit_says_what_it_does_and_shows_progress(caplog, capsys):
 
 def test_no_fit_bar_without_progress_bars(capsys):
     trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=1,
-            callbacks=[ProjectorRefit(num_samples=1, max_iters=2)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
+            callbacks=[ProjectorRefit(num_samples=1, max_iters=2)]).fit(TinyCausalLM(tiny_hf_model("llama")),
+                                                                        token_data())
     assert "Projector fit" not in capsys.readouterr().err
 
 
 def with_scheduler():
-    return TinyClassifier(scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s)))
+    return TinyClassifier(
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s)))
 
 
 @pytest.mark.parametrize("module", [TinyClassifier, with_scheduler], ids=["no-scheduler", "scheduler"])

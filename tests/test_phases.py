@@ -1,8 +1,8 @@
 """The engine's phase clock and where its host work runs on a CPU.
 
-The clock (lightning_offload/engine/figures/phases.py) splits the engine's own share of a step into phases; it must see every
-phase a step has, charge nested phases only their own time, and change no result. On a CPU device the host jobs run
-inline in the main thread (no second thread competing for the same cores); with the same arithmetic, so a run is the
+The clock (lightning_offload/engine/figures/phases.py) splits the engine's own share of a step into phases; it must see
+every phase a step has, charge nested phases only their own time, and change no result. On a CPU device the host jobs
+run inline in the main thread (no second thread competing for the same cores); with the same arithmetic, so a run is the
 same as with a worker thread, bit for bit.
 """
 

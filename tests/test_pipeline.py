@@ -9,7 +9,8 @@ import torch
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
 from lightning_offload.engine.step.pipeline import HostWorker, HostWorkerError
-from tiny_modules import TinyCausalLM, TinyClassifier, classification_data, params_of, tiny_hf_model, token_data, trainer
+from tiny_modules import (TinyCausalLM, TinyClassifier, classification_data, params_of, tiny_hf_model, token_data,
+                          trainer)
 
 
 def _strategy(kind, **kwargs):

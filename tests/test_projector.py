@@ -130,7 +130,7 @@ def test_the_compressed_size_rule_is_one_function_the_strategy_uses() -> None:
     from lightning_offload import LSPOffloadStrategy
     from lightning_offload.lsp.targets import compressed_size
 
-    assert [compressed_size(576, 0.25), compressed_size(1536, 0.125), compressed_size(3, 0.1), compressed_size(64, 16)] \
-        == [144, 192, 1, 16]
+    assert [compressed_size(576, 0.25), compressed_size(1536, 0.125), compressed_size(3, 0.1),
+            compressed_size(64, 16)] == [144, 192, 1, 16]
     strategy = LSPOffloadStrategy(rank=0.3, density=2)
     assert strategy._compressed_dim("w", "input", 100) == compressed_size(100, 0.3) == 30

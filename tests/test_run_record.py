@@ -1,4 +1,5 @@
-"""The run's own history: every optimizer step's line carries that step's offload figures, even when they arrive late."""
+"""The run's own history: every optimizer step's line carries that step's offload figures,
+even when they arrive late."""
 
 from __future__ import annotations
 

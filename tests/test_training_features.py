@@ -31,8 +31,8 @@ def test_bf16_precisions_train(precision):
     assert weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     optimizer = strategy.offload_optimizer
     assert all(slot.host_param.dtype == torch.float32 for slot in optimizer.slots)
-    moments = [slot.row_adam.exp_avg[0] if isinstance(slot, RowSlot) else slot.host_optimizer.state[slot.host_param]["exp_avg"]
-               for slot in optimizer.slots]
+    moments = [slot.row_adam.exp_avg[0] if isinstance(slot, RowSlot)
+               else slot.host_optimizer.state[slot.host_param]["exp_avg"] for slot in optimizer.slots]
     assert len(moments) == len(optimizer.slots) and all(m.dtype == torch.float32 for m in moments)
 
 
@@ -133,7 +133,8 @@ def _host_state(optimizer):
     tensors = []
     for slot in optimizer.slots:
         tensors.append(slot.host_param.clone())
-        tensors += [v.clone() for state in slot.host_optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        tensors += [v.clone() for state in slot.host_optimizer.state.values() for v in state.values()
+                    if torch.is_tensor(v)]
     return tensors
 
 

@@ -242,7 +242,8 @@ def test_the_update_after_a_refit_keeps_the_scale_of_the_updates_before():
     assert refit.history[-1].step == refit_step and len(refit.history[-1].refit) == len(strategy.projected_layers)
     before = torch.tensor(rms[refit_step - 20:refit_step]).median()
     after = torch.tensor(rms[refit_step:refit_step + 10]).median()
-    assert 0.7 < float(after / before) < 1.3, f"update RMS {float(before):.2e} before the refit, {float(after):.2e} after"
+    assert 0.7 < float(after / before) < 1.3, \
+        f"update RMS {float(before):.2e} before the refit, {float(after):.2e} after"
 
 
 # ---------------------------------------------------------------------------- the default at the user's own rate

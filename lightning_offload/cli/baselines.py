@@ -1,10 +1,10 @@
 """The comparison methods run beside the offload strategies in the same harness: frozen, LoRA (``peft``), GaLore
 (``galore-torch``), and a dense parallel adapter (MEFT's on-device counterpart).
 
-Frozen, LoRA and GaLore act on the layers ``lsp_offload`` would project (same selection rule, :func:`projectable_layers`) and leave
-every other trainable parameter (embeddings, norms, head) trained, so "gain over the frozen run" measures exactly
-what each method earns on those layers. ``peft`` and ``galore-torch`` are optional (``pip install
-lightning_offload[baselines]``); the functions that need them say so when they are missing.
+Frozen, LoRA and GaLore act on the layers ``lsp_offload`` would project (same selection rule,
+:func:`projectable_layers`) and leave every other trainable parameter (embeddings, norms, head) trained, so "gain over
+the frozen run" measures exactly what each method earns on those layers. ``peft`` and ``galore-torch`` are optional
+(``pip install lightning_offload[baselines]``); the functions that need them say so when they are missing.
 """
 
 from __future__ import annotations

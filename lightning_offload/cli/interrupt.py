@@ -43,7 +43,8 @@ class StopOnInterrupt(pl.Callback):
         checkpoint: the checkpoint written then.
     """
 
-    #: Reads no weights after a step, or applies pending updates itself first (see lightning_offload/faces/trainer/weight_readers.py).
+    #: Reads no weights after a step, or applies pending updates itself first
+    #: (see lightning_offload/faces/trainer/weight_readers.py).
     leaves_weights_alone = True
 
     def __init__(self, checkpoint_path: str | Path) -> None:

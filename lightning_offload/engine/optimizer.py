@@ -6,12 +6,10 @@ parts they share, and hands each step to the engine's orchestrator
 :class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
 ``configure_optimizers``. It shares that optimizer's ``param_groups`` dicts, so per-group hyper-parameters are
 honoured and LR schedulers (which write ``param_groups[i]["lr"]``) keep working. The user's optimizer never
-steps and holds no state. All optimizer state lives on the host, in the slots: a projected weight's Adam on
-``S = A G Bᵀ`` (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense parameter's fp32 master and Adam
-(:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding's rows (:mod:`~lightning_offload.engine.slots.row_slot`), MEFT's
-adapter rows (:mod:`~lightning_offload.engine.slots.row_blocks_slot`), or nothing where another rank steps the tensor
-(:mod:`~lightning_offload.engine.slots.remote_slot`). This module holds the set-up, the clipping calls, accounting and
-checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and what each slot kind owns.
+steps and holds no state. All optimizer state lives on the host, in the slots (:mod:`~lightning_offload.engine.slots`:
+a projected weight's Adam on ``S = A G Bᵀ``, a dense parameter's fp32 master and Adam, an embedding's or MEFT's
+adapter rows, or nothing where another rank steps the tensor). This module holds the set-up, the clipping calls,
+accounting and checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and each slot kind.
 """
 from __future__ import annotations
 
@@ -83,8 +81,8 @@ class OffloadOptimizer(Optimizer):
             where host and "device" share the cores; measured: it only adds contention there).
         keep_on_device: parameters stepped on the device instead of the host (``DeviceOptimizer``): clipped and
             checked like the rest, state on the device. Default: ``()``.
-        row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross
-            each way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
+        row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross each
+            way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
         frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
             Default: ``()``.
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
@@ -233,8 +231,8 @@ class OffloadOptimizer(Optimizer):
         (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`)."""
         if self.closed:
             raise RuntimeError("step() on a closed offload optimizer: close() handed the model back and stopped its "
-                               "host worker, so nothing would be trained. Build a new one (lightning_offload.offload(...)"
-                               " or the strategy's set-up) to train on.")
+                               "host worker, so nothing would be trained. Build a new one "
+                               "(lightning_offload.offload(...) or the strategy's set-up) to train on.")
         loss = self.orchestrator.collect(closure) if closure is not None else None
         check_still_frozen(self._frozen_at_setup)
         self.orchestrator.decide_and_launch()
@@ -268,7 +266,8 @@ class OffloadOptimizer(Optimizer):
             layer.zero_grad()
 
     def close(self) -> None:
-        """Apply what is pending, then remove hooks and stop the worker (idempotent); a later :meth:`step` is refused."""
+        """Apply what is pending, then remove hooks and stop the worker (idempotent);
+        a later :meth:`step` is refused."""
         self.closed = True
         try:
             if self.lanes.worker.running:

@@ -3,8 +3,8 @@
 strategy registry by ``import lightning_offload``.
 
 Set-up and hooks only: ``fabric.setup(model, optimizer)`` puts the engine in place of the user's Adam/AdamW through the
-same set-up as the Trainer strategies (:mod:`lightning_offload.setup.engine`) and hands back the loop's
-optimizer (:class:`~lightning_offload.setup.loop_optimizer.LoopOffloadOptimizer`); ``fabric.clip_gradients`` clips through the
+same set-up as the Trainer strategies (:mod:`lightning_offload.setup.engine`) and hands back the loop's optimizer
+(:class:`~lightning_offload.setup.loop_optimizer.LoopOffloadOptimizer`); ``fabric.clip_gradients`` clips through the
 engine (projected gradients never fill ``param.grad``); ``fabric.save`` applies pending updates before reading the
 weights, and ``fabric.load`` restores the weights before the optimizer, whose fp32 masters are refreshed from them.
 """

@@ -33,8 +33,8 @@ from lightning_offload.lsp.projector import SparseProjector, SparsityPattern
 class FitSettings:
     """How projector values are fitted.
 
-    :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` builds one from its own arguments (whose ``max_iters``
-    default is 32); build one yourself to fit a layer by hand with :class:`LayerFit`.
+    :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` builds one from its own arguments (whose
+    ``max_iters`` default is 32); build one yourself to fit a layer by hand with :class:`LayerFit`.
 
     Attributes:
         max_iters: Adam iterations per layer per fit, spread evenly over the sampled gradients. Default: ``24``.

@@ -1,4 +1,5 @@
-"""Which weights LSP-Offload projects (Linear and Hugging Face Conv1D layers chosen by size or name), and to what size."""
+"""Which weights LSP-Offload projects (Linear and Hugging Face Conv1D layers chosen by size or name),
+and to what size."""
 
 from __future__ import annotations
 

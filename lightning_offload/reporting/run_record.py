@@ -80,7 +80,8 @@ class RunRecorder(pl.Callback):
         start_step: the optimizer step training started from (0, or the checkpoint's).
     """
 
-    #: Reads no weights after a step, or applies pending updates itself first (see lightning_offload/faces/trainer/weight_readers.py).
+    #: Reads no weights after a step, or applies pending updates itself first
+    #: (see lightning_offload/faces/trainer/weight_readers.py).
     leaves_weights_alone = True
 
     def __init__(self, run_dir: str | Path | None, resume: bool = False) -> None:

@@ -4,8 +4,8 @@ At a 1.3B LLaMA shape the input embedding and the untied LM head are 131M of the
 steps each step, and most of the link bytes. These settings move them off that path:
 
 * ``embeddings``: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only the rows of the batch's tokens cross and
-  are stepped, by :class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`), ``"device"`` (a device Adam; its state costs
-  device memory) or ``"frozen"``.
+  are stepped, by :class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`), ``"device"`` (a device Adam; its
+  state costs device memory) or ``"frozen"``.
 * ``head``: ``"host"``, ``"projected"`` (compressed by LSP projectors like any Linear), ``"device"`` or
   ``"frozen"``.
 

@@ -1,5 +1,5 @@
-"""What the offload strategies tell a run's reporting: their per-step figures, a few facts and the projector fits' records,
-as typed values.
+"""What the offload strategies tell a run's reporting: their per-step figures, a few facts and the projector fits'
+records, as typed values.
 
 The CLI and :mod:`lightning_offload.reporting` build the run summary and the per-step records from these alone:
 they never read a strategy's optimizer, adapters or other internals. A strategy that is not an offload strategy

@@ -80,7 +80,8 @@ class OffloadSettings:
             the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
             decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
             under dense Adam; one process only, since each rank's batch touches different rows), ``"device"`` (a
-            device Adam; its state is device memory) or ``"frozen"``. See :mod:`lightning_offload.setup.embeddings_head`.
+            device Adam; its state is device memory) or ``"frozen"``.
+            See :mod:`lightning_offload.setup.embeddings_head`.
             Default: ``None`` (``"sparse"`` for ``lsp_offload`` on one device, else ``"host"``).
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not without projection), ``"device"`` or ``"frozen"``. A weight tied to the input

@@ -1,5 +1,5 @@
-"""What one projector fit did (:class:`RefitRecord`): kept by :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`
-in its history, and its figures for the loggers."""
+"""What one projector fit did (:class:`RefitRecord`): kept by
+:class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` in its history, and its figures for the loggers."""
 
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ class OffloadTelemetry:
         update_ring_fallbacks: compressed updates so far that found no free buffer in the device update ring and were
             copied into a one-off allocation instead (costs speed, not correctness; raise ``update_buffers``).
         data_parallel: whether the engine trains with other ranks (``bytes_between_ranks`` is logged only then).
-        last_timeline: the latest completed step's :class:`~lightning_offload.engine.step.pipeline.StepTimeline` (busy seconds
-            per lane: device compute, link each way, host Adam, device waiting for updates).
+        last_timeline: the latest completed step's :class:`~lightning_offload.engine.step.pipeline.StepTimeline` (busy
+            seconds per lane: device compute, link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
             so a reader that looks only now and then misses none: a pipelined step completes during the next one,
             and a skip right after it completes in the same call.

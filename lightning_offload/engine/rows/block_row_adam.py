@@ -27,9 +27,9 @@ Semantics, against dense AdamW over the whole matrix:
   by ``c``); value clipping clamps the stepped slices first.
 
 In place, the catch-up costs no pass over the moments: each block keeps two moment scales
-(:mod:`~lightning_offload.engine.rows.row_adam_kernel` says how one kernel step folds them in). A gathered step multiplies the
-gathered moments by their catch-up factors instead (exactly 1 for a row stepped at the previous step), so a row stepped
-at every step gets dense fused Adam's arithmetic bit for bit, and its scales are 1.
+(:mod:`~lightning_offload.engine.rows.row_adam_kernel` says how one kernel step folds them in). A gathered step
+multiplies the gathered moments by their catch-up factors instead (exactly 1 for a row stepped at the previous step), so
+a row stepped at every step gets dense fused Adam's arithmetic bit for bit, and its scales are 1.
 
 What a row owes can be read without paying it (:meth:`BlockRowAdam.decayed_rows`), for a copy of the weights that is
 AdamW's but for the momentum drift above; the training that follows is the same, bit for bit, whether or not it was.
@@ -179,8 +179,9 @@ class BlockRowAdam:
             grads: per matrix, its ``[N, h]`` fp32 gradient accumulator (zero outside the touched rows), or the
                 stepped blocks' gradients: one ``[block_rows, h]`` fp32 tensor per block of ``blocks``, in order
                 (where they already are: :class:`~lightning_offload.engine.rows.row_landing.RowLanding`), or, for every
-                matrix, where its rows' gradients landed (:class:`~lightning_offload.engine.rows.native_row_adam.LandedRows`,
-                stepped by the native kernel, with ``zero_grads=False``: nothing assembled, nothing written to them).
+                matrix, where its rows' gradients landed
+                (:class:`~lightning_offload.engine.rows.native_row_adam.LandedRows`, stepped by the native kernel, with
+                ``zero_grads=False``: nothing assembled, nothing written to them).
             settings: this step's hyper-parameters.
             clip: ``("norm", c)`` scales the gradients by ``c``; ``("value", b)`` clamps them to ``[−b, b]``.
             zero_grads: zero the stepped gradients (``False`` when the caller overwrites them at the next step's

@@ -156,8 +156,8 @@ def new_first_scales(scale1: list[float], scale2: list[float], beta1: float) -> 
 
 class RowWorkspace:
     """Buffers a gathered step reads the touched rows into: the weight, both moments, three per-row factors, the gaps,
-    the rows' last steps and the decay they owe. Kept at the most rows a step has touched so far (grown by doubling, never shrunk),
-    so a step allocates only when it touches more rows than every step before it.
+    the rows' last steps and the decay they owe. Kept at the most rows a step has touched so far (grown by doubling,
+    never shrunk), so a step allocates only when it touches more rows than every step before it.
 
     Args:
         height: the matrix's rows (the most a step can touch).

@@ -1,8 +1,8 @@
 """The decoupled weight decay that blocks of rows owe for the steps they were not stepped, exact under any schedule.
 
 AdamW multiplies every weight by ``1 − lr_t·λ`` at every step ``t``, touched or not. The row Adam
-(:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`) steps only the blocks a batch touched, so a block idle
-from step ``a`` to step ``b`` owes ``Π_{a<t≤b} (1 − lr_t·λ)``: a product over the learning rates of the steps it
+(:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`) steps only the blocks a batch touched, so a block
+idle from step ``a`` to step ``b`` owes ``Π_{a<t≤b} (1 − lr_t·λ)``: a product over the learning rates of the steps it
 missed, which a warm-up, a cosine schedule or a schedule through lr 0 make anything but ``(1 − lr·λ)^gap`` at one
 step's rate.
 

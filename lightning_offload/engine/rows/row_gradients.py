@@ -10,8 +10,8 @@ Order on the worker is submission order, which is all the synchronisation the ho
 2. at the optimizer step the main thread waits for those jobs (:meth:`RowGradients.flush`), checks the gradients,
    and queues one Adam job per adapter on the same worker, after the other slots' host jobs;
 3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run (its slot's
-   :meth:`~lightning_offload.engine.slots.row_blocks_slot.RowBlocksSlot.wait`), so the first layers compute while the host
-   is still updating the last ones.
+   :meth:`~lightning_offload.engine.slots.row_blocks_slot.RowBlocksSlot.wait`), so the first layers compute while the
+   host is still updating the last ones.
 
 A failure on the worker is re-raised on the main thread at the next wait (see :class:`HostWorker`).
 """
@@ -91,8 +91,8 @@ class RowGradients:
 
         The step's gradient of a matrix is kept where it landed when it is its only one; otherwise rows not yet
         ``written`` this step are copied into rather than added to (their old contents are a consumed step's), and
-        become written (:class:`~lightning_offload.engine.rows.row_landing.RowLanding`). The gradient crosses the link in
-        its own dtype (bf16 under autocast) and is widened on the host.
+        become written (:class:`~lightning_offload.engine.rows.row_landing.RowLanding`). The gradient crosses the link
+        in its own dtype (bf16 under autocast) and is widened on the host.
         """
         grad = grad.detach()
         landing = self.landings[id(accumulator)]
@@ -113,8 +113,9 @@ class RowGradients:
         # `source` (the device gradient) is only held, never read here: its memory must outlive the copy.
         start = time.perf_counter()
         self.link.host_wait(landed)
-        # With the process's threads, not one (engine/rows/host_threads.py): the squared norm taken here is a dot product,
-        # whose rounding depends on how many threads share it, and the step's norm (clipping) must stay what it was.
+        # With the process's threads, not one (engine/rows/host_threads.py): the squared norm taken here
+        # is a dot product, whose rounding depends on how many threads share it, and the step's norm
+        # (clipping) must stay what it was.
         widened = grad if grad.dtype == landing.accumulator.dtype else grad.to(landing.accumulator.dtype)
         # A staging buffer goes back to its pool now, so a gradient still in it is added, not kept.
         square = landing.land(rows, widened, keep=buffer is None or widened is not grad,

@@ -13,8 +13,8 @@ zeroes the rows a step consumed).
 
 The numbers a block is stepped from are the same either way (the same gradient values, zeros where no gradient
 came), so the row Adam's results do not depend on which path the step took. Where the row Adam's native kernel
-steps the blocks (:mod:`~lightning_offload.engine.rows.native_row_adam`), nothing is assembled: it is told where the rows lie
-(:meth:`RowLanding.landed_rows`) and reads them there.
+steps the blocks (:mod:`~lightning_offload.engine.rows.native_row_adam`), nothing is assembled: it is told where the
+rows lie (:meth:`RowLanding.landed_rows`) and reads them there.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class RowLanding:
 
     Thread discipline: :meth:`land` runs on the engine's worker as gradients arrive; :meth:`block_gradients`,
     :meth:`materialize` and the reads run on the main thread once the worker has added every queued gradient
-    (:meth:`~lightning_offload.engine.rows.row_gradients.RowGradients.flush`); :meth:`forget` runs after the step, on the
-    worker, before any gradient of the next step can arrive (the next forward waits for the step).
+    (:meth:`~lightning_offload.engine.rows.row_gradients.RowGradients.flush`); :meth:`forget` runs after the step, on
+    the worker, before any gradient of the next step can arrive (the next forward waits for the step).
 
     Args:
         accumulator: the full-size ``[N, h]`` fp32 accumulator (valid where ``written``).

@@ -1,6 +1,6 @@
 """A row-sparse embedding's slot: only the rows with a nonzero gradient (the batch's tokens) cross each way and are
-stepped, by the engine's row Adam (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`, one row per block,
-gathered steps)."""
+stepped, by the engine's row Adam (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`, one row per
+block, gathered steps)."""
 
 from __future__ import annotations
 

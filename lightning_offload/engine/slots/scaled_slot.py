@@ -121,7 +121,8 @@ class ScaledSlot(HostStepSlot):
         return self._adam_hparams(self.lanes, self.group), 0.0
 
     def prepare(self, step: StepTelemetry) -> None:
-        step.bytes_device_to_host += self.host_grad.numel() * self.host_grad.element_size() + self.host_squares.numel() * 4
+        step.bytes_device_to_host += (self.host_grad.numel() * self.host_grad.element_size()
+                                      + self.host_squares.numel() * 4)
         step.bytes_host_to_device += self.host_scales.numel() * 4
         sign = -1.0 if self.group.get("maximize", False) else 1.0
         self.step_size = sign * self.group["lr"] * self.weight.alpha

@@ -1,8 +1,8 @@
 """What an offloaded tensor is to the engine's step: the :class:`Slot` interface every kind implements, the
 :class:`Lanes` all slots of one engine share, and the small pieces of arithmetic their host steps have in common.
 
-The kinds (one module each): a projected weight (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense parameter
-(:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding stepped row by row
+The kinds (one module each): a projected weight (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense
+parameter (:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding stepped row by row
 (:mod:`~lightning_offload.engine.slots.row_slot`), and a tensor another rank steps
 (:mod:`~lightning_offload.engine.slots.remote_slot`). The orchestrator
 (:class:`~lightning_offload.engine.optimizer.OffloadOptimizer`) knows them only through :class:`Slot`.

@@ -8,10 +8,10 @@ and version counter (every in-place op bumps it) and, where only the version mov
 when it crossed: Hugging Face's Trainer multiplies every gradient by exactly 1 at every step (it reads the global norm
 through ``clip_grad_norm_(..., inf)``), which changes no value and must not count.
 
-What an edit leads to is the orchestrator's call: where every gradient of the step is a ``param.grad`` (``zero_offload``,
-nothing projected), torch's clipping saw the true global norm, so the edited gradients simply cross again and the edit
-takes effect exactly; where some are not (projected weights' compressed gradients, MEFT's host rows), the edit saw a
-partial norm and left those unclipped, and the step is refused with the offload's own clipping named.
+What an edit leads to is the orchestrator's call: where every gradient of the step is a ``param.grad``
+(``zero_offload``, nothing projected), torch's clipping saw the true global norm, so the edited gradients simply cross
+again and the edit takes effect exactly; where some are not (projected weights' compressed gradients, MEFT's host rows),
+the edit saw a partial norm and left those unclipped, and the step is refused with the offload's own clipping named.
 
 The norm recorded when a gradient crossed is also the one the step's global norm uses while the gradient is unchanged,
 so the check costs no pass over the gradients beyond the norm the step computes anyway.

@@ -326,7 +326,8 @@ class StepTimeline:
 
 
 class TimelineRecorder:
-    """Keeps the last ``keep`` step timelines and writes them as a Chrome trace (open in chrome://tracing or Perfetto)."""
+    """Keeps the last ``keep`` step timelines and writes them as a Chrome trace
+    (open in chrome://tracing or Perfetto)."""
 
     def __init__(self, keep: int = 50) -> None:
         self.keep = keep
@@ -341,7 +342,8 @@ class TimelineRecorder:
     def export_chrome_trace(self, path: str) -> None:
         """Write the kept timelines as Chrome-trace JSON."""
         events: list[dict[str, Any]] = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}} for i, lane in enumerate(LANES)
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
+            for i, lane in enumerate(LANES)
         ]
         for step, timeline in self.steps:
             events += timeline.chrome_events(step, self.origin)

@@ -1,12 +1,13 @@
-"""``lsp_offload_ddp`` and ``zero_offload_ddp``: the offload strategies on Lightning's DDP, for several devices and nodes.
+"""``lsp_offload_ddp`` and ``zero_offload_ddp``: the offload strategies on Lightning's DDP,
+for several devices and nodes.
 
 ``Trainer(strategy="lsp_offload_ddp", devices=N, num_nodes=M)`` runs one process per device with Lightning's own
 launcher and process group. The model is not wrapped in ``DistributedDataParallel``: what crosses between ranks is
-decided by the offload optimizer (:mod:`lightning_offload.engine.step.data_parallel`): each projected weight's compressed gradient
-``S`` (linear in the gradient, so summing the ranks' ``S`` is exact) and the dense gradients of the rest, bucketed and
-reduced during backward to the rank that owns each tensor's host Adam; the owners' updates are broadcast back. The
-host optimizer is sharded: each rank's host keeps and steps about ``1/(N·M)`` of the state, so ranks sharing a node
-do not duplicate it.
+decided by the offload optimizer (:mod:`lightning_offload.engine.step.data_parallel`): each projected weight's
+compressed gradient ``S`` (linear in the gradient, so summing the ranks' ``S`` is exact) and the dense gradients of the
+rest, bucketed and reduced during backward to the rank that owns each tensor's host Adam; the owners' updates are
+broadcast back. The host optimizer is sharded: each rank's host keeps and steps about ``1/(N·M)`` of the state, so ranks
+sharing a node do not duplicate it.
 """
 
 from __future__ import annotations

@@ -141,10 +141,10 @@ class OffloadMixin:
         self._settle_each_step = bool(readers)
         if readers:
             rank_zero_info(f"{self.strategy_name}: {', '.join(readers)} may read or write the weights after each step, "
-                           f"so each step's updates (and the decay idle embedding rows owe) are applied before the step "
-                           f"returns and the callbacks see that step's weights. Results are the same as without them; "
-                           f"the host's work no longer overlaps the next forward. Mark a callback that leaves the "
-                           f"weights alone with leaves_weights_alone = True to keep the overlap.")
+                           f"so each step's updates (and the decay idle embedding rows owe) are applied before the "
+                           f"step returns and the callbacks see that step's weights. Results are the same as without "
+                           f"them; the host's work no longer overlaps the next forward. Mark a callback that leaves "
+                           f"the weights alone with leaves_weights_alone = True to keep the overlap.")
         assert self.lightning_module is not None
         # build_engine validates the optimizer first (Adam/AdamW only), before it changes anything on the model.
         self._engine = build_engine(self.lightning_module, self.optimizers[0], self.settings, self.placements,
@@ -239,7 +239,8 @@ class OffloadMixin:
 
     # ---------------------------------------------------------------------------------------------- reporting
     def offload_facts(self) -> OffloadFacts:
-        """What a run's summary needs of this strategy beyond its logged figures (see lightning_offload/setup/report.py)."""
+        """What a run's summary needs of this strategy beyond its logged figures
+        (see lightning_offload/setup/report.py)."""
         scaled = sum(isinstance(slot, ScaledSlot) for slot in self.offload_optimizer.slots) \
             if self.offload_optimizer is not None else 0
         return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,

@@ -83,7 +83,8 @@ class ProjectorRefit(Callback):
         trainer.fit(module)  # refit.history then holds a RefitRecord per fit or check
     """
 
-    #: Reads no weights after a step, or applies pending updates itself first (see lightning_offload/faces/trainer/weight_readers.py).
+    #: Reads no weights after a step, or applies pending updates itself first
+    #: (see lightning_offload/faces/trainer/weight_readers.py).
     leaves_weights_alone = True
 
     def __repr__(self) -> str:
@@ -108,7 +109,8 @@ class ProjectorRefit(Callback):
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an int ≥ 0 (0 turns refits off).")
-        # The fit itself, and the validation of its settings, is the engine's (any loop's): engine/fitting/projector_fitting.py.
+        # The fit itself, and the validation of its settings, is the engine's
+        # (any loop's): engine/fitting/projector_fitting.py.
         self.fitting = ProjectorFitting(threshold=float(threshold), num_samples=num_samples, norm_samples=norm_samples,
                                         max_iters=max_iters, target_error=target_error, lr=lr, l2=l2,
                                         fit_threads=fit_threads, seed=seed)
