@@ -35,6 +35,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # The harness imports neither hydra nor wandb (nor torch at import): this script stays runnable without them.
@@ -49,6 +51,8 @@ BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offlo
 GPU_TESTS = ("tests/test_pipeline.py", "tests/test_strategy_equivalence.py", "tests/test_checkpoint.py",
              "tests/test_host_jobs.py", "tests/test_speculation.py", "tests/test_projected_linear.py",
              "tests/test_projector.py", "tests/test_embeddings_head.py", "tests/test_user_patterns.py")
+
+
 def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | None = None,
          batch: int | None = None, profile: bool = False, phases: bool = False) -> dict[str, Any]:
     batch = batch if batch is not None else args.batches[0]
@@ -69,6 +73,25 @@ def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | Non
             return json.loads(line[len("RESULT "):])
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
     return {"method": method, "shape": shape, "batch": batch, "error": " | ".join(tail) or f"exit {done.returncode}"}
+
+
+def _results(runs: list[tuple[str, int, bool, bool]], args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Each run's result, in the order of ``runs`` (method, batch, profile, phases), as it comes.
+
+    On a GPU the runs go one at a time: they share the device, and each is timed. ``--smoke`` checks on a CPU that
+    every run works, and a fresh interpreter's imports are most of a run's time there, so two go at once.
+    """
+    def result(run: tuple[str, int, bool, bool]) -> dict[str, Any]:
+        method, batch, profile, phases = run
+        if not _available(method):
+            return {"method": method, "batch": batch, "skipped": "not installed"}
+        return _run(method, args.shape, args, batch=batch, profile=profile, phases=phases)
+
+    if not args.smoke:
+        yield from map(result, runs)
+        return
+    with ThreadPoolExecutor(max_workers=2) as pool:  # threads only wait on their subprocesses
+        yield from pool.map(result, runs)
 
 
 def _gpu_tests(timeout: int) -> dict[str, Any]:
@@ -185,31 +208,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["gpu_tests"] = _gpu_tests(args.timeout)
         print(f"GPU tests: {report['gpu_tests']}", flush=True)
         _write(report, args.json)
-    for batch in args.batches:
-        for method in args.methods:
-            if batch != args.batches[0] and method not in BATCH_SWEEP_METHODS:
-                continue
-            if not _available(method):
-                report["methods"].append({"method": method, "batch": batch, "skipped": "not installed"})
-                continue
-            # The first batch size profiles one step of each method; the rest measure time only.
-            report["methods"].append(_run(method, args.shape, args, batch=batch, profile=batch == args.batches[0]))
-            native = next((m for m in report["methods"] if m.get("method") == "native" and m.get("batch") == batch
-                           and "error" not in m), None)
-            entry = report["methods"][-1]
-            if native and "median_step_seconds" in entry:
-                entry["x_native"] = entry["median_step_seconds"] / native["median_step_seconds"]
-            print(json.dumps(entry), flush=True)
-            _write(report, args.json)
-    # Where the offload methods' steps go, phase by phase: runs of their own, since the clock synchronizes the device
-    # at every phase boundary (the step times above are taken without it).
+    # Every method at each batch (the first batch size profiles one step of each; the rest measure time only), then
+    # zero_offload and lsp_offload once more with the phase clock, which synchronizes the device at every phase
+    # boundary (so the step times are taken in the runs without it).
+    runs = [(method, batch, batch == args.batches[0], False) for batch in args.batches for method in args.methods
+            if batch == args.batches[0] or method in BATCH_SWEEP_METHODS]
+    runs += [(method, args.batches[0], False, True) for method in ("zero_offload", "lsp_offload")
+             if method in args.methods]
     report["phases"] = {}
-    for method in ("zero_offload", "lsp_offload"):
-        if method in args.methods:
-            result = _run(method, args.shape, args, phases=True)
-            report["phases"][method] = result.get("phases_seconds_per_step", result.get("error"))
+    for (method, batch, _, phases), entry in zip(runs, _results(runs, args)):
+        if phases:
+            report["phases"][method] = entry.get("phases_seconds_per_step", entry.get("error"))
             print(f"phases of {method}: {report['phases'][method]}", flush=True)
             _write(report, args.json)
+            continue
+        report["methods"].append(entry)
+        native = next((m for m in report["methods"] if m.get("method") == "native" and m.get("batch") == batch
+                       and "error" not in m), None)
+        if native and "median_step_seconds" in entry:
+            entry["x_native"] = entry["median_step_seconds"] / native["median_step_seconds"]
+        print(json.dumps(entry), flush=True)
+        _write(report, args.json)
     if not args.smoke and not args.no_cap_search:
         for cap in (24.0, 4.0):
             largest = None

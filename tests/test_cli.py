@@ -206,10 +206,11 @@ def test_unknown_option_on_the_command_line_lists_the_choices(stopped_early: dic
     assert "Available options in 'offload'" in done.stderr and "zero" in done.stderr
 
 
-@pytest.mark.parametrize("spelling", ["null", "none"])
-def test_a_run_without_a_logger(tmp_path: Path, env: dict[str, str], spelling: str) -> None:
+def test_a_run_without_a_logger(tmp_path: Path, env: dict[str, str]) -> None:
+    # Spelled logger=null, which the command turns into the group's "none" option (the unit test below); the resumed
+    # run's test trains with logger=none as written.
     run_dir = tmp_path / "run"
-    done = run_cli([f"logger={spelling}", *TINY, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    done = run_cli(["logger=null", *TINY, f"hydra.run.dir={run_dir}"], tmp_path, env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_summary(run_dir)["steps"] == 4
     assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()
