@@ -184,9 +184,12 @@ class OffloadMixin:
         if self.settings.log_telemetry and self.offload_optimizer is not None and self.lightning_module is not None:
             telemetry = self.offload_optimizer.telemetry
             telemetry.device_state_bytes = self.offload_optimizer.device_state_bytes()
-            if self.lightning_module._trainer is not None:
-                self.lightning_module.log_dict({**telemetry.metrics(), **self._step_end_figures}, on_step=True,
-                                               on_epoch=False, batch_size=1)
+            # The engine's figures are those of its latest completed step (a pipelined step completes during the
+            # next): none before the first completes, rather than a point of zeros at the start of every chart.
+            figures = {**telemetry.metrics(), **self._step_end_figures} if telemetry.completed else \
+                self._step_end_figures
+            if self.lightning_module._trainer is not None and figures:
+                self.lightning_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
         return output
 
     def _take_step_end_figures(self) -> dict[str, float]:
