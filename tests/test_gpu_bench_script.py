@@ -1,9 +1,36 @@
-"""The prepared GPU benchmark runs end to end (tiny shape; on the CPU here, on the GPU when there is one)."""
+"""The prepared GPU scripts run end to end (tiny shape; on the CPU here, on the GPU when there is one), and in a
+Python like the device machine's, which lacks the command line's packages (DESIGN.md §10): a device run is short and
+rare, and an import error there costs its minutes."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 from scripts_loader import load_script
 
+REPO = Path(__file__).resolve().parent.parent
+#: Installed here but not on the device machine: the GPU scripts, and the tests they run there, must not need them.
+NOT_ON_THE_DEVICE = ("hydra", "omegaconf", "wandb", "optuna", "galore_torch", "torchao", "deepspeed")
 
-def test_gpu_benchmark_script_runs_every_available_method(tmp_path):
+
+@pytest.fixture()
+def device_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment of interpreters started from here on (the scripts' own subprocesses too): a ``sitecustomize``
+    puts ``None`` in ``sys.modules`` for each of :data:`NOT_ON_THE_DEVICE`, so importing one raises
+    ``ModuleNotFoundError`` and ``importlib.util.find_spec`` returns ``None``, as for a package not installed."""
+    site = tmp_path / "device_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in NOT_ON_THE_DEVICE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    absent = subprocess.run([sys.executable, "-c", "import hydra"], capture_output=True, text=True)
+    assert "ModuleNotFoundError" in absent.stderr, "the device's Python must lack hydra for this test to mean anything"
+    return dict(os.environ)
+
+
+def test_gpu_benchmark_script_runs_every_available_method(tmp_path, device_python):
     gpu_bench = load_script("gpu_bench")
     report = gpu_bench.main(["--smoke", "--out", str(tmp_path / "report.json")])
     by_method = {entry["method"]: entry for entry in report["methods"]}
@@ -70,3 +97,20 @@ def test_multi_gpu_benchmark_script_runs_on_two_cpu_processes(tmp_path):
     assert lsp["host_state_bytes_rank0"] < zero["host_state_bytes_rank0"]
     assert lsp["step_split_seconds"]["host"] > 0
     assert (tmp_path / "report.json").exists()
+
+
+def test_the_tests_run_on_the_device_and_the_plan_check_need_no_command_line_package(tmp_path, device_python):
+    gpu_bench = load_script("gpu_bench")
+    # The CUDA tests gpu_bench.py runs there: every module imports (pytest itself is on the device).
+    modules = [Path(path).stem for path in gpu_bench.GPU_TESTS]
+    imported = subprocess.run(
+        [sys.executable, "-c", "import importlib, sys; sys.path.insert(0, 'tests'); "
+         f"[importlib.import_module(name) for name in {modules!r}]"],
+        cwd=REPO, env=device_python, capture_output=True, text=True, timeout=300)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    # The planner's GPU check, on its tiny shape.
+    checked = subprocess.run([sys.executable, "scripts/gpu_plan_check.py", "--shape", "tiny", "--device", "cpu",
+                              "--steps", "2", "--batch", "2", "--seq", "64"],
+                             cwd=REPO, env=device_python, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert "| lsp_offload |" in checked.stdout
