@@ -62,8 +62,8 @@ class OffloadSettings:
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
         log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
             the figures of the latest *completed* step, i.e. one step behind, so none at the first step; the CLI's
-            ``history.jsonl`` files each step's figures under its own number). A loop of one's own has no logger and refuses it: it reads
-            ``opt.telemetry``. Default: ``True``.
+            ``history.jsonl`` files each step's figures under its own number). A loop of one's own has no logger
+            and refuses it: it reads ``opt.telemetry``. Default: ``True``.
         pipelined: overlap the host work with device compute: each update is applied right before its module's
             next forward. ``False`` applies every update before the optimizer step returns (same results).
             Default: ``True``.
