@@ -147,8 +147,16 @@ def fit(out: Path, run: str, kind: str, module: pl.LightningModule, steps: int, 
 
 
 def main() -> None:
-    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    # Several scenarios may run in one launch, in the order given (comma-separated): each launch costs two fresh
+    # interpreters' imports and a process group, which is most of a small scenario's time.
+    out = Path(sys.argv[1])
     torch.set_num_threads(1)
+    for scenario in sys.argv[2].split(","):
+        run_scenario(out, scenario)
+
+
+def run_scenario(out: Path, scenario: str) -> None:
+    """One scenario's runs, their records written under ``out``."""
     clipping = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
     if scenario == "equivalence":
         # An epoch is 4 steps (64 samples, 2 ranks × 4 per batch, 2 batches per step): runs are checkpointed at its
@@ -166,9 +174,10 @@ def main() -> None:
         fit(out, "bf16", "lossless_link_dtype=bf16", TinyClassifier(), 4, precision="bf16-true", **clipping)
         fit(out, "fp32_link", "lossless", TinyClassifier(), 4, precision="bf16-true", **clipping)
         # The clipping norm's probes (lsp/norm_probe.py) on projectors that keep norms inexactly, averaged over 2
-        # steps here so that they replace ρ within the run.
-        norm_probe.WINDOW_STEPS = 2
+        # steps here so that they replace ρ within the run (and set back: a scenario after it keeps the default).
+        window, norm_probe.WINDOW_STEPS = norm_probe.WINDOW_STEPS, 2
         fit(out, "norm_probes", "lsp_all", Projectable(), 6, **clipping)
+        norm_probe.WINDOW_STEPS = window
     elif scenario == "golden":
         # tests/golden_runs.py: learned projectors refitted every second step, accumulation and norm clipping.
         fit(out, "golden", "learned", TinyClassifier(), 4, dump_checkpoint=True, **clipping)

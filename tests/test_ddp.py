@@ -1,7 +1,8 @@
 """``lsp_offload_ddp`` and ``zero_offload_ddp`` on 2 CPU processes (gloo), against one process at twice the batch.
 
-The 2-process runs are made by ``tests/ddp_runs.py`` through Lightning's own launcher (one launch per scenario, in a
-subprocess); their results are compared here with single-process runs of the same model and data.
+The 2-process runs are made by ``tests/ddp_runs.py`` through Lightning's own launcher (one launch for the scenarios
+the tests share, one per planted failure, each in a subprocess); their results are compared here with single-process
+runs of the same model and data.
 """
 
 from __future__ import annotations
@@ -45,25 +46,32 @@ def _record(out: Path, run: str, rank: int) -> dict[str, Any]:
 
 
 def _scenario(factory: pytest.TempPathFactory, scenario: str) -> Path:
-    out = factory.mktemp(f"ddp_{scenario}")
+    out = factory.mktemp(f"ddp_{scenario.replace(',', '_')}")
     result = _launch(out, scenario)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _scenario(tmp_path_factory, "equivalence")
+def scenario_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # One launch for the three scenarios (each launch is two fresh interpreters and a process group); their records
+    # have distinct names.
+    return _scenario(tmp_path_factory, "equivalence,bytes,variants")
 
 
 @pytest.fixture(scope="module")
-def variant_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _scenario(tmp_path_factory, "variants")
+def equivalence_runs(scenario_runs: Path) -> Path:
+    return scenario_runs
 
 
 @pytest.fixture(scope="module")
-def bytes_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _scenario(tmp_path_factory, "bytes")
+def variant_runs(scenario_runs: Path) -> Path:
+    return scenario_runs
+
+
+@pytest.fixture(scope="module")
+def bytes_runs(scenario_runs: Path) -> Path:
+    return scenario_runs
 
 
 def _single_process(kind: str, steps: int, resume: Path | None = None, **settings: Any) -> dict[str, torch.Tensor]:
