@@ -67,6 +67,9 @@ METHODS = {
     # Adam's moments of a random projection (the default redraw and norm-growth limiter).
     "scaled_r0.25": ("scaled", 0.25),
     "scaled_r0.125": ("scaled", 0.125),
+    # At rank 0.0625 the --hidden 128 shapes project each channel to r = 1 number: the scale 1/|R_j| of a single
+    # projection, the rule at its least conditioned.
+    "scaled_r0.0625": ("scaled", 0.0625),
     # GaLore (galore-torch) at the bytes of rank 0.25: its rank·max(o, i) equals LSP's d_o·d_i on layers whose smaller
     # side is the hidden size; a reference for what another compressed-gradient method keeps at one shared rate.
     "galore_r0.25": ("galore", 0.25),

@@ -6,7 +6,8 @@ the channels are the larger side of the mathematical ``out × in`` weight (the o
 other side, ``r = round(⌈ρ·out⌉·⌈ρ·in⌉ / max(out, in))`` for the rank ``ρ``; draw ``d`` of ``P`` is
 ``randn(r, n) / √r`` from a CPU generator seeded ``(seed·1000003 + position)·1000003 + d``, the draw in use after
 ``t`` steps is ``t // redraw_every``. Per step: ``R = G_c·Pᵀ`` (``G_c``: channels as rows), bias-corrected Adam
-moments of ``R`` give ``R̃ = m̂ / (√v̂ + ε)``, ``s_j = ‖R̃_j‖ / ‖R_j‖``, ``U = diag(s)·G_c``, whose norm may grow at
+moments of ``R`` give ``R̃ = m̂ / (√v̂ + ε)``, ``s_j = ‖R̃_j‖ / ‖R_j‖`` (where ``r = 1``, one scale
+``‖R̃‖_F / ‖R‖_F`` for every channel), ``U = diag(s)·G_c``, whose norm may grow at
 most ``γ``-fold over the last step's, and ``W_c ← W_c·(1 − lr·λ) − lr·√(n/r)·U``. Every other parameter: AdamW.
 """
 
@@ -79,7 +80,10 @@ class ScaledAdamWReference(torch.optim.Optimizer):
             info["v"].mul_(beta2).addcmul_(projected, projected, value=1 - beta2)
             t = info["steps"] + 1
             direction = (info["m"] / (1 - beta1 ** t)) / ((info["v"] / (1 - beta2 ** t)).sqrt() + group["eps"])
-            scales = direction.norm(dim=1) / projected.norm(dim=1)
+            if info["r"] == 1:
+                scales = (direction.norm() / projected.norm()).expand(projected.shape[0])
+            else:
+                scales = direction.norm(dim=1) / projected.norm(dim=1)
             update = scales.unsqueeze(1) * grad
             norm = float(update.norm())
             if self.limit is not None and info["last_norm"] and norm > self.limit * info["last_norm"]:

@@ -5,6 +5,7 @@ resumes bit for bit; and what it cannot take is refused by name."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_offload import FabricOffload, LSPOffloadStrategy, offload
+from lightning_offload.lsp.channel_scales import channel_scales
 from scaled_reference import ScaledAdamWReference
 from tiny_modules import TinyCausalLM, TokenDicts, params_of, tiny_hf_model, token_data, trainer
 
@@ -366,3 +368,42 @@ def test_what_the_rule_cannot_take_is_refused_by_name() -> None:
     assert model.model.embed_tokens.weight.requires_grad and not hasattr(model, "_lightning_offload_engine")
     optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), **SCALED)  # it can be offloaded now
     optimizer.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_weight_projected_to_one_number_per_channel_takes_one_scale(kind: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """At rank 0.2 the tiny models' layers project each channel to r = 1 or 2 numbers: those at 1 take one scale
+    for the whole weight, the others one per channel, as the reference writes the rule."""
+    ranks = {ScaledAdamWReference(tiny_hf_model(kind), [module], lr=LR, rank=0.2).rule[id(module.weight)]["r"]
+             for module in scaled_modules(tiny_hf_model(kind))}
+    assert ranks == {1, 2}, ranks  # both forms are exercised
+    batches = list(token_data(n=16, batch_size=4))
+    reference = tiny_hf_model(kind)
+    run_loop(reference, reference_optimizer(reference, rank=0.2), batches, schedule=True)
+    model = tiny_hf_model(kind)
+    with caplog.at_level(logging.INFO):
+        optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01),
+                            **{**SCALED, "rank": 0.2})
+    whole = sum(ScaledAdamWReference(model, [module], lr=LR, rank=0.2).rule[id(module.weight)]["r"] == 1
+                for module in scaled_modules(model))
+    assert f"{whole} of them project each channel to 1 number and take one scale per weight" in caplog.text  # said
+    run_loop(model, optimizer, batches, schedule=True)
+    optimizer.close()
+    assert_equal(model, reference)
+    moved(model, tiny_hf_model(kind))
+
+
+def test_the_scales_are_per_weight_at_one_number_per_channel_and_per_channel_above() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for r in (1, 2):
+        direction = torch.randn(6, r, generator=generator)
+        projected = torch.randn(6, r, generator=generator)
+        squares = torch.rand(6, generator=generator)
+        scales, norm = channel_scales(direction, projected.norm(dim=1), squares, None, None)
+        want = ((direction.norm() / projected.norm()).expand(6) if r == 1
+                else direction.norm(dim=1) / projected.norm(dim=1))
+        torch.testing.assert_close(scales, want)
+        assert norm == pytest.approx(float((want.square() * squares).sum().sqrt()), rel=1e-6)
+    zero_scales, zero_norm = channel_scales(torch.zeros(6, 1), torch.zeros(6), torch.zeros(6), None, None)
+    assert not zero_scales.any() and zero_norm == 0.0

@@ -12,6 +12,14 @@ the moments are kept across a redraw.
 The rank means what it means for ``update="projected"``: the same host elements per layer, so ``rank=0.25``
 (``(o/4)·(i/4)`` moments) projects each channel to ``n/16`` numbers.
 
+A weight whose channels are projected to ``r = 1`` number takes one scale for the whole weight instead,
+``s = ‖R̃‖_F / ‖R‖_F`` (APOLLO-Mini's tensor-wise rule): a channel's ``‖R_j‖`` is then one projection ``|⟨G_j, p⟩|``,
+near zero for some channels at every step, and ``1/|⟨G_j, p⟩|`` makes their updates arbitrarily large (and turns
+rounding into O(1) changes of them). Measured at the user's learning rate (docs/benchmarks/2026-12-04.md): at ``r = 1``
+the tensor-wise scale kept 89% of AdamW's gain on a LLaMA shape and 115% on a GPT-2 shape from scratch, 51% in
+continued training, against 77%, 76% and 42% per channel (lower loss on 11 of 12 seeds); at ``r = 2`` per channel stayed
+ahead (105% against 92%).
+
 This module holds the device's arithmetic (projection, application) and the host's (scales, limiter); the engine's
 :class:`~lightning_offload.engine.slots.scaled_slot.ScaledSlot` moves them between the two.
 """
@@ -148,7 +156,7 @@ class ScaledWeight:
 
 def channel_scales(direction: Tensor, gradient_norms: Tensor, channel_squares: Tensor, last_norm: float | None,
                    limit: float | None) -> tuple[Tensor, float]:
-    """Host: each channel's scale and the update's norm after the limiter.
+    """Host: each channel's scale (one for them all where ``r = 1``) and the update's norm after the limiter.
 
     Args:
         direction: Adam's direction ``±R̃`` (``channels × r``; the sign does not matter, only row norms are read).
@@ -161,10 +169,17 @@ def channel_scales(direction: Tensor, gradient_norms: Tensor, channel_squares: T
     Returns:
         The scales ``s`` (fp32, ``channels``) and the norm ``‖diag(s)·G‖`` they give, to compare the next one with.
     """
-    numerators = torch.linalg.vector_norm(direction, dim=1)
-    # A channel whose projected gradient is exactly zero carries no scale (its gradient row is zero almost surely).
-    scales = torch.where(gradient_norms > 0, numerators / gradient_norms.clamp_min(torch.finfo(torch.float32).tiny),
-                         torch.zeros_like(numerators))
+    if direction.shape[1] == 1:
+        # r = 1: one scale for the weight (see the module's docstring); none when its whole projection is zero.
+        numerator, denominator = torch.linalg.vector_norm(direction), torch.linalg.vector_norm(gradient_norms)
+        scale = numerator / denominator if float(denominator) > 0 else torch.zeros_like(numerator)
+        scales = scale.expand(gradient_norms.shape).clone()
+    else:
+        numerators = torch.linalg.vector_norm(direction, dim=1)
+        # A channel whose projected gradient is exactly zero carries no scale (its gradient row is zero almost surely).
+        scales = torch.where(gradient_norms > 0,
+                             numerators / gradient_norms.clamp_min(torch.finfo(torch.float32).tiny),
+                             torch.zeros_like(numerators))
     norm = float(torch.sqrt((scales.square() * channel_squares).sum()))
     # Against a zero last norm (a step whose gradient was all zero) nothing can be compared: no limit then.
     if limit is not None and last_norm and norm > limit * last_norm:

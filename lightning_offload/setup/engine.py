@@ -171,9 +171,13 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     layers = attach_projections(model, user_optimizer, settings, placement, device) if settings.projection else []
     if settings.update == "scaled" and layers:
         sizes = sorted({f"{layer.channels}×{layer.projected_side}→{layer.channels}×{layer.rank}" for layer in layers})
+        whole = sum(layer.rank == 1 for layer in layers)
         say(f"{name}: update='scaled': {len(layers)} layers get full-rank updates scaled per channel from host moments "
             f"of their gradients' projections ({', '.join(sizes[:4])}{', …' if len(sizes) > 4 else ''}); their full "
-            f"gradients stay on the device until the step's scales return.")
+            f"gradients stay on the device until the step's scales return."
+            + (f" {whole} of them project each channel to 1 number and take one scale per weight instead (per "
+               f"channel, 1/|R_j| of a single projection is unbounded); a larger rank keeps them per channel."
+               if whole else ""))
     if settings.projection and not layers:
         warn(f"strategy {name!r} found no layer to project: no trainable Linear/Conv1D has both dims ≥ "
              f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "

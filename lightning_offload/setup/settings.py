@@ -90,7 +90,8 @@ class OffloadSettings:
             low-rank update from Adam in the compressed space (the device never forms the weight's gradient).
             ``"scaled"``: a full-rank update, the weight's gradient scaled per channel from Adam's moments of a random
             projection ``R = G·Pᵀ`` of the same host bytes as ``rank`` gives (APOLLO's rule,
-            :mod:`lightning_offload.lsp.channel_scales`); the device forms ``G`` and keeps it until the step's
+            :mod:`lightning_offload.lsp.channel_scales`; one scale per weight where a channel is projected to one
+            number, as APOLLO-Mini); the device forms ``G`` and keeps it until the step's
             scales return, as native training keeps its gradients. One process only; AdamW's decoupled decay (not
             Adam's L2). Default: ``"projected"``.
         redraw_every: under ``update="scaled"``, steps between draws of the projection ``P`` (the moments are kept).
