@@ -750,6 +750,28 @@ def test_gradient_clipping_covers_the_adapter_rows(tmp_path: Path, mode: str) ->
             torch.testing.assert_close(got, torch.cat([full[a:b] for a, b in ranges]), rtol=0, atol=0)
 
 
+def test_row_squares_taken_on_the_device_clip_as_the_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows' squared norms taken on the device before the copy (a GPU's default) clip the steps as those the
+    host takes as the rows land (the CPU's): a clip that bites at every step, both paths alike up to the rounding
+    of the norms' sums."""
+    from functools import partial
+
+    from lightning_offload.engine import optimizer as engine_optimizer
+    from lightning_offload.engine.rows.row_gradients import RowGradients
+
+    runs = []
+    for on_device in (False, True):
+        monkeypatch.setattr(engine_optimizer, "RowGradients", partial(RowGradients, squares_on_device=on_device))
+        model = meft_model()
+        trainer(tmp_path / str(on_device), 3, MEFTOffloadStrategy(device="cpu"), gradient_clip_val=1e-3).fit(
+            CausalLMModule(model, lr=1e-2), train_dataloaders=loader(batches(3, seed=5)))
+        runs.append(meft_adapters(model))
+    for host, device, start in zip(*runs, meft_adapters(meft_model())):
+        assert not torch.equal(host.host.values, start.host.values)  # it trained
+        torch.testing.assert_close(device.host.values, host.host.values)
+        torch.testing.assert_close(device.host.keys, host.host.keys)
+
+
 def test_pipelined_row_updates_equal_finishing_them_in_the_step(tmp_path: Path) -> None:
     data = batches(3, seed=13)
     runs = {}

@@ -221,3 +221,33 @@ def test_the_benchmark_times_each_step_beside_fused_adamw() -> None:
     for row_seconds, elements, after, cached, telemetry in measured:
         assert row_seconds > 0 and telemetry > 0 and after > 0 and cached > 0
         assert elements > 0 and elements % (2 * 128 * 128) == 0  # whole blocks of 128 rows, keys and values
+
+
+def _landed_square_sums(on_device: bool, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float | None]:
+    """``landed_square_sum`` after each of ``parts`` lands on one matrix, then after the step's end."""
+    gradients = RowGradients(HostWorker(inline=True), Link(torch.device("cpu")), squares_on_device=on_device)
+    accumulator, written = torch.zeros(ROWS, WIDTH), torch.zeros(ROWS, dtype=torch.bool)
+    gradients.add_slot(object(), [RowLanding(accumulator, written, BLOCK)])
+    sums = []
+    for rows, grad in parts:
+        gradients.accumulate(rows, grad, accumulator, written)
+        gradients.flush()
+        sums.append(gradients.landed_square_sum())
+    gradients.start_step()
+    sums.append(gradients.landed_square_sum())
+    return sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_squares_taken_on_the_device_give_the_hosts_norm(dtype: torch.dtype) -> None:
+    """On a GPU each gradient's squared norm is taken on the device before its copy (the host does not read it a
+    second time): the step's norm is the host's, and a row summed twice still sends the norm to the sums."""
+    generator = torch.Generator().manual_seed(7)
+    first, second, overlapping = torch.tensor([0, 1, 5]), torch.tensor([8, 9]), torch.tensor([1, 12])
+    parts = [(rows, torch.randn(rows.numel(), WIDTH, generator=generator).to(dtype))
+             for rows in (first, second, overlapping)]
+    host, device = _landed_square_sums(False, parts), _landed_square_sums(True, parts)
+    want = [sum(float(g.float().square().sum()) for _, g in parts[:n]) for n in (1, 2)]
+    assert host[:2] == pytest.approx(want, rel=1e-6) and device[:2] == pytest.approx(want, rel=1e-6)
+    assert host[2] is None and device[2] is None  # row 1 summed: the norm is read from the sums
+    assert host[3] == 0.0 and device[3] == 0.0  # the next step starts a new sum
