@@ -208,8 +208,10 @@ def run_ddp() -> dict[str, dict[str, list[float]]]:
                                                              os.environ.get("PYTHONPATH", "")])}
         for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # a clean launch: Lightning's launcher sets these for the rank it starts
-        subprocess.run([sys.executable, str(DDP_RUNS), folder, "golden"], check=True, env=env, timeout=600,
-                       capture_output=True)
+        done = subprocess.run([sys.executable, str(DDP_RUNS), folder, "golden"], env=env, timeout=600,
+                              capture_output=True, text=True)
+        if done.returncode != 0:  # what the ranks said, not only how the launcher ended
+            raise RuntimeError(f"the two-rank golden run ended with {done.returncode}:\n{done.stderr[-4000:]}")
         out = {}
         for rank, case in enumerate(DDP_CASES):
             path = Path(folder) / f"golden_rank{rank}.ckpt"
