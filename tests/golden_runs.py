@@ -278,7 +278,12 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help=f"cases to run (default: all); names: {', '.join(CASES)}, ddp")
     args = parser.parse_args()
     if args.drop:
-        _drop(args.cases)
+        unknown = sorted(set(args.cases) - {*CASES, "ddp"})
+        if not args.cases or unknown:
+            what = f"unknown case names {', '.join(unknown)}" if unknown else "no case named"
+            parser.error(f"--drop takes the names of the cases whose definitions changed ({what}); "
+                         f"names: {', '.join(CASES)}, ddp")
+        _drop([name for case in args.cases for name in (DDP_CASES if case == "ddp" else (case,))])
         return
     wanted = args.cases or [*CASES, "ddp"]
     here = machine()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from torch.utils.data import DataLoader
 
 import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import BlockRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
+from lightning_offload.engine import optimizer as engine_optimizer
 from lightning_offload.engine.rows.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.engine.rows.native_row_adam import LandedRows
+from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.step.clipping import NonFiniteGradientError
 from lightning_offload.engine.step.pipeline import HostWorkerError
 from lightning_offload.meft.routing import expert_key_scores, route, select_experts, select_neurons
@@ -754,11 +757,6 @@ def test_row_squares_taken_on_the_device_clip_as_the_hosts(tmp_path: Path, monke
     """The rows' squared norms taken on the device before the copy (a GPU's default) clip the steps as those the
     host takes as the rows land (the CPU's): a clip that bites at every step, both paths alike up to the rounding
     of the norms' sums."""
-    from functools import partial
-
-    from lightning_offload.engine import optimizer as engine_optimizer
-    from lightning_offload.engine.rows.row_gradients import RowGradients
-
     runs = []
     for on_device in (False, True):
         monkeypatch.setattr(engine_optimizer, "RowGradients", partial(RowGradients, squares_on_device=on_device))
