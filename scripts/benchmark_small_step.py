@@ -36,6 +36,10 @@ from lightning_offload.tasks.causal_lm import CausalLMModule
 CONFIGS: dict[str, Any] = {
     "plain fused AdamW": lambda: "auto",
     "lsp_offload": lambda: LSPOffloadStrategy(projectors="random"),
+    # The projections' kernels forced, beside the timed choice above (lsp/kernels/selection.py).
+    "lsp_offload, csr kernels": lambda: LSPOffloadStrategy(projectors="random", kernels="csr"),
+    "lsp_offload, native kernels": lambda: LSPOffloadStrategy(projectors="random", kernels="native"),
+    "lsp_offload, dense kernels": lambda: LSPOffloadStrategy(projectors="random", kernels="dense"),
     "lsp_offload, speculative": lambda: LSPOffloadStrategy(projectors="random", speculative=True),
     "zero_offload": lambda: ZeroOffloadStrategy(),
     # Full-rank updates from compressed moments at the same host bytes (update="scaled").

@@ -6,6 +6,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lightning_offload import ProjectedWeight, SparseProjector
+from lightning_offload.lsp.kernels.selection import KernelSelector
+
+#: The kernels a CPU can run (the native one where this machine has a C compiler; else the selector says so and uses
+#: csr, which these tests then check twice).
+CPU_KERNELS = ("csr", "dense", "native")
 
 
 def _projectors(out_features, in_features, d_out=5, d_in=4, r=2, seed=0):
@@ -18,14 +23,15 @@ def _math_weight(module):
     return module.weight.t() if isinstance(module, Conv1D) else module.weight
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("make", [lambda: nn.Linear(12, 10), lambda: Conv1D(10, 12)], ids=["linear", "conv1d"])
-def test_backward_yields_exact_compressed_gradient_and_no_weight_grad(make):
+def test_backward_yields_exact_compressed_gradient_and_no_weight_grad(make, kernel):
     torch.manual_seed(0)
     plain = make()
     projected = copy.deepcopy(plain)
     keys = list(projected.state_dict())
     a, b = _projectors(10, 12)
-    layer = ProjectedWeight("layer", projected, a, b)
+    layer = ProjectedWeight("layer", projected, a, b, KernelSelector(kernel, persist=False))
     assert list(projected.state_dict()) == keys
 
     x = torch.randn(3, 7, 12)
@@ -117,8 +123,9 @@ def test_forwards_without_a_weight_gradient_compute_no_compressed_input(make, mo
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = layer._original_forwards[id(projected)](x)  # the plain module's output, under bf16 autocast
     compressions = []
-    real = SparseProjector.compress_rows
-    monkeypatch.setattr(SparseProjector, "compress_rows", lambda self, m: compressions.append(m.shape) or real(self, m))
+    real = KernelSelector.compress_tokens
+    monkeypatch.setattr(KernelSelector, "compress_tokens",
+                        lambda self, p, m: compressions.append(m.t().shape) or real(self, p, m))
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
     if mode == "frozen":
         projected.weight.requires_grad_(False)
@@ -133,29 +140,32 @@ def test_forwards_without_a_weight_gradient_compute_no_compressed_input(make, mo
     assert compressions[0] == (12, 21) and layer.has_grad
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("make", [lambda: nn.Linear(40, 30), lambda: Conv1D(30, 40)], ids=["linear", "conv1d"])
-def test_fused_update_in_blocks_equals_the_dense_update_in_fp32(make, monkeypatch):
-    import lightning_offload.lsp.linear as linear
+def test_fused_update_in_blocks_equals_the_dense_update_in_fp32(make, kernel, monkeypatch):
+    import lightning_offload.lsp.kernels.candidates as candidates
 
     module = make()
     a, b = _projectors(30, 40, d_out=8, d_in=10, r=3)
-    layer = ProjectedWeight("m", module, a, b)
+    layer = ProjectedWeight("m", module, a, b, KernelSelector(kernel, persist=False))
     layer.update_scale = 1.7  # as a learned fit sets it
     before = _math_weight(module).detach().clone()
     u = torch.randn(8, 10)
-    # 7 rows of 40 (or 30) per block: several blocks and a ragged last one.
-    monkeypatch.setitem(linear._UPDATE_BLOCK_ELEMENTS, "cpu", 7 * module.weight.shape[1])
+    # 7 rows of 40 (or 30) per block where a kernel forms blocks: several blocks and a ragged last one.
+    monkeypatch.setitem(candidates._UPDATE_BLOCK_ELEMENTS, "cpu", 7 * module.weight.shape[1])
     layer.apply_update(u, decay=0.95, stochastic_generator=None)
     expected = before * 0.95 + 1.7 * (a.to_dense().t() @ u @ b.to_dense())
     torch.testing.assert_close(_math_weight(module).detach(), expected)
 
 
-def test_fused_bf16_update_is_unbiased_and_reproducible_from_the_saved_generator(monkeypatch):
-    import lightning_offload.lsp.linear as linear
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_fused_bf16_update_is_unbiased_and_reproducible_from_the_saved_generator(kernel, monkeypatch):
+    import lightning_offload.lsp.kernels.candidates as candidates
 
-    monkeypatch.setitem(linear._UPDATE_BLOCK_ELEMENTS, "cpu", 5 * 48)
+    monkeypatch.setitem(candidates._UPDATE_BLOCK_ELEMENTS, "cpu", 5 * 48)
     module = nn.Linear(48, 36, bias=False).to(torch.bfloat16)
-    layer = ProjectedWeight("m", module, *_projectors(36, 48, d_out=12, d_in=16, r=3, seed=3))
+    layer = ProjectedWeight("m", module, *_projectors(36, 48, d_out=12, d_in=16, r=3, seed=3),
+                            KernelSelector(kernel, persist=False))
     start = module.weight.detach().clone()
     u = torch.randn(12, 16, generator=torch.Generator().manual_seed(4)) * 1e-3  # below half a bf16 ulp mostly
     exact = start.float() * 0.999 + layer.proj_out.to_dense().t() @ u @ layer.proj_in.to_dense()
@@ -184,12 +194,13 @@ def test_fused_bf16_update_is_unbiased_and_reproducible_from_the_saved_generator
     assert torch.equal(module.weight, first)
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("make", [lambda: nn.Linear(24, 20), lambda: Conv1D(20, 24)], ids=["linear", "conv1d"])
-def test_bf16_backward_gives_the_compressed_gradient_within_bf16_rounding(make):
+def test_bf16_backward_gives_the_compressed_gradient_within_bf16_rounding(make, kernel):
     torch.manual_seed(3)
     module = make().to(torch.bfloat16)
     a, b = _projectors(20, 24, d_out=6, d_in=7, r=2)
-    layer = ProjectedWeight("m", module, a, b)
+    layer = ProjectedWeight("m", module, a, b, KernelSelector(kernel, persist=False))
     x = torch.randn(5, 9, 24).to(torch.bfloat16)
     grad_out = torch.randn(5, 9, 20).to(torch.bfloat16)
     module(x).backward(grad_out)

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_offload.lsp.kernels.selection import KernelSelector
 from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
 from lightning_offload.lsp.projector import SparseProjector
-from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 
 
 class _Untimed:
@@ -48,9 +48,12 @@ class ProjectedWeight:
         module: an ``nn.Linear`` or Hugging Face ``Conv1D``.
         proj_out: ``A`` (``d_o × o``).
         proj_in: ``B`` (``d_i × i``).
+        kernels: the kernels of this layer's products, shared by the layers of one engine. Default: ``None`` (a
+            selector of its own that times the kernels, ``"auto"``).
     """
 
-    def __init__(self, name: str, module: nn.Module, proj_out: SparseProjector, proj_in: SparseProjector) -> None:
+    def __init__(self, name: str, module: nn.Module, proj_out: SparseProjector, proj_in: SparseProjector,
+                 kernels: KernelSelector | None = None) -> None:
         self.name = name
         self.module = module
         self.transposed = is_hf_conv1d(module)
@@ -62,6 +65,7 @@ class ProjectedWeight:
             )
         self.proj_out = proj_out
         self.proj_in = proj_in
+        self.kernels = kernels if kernels is not None else KernelSelector("auto")
         self.update_scale = update_scale(proj_out, proj_in)
         # ‖S‖/‖G‖ of these projectors as measured on sampled full gradients (a fit sets it); gradient clipping
         # divides each layer's ‖S‖ by it to estimate the full gradient's norm. 1 for random draws, whose
@@ -202,13 +206,12 @@ class ProjectedWeight:
 
     @torch.no_grad()
     def apply_update(self, update: Tensor, decay: float, stochastic_generator: torch.Generator | None) -> None:
-        """``W ← W·decay + c·Aᵀ U B`` on the device in one pass over ``W``, block by block; ``c`` is
-        :attr:`update_scale`.
+        """``W ← W·decay + c·Aᵀ U B`` on the device in one pass over ``W``; ``c`` is :attr:`update_scale`.
 
-        The small side is expanded once (``U B``, ``d_o × i``, or ``Aᵀ U`` for ``Conv1D``'s transposed storage);
-        then each block of weight rows gets its rows of the full update from the other projector, is decayed,
-        updated and (for bf16 weights) stochastically rounded, and is written back before the next block is
-        formed. No fp32 temporary the size of the weight exists: at most :func:`update_block_rows` rows' worth.
+        The small side is expanded first (``U B``, ``d_o × i``, or ``Uᵀ A`` for ``Conv1D``'s transposed storage); then
+        each row of ``W`` gets its row of the full update from the other projector's ``r`` rows of that half, decayed,
+        added and (for bf16 weights) stochastically rounded, by the kernel :attr:`kernels` chose for this shape. No
+        fp32 temporary the size of the weight exists.
 
         Args:
             update: ``U``, the host step's ``d_o × d_i`` update, already on the device.
@@ -219,27 +222,12 @@ class ProjectedWeight:
         if self.update_scale != 1.0:
             update = update * self.update_scale  # on the small d_o × d_i side, before expanding
         if self.transposed:
-            # Storage is (Aᵀ U B)ᵀ = Bᵀ (Aᵀ U)ᵀ: rows are input features, expanded by B from (Aᵀ U)ᵀ (d_i × o).
-            row_projector, half = self.proj_in, self.proj_out.expand_rows(update).t().contiguous()
+            # Storage is (Aᵀ U B)ᵀ = Bᵀ (Uᵀ A): rows are input features, expanded by B from Uᵀ A (d_i × o).
+            row_projector, half = self.proj_in, self.kernels.expand_columns(self.proj_out, update.t())
         else:
-            # Rows are output features, expanded by A from U B = (Bᵀ Uᵀ)ᵀ (d_o × i).
-            row_projector, half = self.proj_out, self.proj_in.expand_rows(update.t()).t().contiguous()
-        weight = self.weight
-        rows, row_length = weight.shape
-        block = update_block_rows(row_length, weight.device)
-        for start in range(0, rows, block):
-            rows_here = slice(start, min(start + block, rows))
-            delta = row_projector.expand_rows(half, rows_here)  # fp32, block × row_length
-            target = weight[rows_here]
-            if weight.dtype == torch.float32:
-                if decay != 1.0:
-                    target.mul_(decay)
-                target.add_(delta)
-            else:
-                # Low-precision weights: the new value in fp32 (reusing delta's memory), rounded stochastically
-                # (unbiased), since round-to-nearest would drop updates smaller than half a bf16 ulp of the weight.
-                new_value = delta.add_(target, alpha=decay) if decay != 1.0 else delta.add_(target)
-                copy_stochastic_rounded_(target, new_value, stochastic_generator)
+            # Rows are output features, expanded by A from U B (d_o × i).
+            row_projector, half = self.proj_out, self.kernels.expand_columns(self.proj_in, update)
+        self.kernels.update_rows_(self.weight.data, row_projector, half, decay, stochastic_generator)
 
     def detach(self) -> None:
         """Give each module back as it was: its own forward, and no attribute this class added (idempotent)."""
@@ -253,17 +241,6 @@ class ProjectedWeight:
             else:
                 attributes["forward"] = instance_forward
             del attributes["_lsp_state"]
-
-
-# Elements of one block of the fused update's fp32 temporary: 1 MiB on the CPU (it stays in cache); 16 MiB on CUDA,
-# where each block costs a few kernel launches, so the 1.3B shape's largest weight takes three blocks.
-_UPDATE_BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 22}
-
-
-def update_block_rows(row_length: int, device: torch.device) -> int:
-    """Rows of a weight updated per block by :meth:`ProjectedWeight.apply_update` (at least one)."""
-    elements = _UPDATE_BLOCK_ELEMENTS.get(device.type, _UPDATE_BLOCK_ELEMENTS["cuda"])
-    return max(1, elements // max(row_length, 1))
 
 
 def update_scale(proj_out: SparseProjector, proj_in: SparseProjector) -> float:
@@ -332,7 +309,7 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             if weight.requires_grad:
                 with state.phases.phase("forward_projection"):
                     x_flat = x_c.detach().reshape(-1, x_c.shape[-1])
-                    x_proj = state.proj_in.compress_rows(x_flat.t())
+                    x_proj = state.kernels.compress_tokens(state.proj_in, x_flat)
                     state.saved_projection_bytes += x_proj.numel() * x_proj.element_size()
                     if state.norm_probe.active:
                         # X z (tokens × m), for the norm of G = Δᵀ X while clipping is in use (lsp/norm_probe.py).
@@ -360,7 +337,7 @@ class _ProjectedLinearFunction(torch.autograd.Function):
             if x_proj is not None:
                 # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype: a fresh tensor,
                 # which the layer keeps as its S (its completion may start the send: a phase of its own).
-                delta_proj = state.proj_out.compress_rows(grad_out.reshape(-1, grad_out.shape[-1]).t())  # d_o × T
+                delta_proj = state.kernels.compress_tokens(state.proj_out, grad_out.reshape(-1, grad_out.shape[-1]))
                 state.accumulate(delta_proj.float() @ x_proj.float().t())
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -258,6 +258,13 @@ class SparseProjector:
             self._pattern_key = key
         return self._pattern
 
+    def release_products(self) -> None:
+        """Drop the CSR structure and forms kept between products (rebuilt by the next CSR product): what a projector
+        whose products run on another kernel (:mod:`lightning_offload.lsp.kernels`) does not need."""
+        for cached in ("_pattern", "_pattern_key", "_cpu_matrix", "_cpu_matrix_key", "_cpu_transposed",
+                       "_cpu_transposed_key"):
+            self.__dict__.pop(cached, None)
+
     def nbytes(self) -> int:
         """Device bytes held: indices, values and the CSR structure (built on first use, then kept); on the CPU
         also the CSR form of ``P`` kept between products."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_offload.engine.cache_root import cache_root
+from lightning_offload.cache import cache_root
 
 if TYPE_CHECKING:  # transformers is imported lazily: it costs seconds at import time.
     from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_offload.engine.cache_root import cache_root
+from lightning_offload.cache import cache_root
 from lightning_offload.lsp.projector import random_projector
 
 #: Bump when what is measured changes: older cached calibrations are then measured anew.

@@ -21,6 +21,8 @@ NONZERO_BYTES_ACCELERATOR = 4 + 4
 #: On the CPU (whose "device" memory is the host's), the CSR form of ``P`` kept between products adds its column
 #: numbers and values (docs/design.md, "Device memory per projected layer"), and the transposed form the same again.
 NONZERO_BYTES_CPU = NONZERO_BYTES_ACCELERATOR + 8 + 8
+#: Under the native, dense and Triton kernels (lsp/kernels/): the fp32 value alone (nothing else is kept).
+NONZERO_BYTES_OTHER_KERNELS = 4
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,16 @@ class DeviceParts:
         return self.weights + self.gradients + self.optimizer_state + sum(self.persistent.values())
 
 
-def projector_bytes(entry: Entry, density: int, accelerator: bool) -> int:
-    """Device bytes of a projected weight's two projectors (indices, values, permutation, row pointers)."""
+def projector_bytes(entry: Entry, density: int, accelerator: bool, csr: bool = True) -> int:
+    """Device bytes of a projected weight's two projectors: indices and values, and where their products run on
+    torch's CSR kernels (``csr``) the CSR structure (permutation, row pointers) and, on the CPU, its kept forms."""
     total = 0
     for size, dim in zip(entry.projector_sizes, entry.compressed):
         nonzeros = size * density
         index = 2 if dim <= 32768 else 4
+        if not csr:  # the other kernels read the indices and values in place
+            total += nonzeros * (index + NONZERO_BYTES_OTHER_KERNELS)
+            continue
         per = NONZERO_BYTES_ACCELERATOR if accelerator else NONZERO_BYTES_CPU
         total += nonzeros * (index + per) + (dim + 1) * 4
         if not accelerator:  # the transposed CSR form's row pointers
@@ -60,7 +66,7 @@ def projector_bytes(entry: Entry, density: int, accelerator: bool) -> int:
 
 
 def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool, update_buffers: int | None,
-                 link_itemsize: int, rule: HostRule) -> DeviceParts:
+                 link_itemsize: int, rule: HostRule, csr: bool = True) -> DeviceParts:
     """The device bytes of ``found``'s run, activations apart.
 
     Args:
@@ -84,7 +90,7 @@ def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool,
     buffers = update_buffers if update_buffers is not None else (4 if accelerator else 0)
     largest = max((e.host_numel for e in projected), default=0)
     persistent = {
-        "projectors": sum(projector_bytes(e, density, accelerator) for e in projected),
+        "projectors": sum(projector_bytes(e, density, accelerator, csr) for e in projected),
         "update_ring": buffers * largest * link_itemsize if projected else 0,
         "scaled_projections": sum(e.compressed[1] * min(e.projector_sizes) * 4 for e in scaled),
         # fp32 moments, plus an fp32 master where the parameter is narrower, and each tensor's step.

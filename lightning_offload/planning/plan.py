@@ -159,10 +159,10 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     found = inventory(model, offload, param_dtype, meft_part.trained if meft_part else None, user_optimizer)
     if meft_part is not None:
         found.entries += meft_part.routers
-    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator),
-                rows_touched=batch_size * seq_len)
+    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator), batch_size * seq_len)
     parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
-                         offload.update_buffers if offload else None, link.itemsize, rule)
+                         offload.update_buffers if offload else None, link.itemsize, rule,
+                         _csr_kernels(offload, accelerator))
     activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes)
     shape = _shape(model)
     work = Workload(batch_size * seq_len, seq_len, shape.hidden, shape.blocks,
@@ -286,3 +286,18 @@ def _shown_settings(settings: OffloadSettings | None) -> dict[str, Any]:
     defaults = OffloadSettings(projection=settings.projection)
     return {name: value for name, value in vars(settings).items()
             if name != "projector_factory" and value != getattr(defaults, name)}
+
+
+def _csr_kernels(offload: OffloadSettings | None, accelerator: bool) -> bool:
+    """Whether the projections are expected on torch's CSR kernels, which keep the CSR structure (and on the CPU its
+    forms) beside the projectors: where forced, or where ``"auto"`` has nothing faster to time (a CPU without the
+    native kernels; elsewhere the native, Triton or dense kernels beat it at every measured shape but the smallest)."""
+    if offload is None or offload.kernels == "csr":
+        return True
+    if offload.kernels != "auto":
+        return False
+    if accelerator:
+        return False
+    from lightning_offload.lsp.kernels.native import native_projection  # noqa: PLC0415  (builds it once)
+
+    return native_projection() is None

@@ -83,6 +83,8 @@ def summarize(names: RunNames, module: pl.LightningModule, trainer: pl.Trainer, 
         # Offload strategies file every step's figures, the skipped count among them (0 for other strategies).
         "skipped_steps": int(telemetry[-1].get("offload/skipped_steps", 0)) if telemetry else 0,
         "projected_layers": facts.projected_layers,
+        # The kernel each distinct product of the projected layers ran on (chosen by timing them on this device).
+        "kernels": dict(facts.kernels),
         "trainable_parameters": sum(p.numel() for p in module.parameters() if p.requires_grad) + host_rows,
         "host_trainable_parameters": host_rows,
         "device": str(trainer.strategy.root_device),

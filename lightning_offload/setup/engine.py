@@ -209,6 +209,12 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
         for weight in placement.frozen:
             weight.requires_grad_(True)
         raise
+    selector = next((layer.kernels for layer in layers if isinstance(layer, ProjectedWeight)), None)
+    if selector is not None:
+        optimizer.telemetry.kernel_products = selector.products  # the live counts, filled as products are chosen
+        if rank_shards is not None:
+            # Every rank applies each update to its own replica: rank 0's kernel for every rank, so they round alike.
+            selector.agree = lambda kernel: rank_shards.broadcast_object(kernel, src=0)
     setup = EngineSetup(model, optimizer, placement, guard=user_optimizer.register_step_pre_hook(_refuse_a_step))
     setattr(model, ENGINE_ATTRIBUTE, setup)
     return setup

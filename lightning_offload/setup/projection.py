@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_offload.lsp.channel_scales import ScaledRule, ScaledWeight
+from lightning_offload.lsp.kernels.selection import KernelSelector
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.targets import compressed_size, select_projected_modules
 from lightning_offload.setup.embeddings_head import Placement
@@ -26,6 +27,7 @@ def attach_projections(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if settings.update == "scaled":
         return scaled_weights(modules, settings, device)
     generator = torch.Generator().manual_seed(settings.seed)
+    kernels = KernelSelector(settings.kernels)  # one per engine: each distinct product is timed once
     layers = []
     by_weight: dict[int, ProjectedWeight] = {}
     for name, module in modules.items():
@@ -40,7 +42,7 @@ def attach_projections(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         d_in = compressed_dim(settings, name, "input", in_features)
         proj_out = settings.projector_factory(out_features, d_out, settings.density, generator, device)
         proj_in = settings.projector_factory(in_features, d_in, settings.density, generator, device)
-        layers.append(ProjectedWeight(name, module, proj_out, proj_in))
+        layers.append(ProjectedWeight(name, module, proj_out, proj_in, kernels))
         by_weight[id(module.weight)] = layers[-1]
     return layers
 

@@ -8,8 +8,8 @@ they never read a strategy's optimizer, adapters or other internals. A strategy 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from lightning_offload.engine.figures.phases import PhaseClock
@@ -34,6 +34,8 @@ class OffloadFacts:
         adapter_rows: rows (neurons) of every MEFT adapter together. Default: ``0``.
         adapter_device_bytes: bytes MEFT adapters keep on the device (routers, routing keys, input statistics).
             Default: ``0``.
+        kernels: the kernel chosen for each distinct product of the projected layers
+            (:func:`~lightning_offload.lsp.kernels.selection.kernel_choices`). Default: none.
     """
 
     gradients_offloaded: bool = False
@@ -42,6 +44,7 @@ class OffloadFacts:
     host_rows_bytes: int = 0
     adapter_rows: int = 0
     adapter_device_bytes: int = 0
+    kernels: Mapping[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

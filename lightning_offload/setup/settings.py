@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from lightning_offload.engine.user_optimizer import LINK_DTYPES
+from lightning_offload.lsp.kernels.selection import validate_policy
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.setup.embeddings_head import validate_placements
 
@@ -23,9 +24,9 @@ UPDATE_RULES = ("projected", "scaled")
 NON_FINITE_POLICIES = ("skip", "raise")
 #: The settings that only mean something when weights are projected.
 PROJECTION_SETTINGS = ("rank", "density", "min_dim", "target_modules", "exclude_modules", "projectors",
-                       "projector_factory", "update_buffers", "update", "redraw_every", "norm_growth_limit")
+                       "projector_factory", "update_buffers", "update", "redraw_every", "norm_growth_limit", "kernels")
 #: The settings of ``update="projected"``'s sparse projectors and update ring, which the scaled rule has none of.
-PROJECTED_ONLY_SETTINGS = ("density", "projectors", "projector_factory", "update_buffers")
+PROJECTED_ONLY_SETTINGS = ("density", "projectors", "projector_factory", "update_buffers", "kernels")
 #: The settings of ``update="scaled"`` only.
 SCALED_ONLY_SETTINGS = ("redraw_every", "norm_growth_limit")
 
@@ -98,6 +99,13 @@ class OffloadSettings:
             Default: ``200``.
         norm_growth_limit: under ``update="scaled"``, the most the update's norm may grow from one step to the next
             (``None``: no limit). Default: ``1.01``.
+        kernels: which kernels run the projected layers' products (``B Xᵀ``, ``A Δᵀ`` and the update):
+            ``"auto"`` times each kernel that runs on the device on the first call of each distinct product and keeps
+            the fastest (the choice is logged, kept per machine and listed in ``optimizer.kernel_choices``);
+            ``"native"`` (the CPU's C kernels), ``"csr"`` (torch's sparse products), ``"dense"`` (the projector
+            formed for each product) or ``"triton"`` (CUDA) force one, where it can run (else ``"csr"``, with a
+            warning). Kernels agree within fp32 rounding; force one for runs that must repeat bit for bit across
+            machines (:mod:`lightning_offload.lsp.kernels.selection`). Default: ``"auto"``.
 
     Example::
 
@@ -127,6 +135,7 @@ class OffloadSettings:
     update: str = "projected"
     redraw_every: int = 200
     norm_growth_limit: float | None = 1.01
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         # Lists (from a YAML config, say) become tuples: the value stays immutable and hashable.
@@ -181,6 +190,7 @@ class OffloadSettings:
         if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 1:
             raise ValueError(f"min_dim must be a positive int (the smallest dimension projected), got "
                              f"{self.min_dim!r}.")
+        validate_policy(self.kernels)
         if self.projectors not in PROJECTOR_KINDS:
             raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {self.projectors!r}.")
         if not callable(self.projector_factory):

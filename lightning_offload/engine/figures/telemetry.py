@@ -67,6 +67,9 @@ class OffloadTelemetry:
             ``device_optimizer`` (state and fp32 masters of parameters kept on the device with a device Adam).
         update_ring_fallbacks: compressed updates so far that found no free buffer in the device update ring and were
             copied into a one-off allocation instead (costs speed, not correctness; raise ``update_buffers``).
+        kernel_products: distinct products of the projected layers (by shape and kind) per kernel that runs them
+            (:mod:`lightning_offload.lsp.kernels.selection`), as chosen so far; logged as
+            ``offload/kernel_products/<kernel>``.
         data_parallel: whether the engine trains with other ranks (``bytes_between_ranks`` is logged only then).
         last_timeline: the latest completed step's :class:`~lightning_offload.engine.step.pipeline.StepTimeline` (busy
             seconds per lane: device compute, link each way, host Adam, device waiting for updates).
@@ -82,6 +85,7 @@ class OffloadTelemetry:
     device_state_bytes: int = 0
     device_persistent_bytes: dict[str, int] = field(default_factory=dict)
     update_ring_fallbacks: int = 0
+    kernel_products: dict[str, int] = field(default_factory=dict)
     last_timeline: Any = None
     data_parallel: bool = False
     completed: deque[tuple[int, dict[str, float]]] = field(default_factory=lambda: deque(maxlen=64), repr=False)
@@ -103,6 +107,8 @@ class OffloadTelemetry:
         )
         for category, size in self.device_persistent_bytes.items():
             flat[f"offload/device_persistent_bytes/{category}"] = float(size)
+        for kernel, products in self.kernel_products.items():
+            flat[f"offload/kernel_products/{kernel}"] = float(products)
         return flat
 
     def complete_step(self) -> None:

@@ -23,15 +23,8 @@ slower) and says so once in the log. ``LIGHTNING_OFFLOAD_NATIVE=0`` turns the ke
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload.engine.cache_root import cache_root
+from lightning_offload.lsp.kernels.build import load_checked
 
 log = logging.getLogger("lightning_offload")
 
@@ -54,10 +47,6 @@ VECTOR_FLOATS = 16
 # errno from sqrtf (a negative second moment cannot occur; NaN stays NaN either way), so it is one instruction and the
 # loop vectorizes.
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
-# For this CPU's instructions; on x86, vectors as wide as it has (gcc's tuning for some AVX-512 CPUs prefers 256 bits:
-# 512 made the step 15-25% faster on this project's EPYC, the same bits).
-_NATIVE_FLAGS = ["-march=native"] + (["-mprefer-vector-width=512"] if platform.machine().lower() in (
-    "x86_64", "amd64") else [])
 
 
 @dataclass
@@ -169,73 +158,22 @@ def step_landed(adam: Any, matrices: list[int], blocks: Tensor, landed: list[Lan
 @lru_cache(maxsize=1)
 def native_row_adam() -> NativeRowAdam | None:
     """The kernel, built (or found built) and checked on this machine, or ``None`` (said once in the log, with why)."""
-    if os.environ.get("LIGHTNING_OFFLOAD_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    kernel, outcome, detail = load_checked(SOURCE, "row_adam", _FLAGS, NativeRowAdam, lambda k: _check(k))
+    if outcome == "off":
         log.info("The row Adam's native kernel is off (LIGHTNING_OFFLOAD_NATIVE=0): MEFT's rows are stepped by "
                  "torch's fused kernel (the same results, slower).")
-        return None
-    try:
-        path = _build()
-        kernel = NativeRowAdam(ctypes.CDLL(str(path)), path)
-        mismatch = _check(kernel)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+    elif outcome == "unavailable":
         log.warning("The row Adam's native kernel is not available (%s): MEFT's rows are stepped by torch's fused "
                     "kernel, with the same results but slower (each block routing covered in part is assembled "
                     "first). Install a C compiler (gcc or clang) for the faster step, or set "
-                    "LIGHTNING_OFFLOAD_NATIVE=0 to say so and silence this.", error)
-        return None
-    if mismatch:
+                    "LIGHTNING_OFFLOAD_NATIVE=0 to say so and silence this.", detail)
+    elif outcome == "mismatch":
         log.warning("The row Adam's native kernel does not give torch's results on this machine (%s): MEFT's rows "
                     "are stepped by torch's fused kernel (slower). Please report this with your CPU and torch "
-                    "version.", mismatch)
-        return None
-    log.info("The row Adam's native kernel is in use (%s).", path)
+                    "version.", detail)
+    else:
+        log.info("The row Adam's native kernel is in use (%s).", detail)
     return kernel
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise RuntimeError("no C compiler found (CC, cc, gcc or clang)")
-
-
-def _build() -> Path:
-    """The shared library for this source, compiler and CPU: built once into the cache (atomically, so processes
-    starting together each find it whole), then reused."""
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = SOURCE.read_bytes()
-    # -march=native: the library is for this CPU only, so its features are in the key (a shared home directory
-    # seen from another machine builds its own).
-    parts = [source, version, " ".join(_NATIVE_FLAGS + _FLAGS), _cpu(), platform.machine(), sys.version]
-    key = hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else p.encode() for p in parts)).hexdigest()[:16]
-    path = cache_root() / "native" / f"row_adam-{key}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        built = Path(scratch) / path.name
-        errors = ""
-        for flags in ([*_NATIVE_FLAGS, *_FLAGS], _FLAGS):  # a compiler without -march=native still builds it
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                  text=True, timeout=300)
-            if done.returncode == 0:
-                os.replace(built, path)
-                return path
-            lines = done.stderr.strip().splitlines()
-            errors = lines[-1] if lines else f"exit status {done.returncode}"
-        raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors}")
-
-
-def _cpu() -> str:
-    """What names this CPU's instruction set (its flags where Linux lists them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _check(kernel: NativeRowAdam) -> str:

@@ -170,6 +170,7 @@ class LSPOffloadDDPStrategy(DDPOffload):
         embeddings: str | None = None,
         head: str | None = None,
         update: str = "projected",
+        kernels: str = "auto",
         **unknown: Any,
     ) -> None:
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
@@ -192,8 +193,8 @@ class ZeroOffloadDDPStrategy(DDPOffload):
     The offload machinery of :class:`DDPOffload` with ``projection=False``, beside :class:`LSPOffloadDDPStrategy` rather
     than a kind of it. Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings
     (``projection`` is ``False`` here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``,
-    ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every`` and ``norm_growth_limit``
-    would change nothing and are refused). Registered as ``strategy="zero_offload_ddp"``.
+    ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every``, ``norm_growth_limit`` and
+    ``kernels`` would change nothing and are refused). Registered as ``strategy="zero_offload_ddp"``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,

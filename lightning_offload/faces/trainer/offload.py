@@ -157,6 +157,7 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         update: str = "projected",
         redraw_every: int = 200,
         norm_growth_limit: float | None = 1.01,
+        kernels: str = "auto",
         **unknown: Any,
     ) -> None:
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
@@ -174,7 +175,8 @@ class ZeroOffloadStrategy(SingleDeviceOffload):
     :class:`LSPOffloadStrategy` rather than a kind of it; takes its arguments except
     the projection settings (``projection``, ``rank``, ``density``, ``min_dim``, ``target_modules``,
     ``exclude_modules``, ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every``,
-    ``norm_growth_limit``), which would change nothing and are refused. Registered as ``strategy="zero_offload"``.
+    ``norm_growth_limit``, ``kernels``), which would change nothing and are refused. Registered as
+    ``strategy="zero_offload"``.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's

@@ -23,6 +23,7 @@ from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.faces.trainer.refit import ProjectorRefit
 from lightning_offload.faces.trainer.weight_readers import weight_readers
+from lightning_offload.lsp.kernels.selection import kernel_choices
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.setup.embeddings_head import Placement
 from lightning_offload.setup.engine import EngineSetup, Placements, as_offload_optimizer, build_engine
@@ -247,7 +248,8 @@ class OffloadMixin:
         scaled = sum(isinstance(slot, ScaledSlot) for slot in self.offload_optimizer.slots) \
             if self.offload_optimizer is not None else 0
         return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
-                            projected_layers=len(self.projected_layers) + scaled)
+                            projected_layers=len(self.projected_layers) + scaled,
+                            kernels=kernel_choices(self.projected_layers.values()))
 
     def figures_at_step_end(self) -> dict[str, float]:
         """Figures complete when the latest step returned (:meth:`_take_step_end_figures`; the engine files its own

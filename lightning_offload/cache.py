@@ -1,7 +1,7 @@
 """Where lightning_offload keeps what it makes once and reuses: converted models, tokenised data, built kernels.
 
-In the engine's layer because the engine keeps something there too (the row Adam's native kernel); the models and
-data modules read it from here.
+At the bottom of the package's layers, since every layer keeps something there: the projection and row Adam kernels
+built for this machine (lsp/, engine/), the planner's calibration, the models and tokenised data.
 """
 
 from __future__ import annotations

@@ -1,0 +1,263 @@
+"""Which kernel runs each product: measured on the user's own device, once per distinct product, and kept.
+
+A projected layer's three products (:mod:`.candidates`) have several kernels whose speeds depend on the device, the
+shape and the layout: on a 2-core CPU torch's CSR product beat the C kernel at 256 features and lost 4× at 2816. So
+the kernel of each distinct product — (which product, its sizes, the input's dtype, the device) — is chosen by
+timing every kernel that applies on the first call, on that call's own operands (a copy of the weight for the
+in-place update, and a generator of its own, so that timing changes neither the weight nor the layer's rounding).
+The choice is logged once and kept: in the process, and on disk per machine (``<cache root>/kernels/``), so a later
+run on the same machine starts with it. ``kernels=`` forces one kernel (where it cannot run here, torch's CSR
+product is used and a warning says so); ``"auto"`` (the default) never uses a kernel it has not timed here.
+
+Kernels agree within fp32 summation-order rounding (bf16 weights: within their stochastic rounding), so a choice
+changes results only at that level; a run that must repeat bit for bit on another machine forces one kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload.cache import cache_root
+from lightning_offload.lsp.kernels.build import cpu_features
+from lightning_offload.lsp.kernels.candidates import KERNELS, ProjectionKernel
+from lightning_offload.lsp.projector import SparseProjector
+
+log = logging.getLogger("lightning_offload")
+
+#: What ``kernels=`` takes: ``"auto"`` (timed here) or one kernel's name.
+KERNEL_POLICIES = ("auto", *KERNELS)
+#: Timed calls of each kernel per product, interleaved round by round so that machine noise hits each alike.
+_ROUNDS = 3
+#: Bump when the kernels change: choices kept on disk for older kernels are timed anew.
+_CHOICES_VERSION = 1
+
+
+@dataclass
+class Choice:
+    """The kernel chosen for one product and what the timing saw.
+
+    Attributes:
+        kernel: the chosen kernel's name.
+        milliseconds: each timed kernel's median milliseconds (empty when forced or read from disk without them).
+        how: ``"timed"``, ``"cached"`` (read from this machine's choices), ``"forced"`` or ``"rank 0's"`` (under
+            data parallelism, an update's kernel as rank 0 chose it).
+    """
+
+    kernel: str
+    milliseconds: dict[str, float] = field(default_factory=dict)
+    how: str = "timed"
+
+
+def validate_policy(policy: str) -> str:
+    """``policy`` when it names a kernel policy.
+
+    Raises:
+        ValueError: naming the bad value and the valid ones.
+    """
+    if policy not in KERNEL_POLICIES:
+        raise ValueError(f"kernels={policy!r} is not a kernel policy; use one of {', '.join(KERNEL_POLICIES)} "
+                         f"('auto' times each kernel on this device and uses the fastest).")
+    return policy
+
+
+class KernelSelector:
+    """The kernels of one engine's projected layers: each distinct product's kernel, chosen on its first call.
+
+    Args:
+        policy: ``"auto"`` or a kernel's name (:data:`KERNEL_POLICIES`).
+        persist: read and write this machine's choices on disk (``False``: time in this process only).
+
+    Example::
+
+        selector = KernelSelector("auto")
+        y = selector.compress_tokens(projector, x)   # the first call of this shape times csr, dense and native
+        selector.choices                              # {'compress_tokens n=1024 d=256 r=8 T=1024 float32 cpu': ...}
+    """
+
+    def __init__(self, policy: str = "auto", persist: bool = True) -> None:
+        self.policy = validate_policy(policy)
+        self.persist = persist
+        self.choices: dict[str, Choice] = {}
+        #: Distinct products per chosen kernel (a live figure the engine's telemetry logs as
+        #: ``offload/kernel_products/<kernel>``).
+        self.products: dict[str, int] = {}
+        #: Under data parallelism, rank 0's choice handed to every rank (set by the engine's set-up): each rank applies
+        #: the same update to its replica, and only the same kernel rounds it alike on every rank.
+        self.agree: Callable[[str], str] | None = None
+        self._kernels: dict[str, ProjectionKernel] = {}
+
+    # ------------------------------------------------------------------------------------------- the products
+    def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
+        """``P · xᵀ`` (``d × T``) by the kernel chosen for this product."""
+        key = _key("compress_tokens", x.device, x.dtype, n=projector.dim_in, d=projector.dim_out,
+                   r=projector.nnz_per_column, T=x.shape[0])
+        kernel = self._kernel(key, x.device, lambda k: k.compress_tokens(projector, x), projector)
+        return kernel.compress_tokens(projector, x)
+
+    def expand_columns(self, projector: SparseProjector, matrix: Tensor) -> Tensor:
+        """``matrix · P`` (``k × n`` fp32) by the kernel chosen for this product."""
+        key = _key("expand_columns", matrix.device, matrix.dtype, n=projector.dim_in, d=projector.dim_out,
+                   r=projector.nnz_per_column, k=matrix.shape[0])
+        kernel = self._kernel(key, matrix.device, lambda k: k.expand_columns(projector, matrix), projector)
+        return kernel.expand_columns(projector, matrix)
+
+    def update_rows_(self, weight: Tensor, projector: SparseProjector, half: Tensor, decay: float,
+                     generator: torch.Generator | None) -> None:
+        """``weight ← weight·decay + Pᵀ·half`` in place by the kernel chosen for this product."""
+        key = _key("update_rows", weight.device, weight.dtype, rows=weight.shape[0], cols=weight.shape[1],
+                   d=projector.dim_out, r=projector.nnz_per_column)
+
+        def timed(kernel: ProjectionKernel) -> None:
+            # On a copy, with a generator of its own: timing must leave the weight and the layer's rounding alone.
+            scratch = weight.detach().clone()
+            own = torch.Generator(device=weight.device).manual_seed(0)
+            kernel.update_rows_(scratch, projector, half, decay, own)
+
+        self._kernel(key, weight.device, timed, projector).update_rows_(weight, projector, half, decay, generator)
+
+    # --------------------------------------------------------------------------------------------- choosing
+    def _kernel(self, key: str, device: torch.device, call: Callable[[ProjectionKernel], Any],
+                projector: SparseProjector) -> ProjectionKernel:
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            choice = self._choose(key, device, call)
+            if self.agree is not None and not key.startswith("compress_tokens"):
+                # Compressed gradients are summed between ranks whatever rounds them; an update must round alike.
+                choice = Choice(self.agree(choice.kernel), choice.milliseconds, "rank 0's")
+                if not KERNELS[choice.kernel].applies(device):
+                    raise RuntimeError(f"Rank 0 applies {key} with the {choice.kernel!r} kernel, which cannot run on "
+                                       f"this rank's {device}; every rank must round an update alike. Pass "
+                                       f"kernels='csr' (runs everywhere) to the strategy.")
+            self.choices[key] = choice
+            self.products[choice.kernel] = self.products.get(choice.kernel, 0) + 1
+            kernel = self._kernels[key] = KERNELS[choice.kernel]
+            if choice.kernel != "csr":
+                # Timing the CSR kernel built CSR forms of the projector that only it reads: not kept for nothing
+                # (a product of this projector that runs on csr builds them again, once).
+                projector.release_products()
+        return kernel
+
+    def _choose(self, key: str, device: torch.device, call: Callable[[ProjectionKernel], Any]) -> Choice:
+        if self.policy != "auto":
+            forced = KERNELS[self.policy]
+            if forced.applies(device):
+                return Choice(forced.name, how="forced")
+            warnings.warn(f"kernels={self.policy!r} cannot run on {device} here (see the log for why); the "
+                          f"projections use torch's CSR kernels ('csr') instead.", stacklevel=4)
+            self.policy = "csr"
+            return Choice("csr", how="forced")
+        stored = _stored_choices().get(key) if self.persist else None
+        if stored is not None and stored in KERNELS and KERNELS[stored].applies(device):
+            return Choice(stored, how="cached")
+        choice = _time_kernels([k for k in KERNELS.values() if k.applies(device)], device, call)
+        log.info("lightning_offload kernels: %s -> %s (%s)", key, choice.kernel,
+                 ", ".join(f"{name} {ms:.3f} ms" for name, ms in choice.milliseconds.items()))
+        if self.persist:
+            _store_choice(key, choice.kernel)
+        return choice
+
+    def summary(self) -> dict[str, str]:
+        """Each product's chosen kernel (its key to the kernel's name), for the run's record."""
+        return {key: choice.kernel for key, choice in self.choices.items()}
+
+
+def kernel_choices(layers: Iterable[Any]) -> dict[str, str]:
+    """The chosen kernel of every distinct product of ``layers`` (projected weights; others are skipped), by product:
+    what a run's summary records as ``kernels``."""
+    chosen: dict[str, str] = {}
+    for layer in layers:
+        selector = getattr(layer, "kernels", None)
+        if isinstance(selector, KernelSelector):
+            chosen.update(selector.summary())
+    return dict(sorted(chosen.items()))
+
+
+def _key(product: str, device: torch.device, dtype: torch.dtype, **sizes: int) -> str:
+    shape = " ".join(f"{name}={value}" for name, value in sizes.items())
+    return f"{product} {shape} {str(dtype).removeprefix('torch.')} {device.type}"
+
+
+def _time_kernels(kernels: list[ProjectionKernel], device: torch.device,
+                  call: Callable[[ProjectionKernel], Any]) -> Choice:
+    """The fastest of ``kernels`` on ``call`` (median of :data:`_ROUNDS` interleaved calls after one warm-up each); a
+    kernel that raises is left out, and said."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    working = []
+    for kernel in kernels:
+        try:
+            call(kernel)  # warm-up: first-call costs (a build, a compile, caches) are not the kernel's speed
+            working.append(kernel)
+        except (RuntimeError, MemoryError, ValueError) as error:
+            log.warning("The projection kernel %r failed on %s (%s); it is not used.", kernel.name, device, error)
+    times: dict[str, list[float]] = {kernel.name: [] for kernel in working}
+    for _ in range(_ROUNDS):
+        for kernel in working:
+            synchronize()
+            start = time.perf_counter()
+            call(kernel)
+            synchronize()  # a CUDA launch returns before the kernel ran
+            times[kernel.name].append(time.perf_counter() - start)
+    # The fastest of the rounds: on a shared machine interference only ever adds time.
+    medians = {name: min(seconds) * 1e3 for name, seconds in times.items()}
+    # Ties go to the earlier kernel of KERNELS (torch's own first).
+    best = min(medians, key=lambda name: (medians[name], list(KERNELS).index(name)))
+    return Choice(best, medians)
+
+
+# ---------------------------------------------------------------------------------------- this machine's choices
+def _machine() -> str:
+    """What the choices kept on disk are keyed by: the CPU, its instructions, torch's threads and version, the GPU."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    features = hashlib.sha256(cpu_features().encode()).hexdigest()[:16]
+    return f"cpu={features} threads={torch.get_num_threads()} torch={torch.__version__} gpu={gpu} v{_CHOICES_VERSION}"
+
+
+def _choices_path() -> Path:
+    return cache_root() / "kernels" / "choices.json"
+
+
+_MEMORY: dict[str, dict[str, str]] = {}
+
+
+def _stored_choices() -> dict[str, str]:
+    """This machine's kept choices (read once per process; an unreadable file is no choices)."""
+    machine = _machine()
+    if machine not in _MEMORY:
+        try:
+            stored = json.loads(_choices_path().read_text())
+        except (OSError, ValueError):
+            stored = {}
+        _MEMORY[machine] = dict(stored.get(machine, {})) if isinstance(stored, dict) else {}
+    return _MEMORY[machine]
+
+
+def _store_choice(key: str, kernel: str) -> None:
+    """Adds one choice to this machine's on disk (written whole to a temporary file, then renamed into place)."""
+    choices = _stored_choices()
+    choices[key] = kernel
+    path = _choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            everything = json.loads(path.read_text())
+        except (OSError, ValueError):
+            everything = {}
+        everything = everything if isinstance(everything, dict) else {}
+        everything[_machine()] = {**everything.get(_machine(), {}), key: kernel}
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(everything, indent=1, sort_keys=True))
+        os.replace(scratch, path)
+    except OSError as error:  # a read-only cache still trains; the next run times again
+        log.info("The kernel choices could not be kept in %s (%s).", path, error)
