@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,7 +51,8 @@ BATCH_SWEEP_METHODS = ("native", "zero_offload", "lsp_offload", "deepspeed_offlo
 #: Tests whose CUDA versions run before the benchmark on a GPU machine.
 GPU_TESTS = ("tests/test_pipeline.py", "tests/test_strategy_equivalence.py", "tests/test_checkpoint.py",
              "tests/test_host_jobs.py", "tests/test_speculation.py", "tests/test_projected_linear.py",
-             "tests/test_projector.py", "tests/test_embeddings_head.py", "tests/test_user_patterns.py")
+             "tests/test_projector.py", "tests/test_embeddings_head.py", "tests/test_user_patterns.py",
+             "tests/test_triton_projection.py", "tests/test_projection_kernels.py")
 
 
 def _run(method: str, shape: str, args: argparse.Namespace, cap_gib: float | None = None,
@@ -106,6 +108,25 @@ def _gpu_tests(timeout: int) -> dict[str, Any]:
         return {"passed": False, "summary": f"timed out after {timeout} s"}
     lines = done.stdout.strip().splitlines()
     return {"passed": done.returncode == 0, "summary": lines[-1] if lines else f"exit {done.returncode}"}
+
+
+def _projection_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """Per projected-layer shape, each kernel's products against the GEMMs they replace, and the kernels chosen
+    (``scripts/benchmark_projection_kernels.py``, in its own process, at this run's shape and first batch)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark_projection_kernels.py")
+    shape = "small" if args.smoke else args.shape if args.shape in ("llama_1b3", "llama_8b") else "llama_1b3"
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "kernels.json")
+        command = [sys.executable, script, "--shape", shape, "--tokens", str(args.batches[0] * args.seq), "--json",
+                   out] + (["--repeats", "1"] if args.smoke else [])
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {args.timeout} s"}
+        if done.returncode != 0:
+            return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+        with open(out) as file:
+            return json.load(file)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -208,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["gpu_tests"] = _gpu_tests(args.timeout)
         print(f"GPU tests: {report['gpu_tests']}", flush=True)
         _write(report, args.json)
+    # Where a projected layer's device time goes, before the whole steps: a few seconds, and it explains them.
+    report["projection_kernels"] = _projection_kernels(args)
+    print(f"projection kernels: {report['projection_kernels']}", flush=True)
+    _write(report, args.json)
     # Every method at each batch (the first batch size profiles one step of each; the rest measure time only), then
     # zero_offload and lsp_offload once more with the phase clock, which synchronizes the device at every phase
     # boundary (so the step times are taken in the runs without it).

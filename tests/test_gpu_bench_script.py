@@ -45,6 +45,13 @@ def test_gpu_benchmark_script_runs_every_available_method(tmp_path, device_pytho
         assert entry["host_optimizer_seconds_per_step"] > 0 and entry["host_page_faults_per_step"] >= 0
         assert entry["link_bytes_to_host_per_step"] > 0 and entry["link_bytes_to_device_per_step"] > 0
         assert 0 <= entry["host_share_before_backward_end"] <= 1
+    # Per projected-layer shape: every kernel that runs here against the GEMMs they replace, and the kernels chosen.
+    kernels = report["projection_kernels"]
+    assert "error" not in kernels, kernels
+    assert [layer["layer"] for layer in kernels["layers"]] == ["q/o", "k/v", "gate/up", "down"]
+    for layer in kernels["layers"]:
+        assert layer["weight-gradient GEMM"] > 0 and layer["csr: backward"] > 0 and layer["dense: update"] > 0
+        assert set(layer["chosen"]) == {"forward", "backward", "update"}
     table = (tmp_path / "report.md").read_text()
     assert "| lsp_offload | 2 |" in table and "| native | 2 |" in table
     assert by_method["lsp_offload"]["link_bytes_measured"]
