@@ -90,18 +90,49 @@ def test_torch_clip_grad_norm_under_projection_is_refused_at_the_first_step(accu
     assert all(torch.equal(before[name], after[name]) for name in before)  # nothing of the step was applied
 
 
-def test_a_norm_read_through_torch_changes_nothing() -> None:
-    """Hugging Face's Trainer reads the norm with ``clip_grad_norm_(..., inf)``: every gradient times exactly 1. Not an
-    edit: neither refused nor sent twice, and the run equals one without the call."""
+def test_torch_clipping_that_multiplied_by_one_under_projection_is_refused() -> None:
+    """torch's ``clip_grad_norm_`` multiplies every gradient by exactly 1 when the norm it measured is under the limit;
+    under projection that norm lacks the projected weights' gradients, and the true norm is over the limit: the call
+    changed no value, yet clipped AdamW would clip. Refused, nothing stepped."""
+    (batch,) = list(token_data(n=4, batch_size=4))
+    model = tiny_hf_model("llama")
+    before = params_of(model)
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), **PROJECTED)
+    lm_loss(model, batch).backward()
+    seen_by_torch = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+    true_norm = float(optimizer.grad_norm())
+    assert seen_by_torch < true_norm
+    limit = (seen_by_torch + true_norm) / 2
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit)) < limit  # torch: nothing to clip
+    with pytest.raises(RuntimeError, match=r"exactly 1.*max_grad_norm=c"):
+        optimizer.step()
+    assert optimizer.steps_taken == 0
+    optimizer.close()
+    after = params_of(model)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("strategy", ["lsp_offload", "zero_offload"])
+def test_a_norm_read_through_torch(strategy: str) -> None:
+    """``clip_grad_norm_(..., inf)`` reads a norm and multiplies by exactly 1. Under projection the norm it reads lacks
+    the projected gradients: refused, naming ``optimizer.grad_norm()``. Under ``zero_offload`` it is the true norm: the
+    run equals one without the call (the gradients cross again, said once)."""
     batches = list(token_data(n=12, batch_size=4))
+    settings = PROJECTED if strategy == "lsp_offload" else dict(strategy=strategy)
     runs = []
     for read_norm in (False, True):
         model = tiny_hf_model("llama")
-        optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), **PROJECTED)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no "crossed again" warning either
+        optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR), **settings)
+        if read_norm and strategy == "lsp_offload":
+            with pytest.raises(RuntimeError, match=r"grad_norm\(\) reads the global norm"):
+                _loop(model, optimizer, batches, 1, float("inf"))
+            optimizer.close()
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             _loop(model, optimizer, batches, 1, float("inf") if read_norm else None)
         optimizer.close()
+        assert len([w for w in caught if "crossed again" in str(w.message)]) == int(read_norm)
         runs.append(params_of(model))
     assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0])
 
@@ -148,9 +179,10 @@ def test_torch_clip_grad_norm_in_a_lightning_module() -> None:
 transformers = pytest.importorskip("transformers")
 
 
-def _hf_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, callbacks: list) -> Any:
+def _hf_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, callbacks: list,
+              max_grad_norm: float = CLIP) -> Any:
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=3, per_device_train_batch_size=4, max_grad_norm=CLIP, use_cpu=True,
+        output_dir=str(out), max_steps=3, per_device_train_batch_size=4, max_grad_norm=max_grad_norm, use_cpu=True,
         report_to=[], save_strategy="no", logging_steps=1, seed=0, data_seed=0, disable_tqdm=True)
     transformers.Trainer(model=model, args=args, train_dataset=TokenDicts(), optimizers=(optimizer, None),
                          callbacks=callbacks).train()
@@ -183,8 +215,12 @@ def test_hf_max_grad_norm_without_the_callback_is_exact_or_refused(tmp_path: Pat
         _hf_train(model, optimizer, tmp_path / "zero", [])
     optimizer.close()
     _assert_equal(model, reference)
-    projected = tiny_hf_model("llama")
-    optimizer = offload(projected, torch.optim.AdamW(projected.parameters(), lr=LR), **PROJECTED)
-    with pytest.raises(RuntimeError, match="OffloadCallback"):
-        _hf_train(projected, optimizer, tmp_path / "lsp", [])
-    optimizer.close()
+    # Refused whatever the limit: also one far over the true norm, where torch multiplies by exactly 1 (the call
+    # cannot know the norm it lacks, so neither can the step).
+    for limit in (CLIP, 1e9):
+        projected = tiny_hf_model("llama")
+        optimizer = offload(projected, torch.optim.AdamW(projected.parameters(), lr=LR), **PROJECTED)
+        with pytest.raises(RuntimeError, match="OffloadCallback"):
+            _hf_train(projected, optimizer, tmp_path / f"lsp{limit}", [], max_grad_norm=limit)
+        assert optimizer.steps_taken == 0
+        optimizer.close()

@@ -4,9 +4,11 @@
 The engine sends each gradient to the host as soon as backward has finished it (the last micro-batch of a loop, the
 Trainer's closure), so an edit made afterwards would change a tensor nobody reads again: the step would silently train
 on the unedited gradient. :class:`GradientEdits` notices such edits at the step, from each ``param.grad``'s identity
-and version counter (every in-place op bumps it) and, where only the version moved, its norm against the norm it had
-when it crossed: Hugging Face's Trainer multiplies every gradient by exactly 1 at every step (it reads the global norm
-through ``clip_grad_norm_(..., inf)``), which changes no value and must not count.
+and version counter (every in-place op bumps it). Any in-place op counts, whatever it did to the values or the norm:
+torch's ``clip_grad_norm_`` multiplies by exactly 1 whenever the norm *it* measured is under the limit, and where that
+norm could not see every gradient (projected weights) the true one may be over it, so a call that changed nothing is
+as wrong as one that did. The same goes for a norm read through ``clip_grad_norm_(..., inf)``: it reports a norm
+without the gradients it cannot see (``optimizer.grad_norm()`` reads the true one).
 
 What an edit leads to is the orchestrator's call: where every gradient of the step is a ``param.grad``
 (``zero_offload``, nothing projected), torch's clipping saw the true global norm, so the edited gradients simply cross
@@ -81,32 +83,17 @@ class GradientEdits:
             return None
         return seen.norm
 
-    @torch.no_grad()
     def find(self) -> list[Slot]:
         """At the step: the watched slots whose ``param.grad`` was changed in place (or replaced) after backward left
-        it. A gradient whose version moved but whose norm did not (multiplied by exactly 1) counts as unchanged, and
-        is taken as seen now. One host synchronisation, only when some version moved."""
-        edited, moved = [], []
+        it. Reads no gradient: identities and version counters only."""
+        edited = []
         for slot in self._watched:
             grad = slot.param.grad
             if grad is None:
                 continue
             seen = self._seen.get(id(slot))
-            if seen is not None and seen.holds(grad):
-                continue
-            if seen is not None and seen.grad() is grad and seen.norm is not None:
-                moved.append((slot, grad, seen))
-            else:
+            if seen is None or not seen.holds(grad):
                 edited.append(slot)
-        if moved:
-            now = torch._foreach_norm([grad for _, grad, _ in moved])
-            # One read for all of them (a device synchronisation on an accelerator, once per step that had edits).
-            same = torch.stack([norm == seen.norm for norm, (_, _, seen) in zip(now, moved)]).tolist()
-            for (slot, grad, seen), unchanged in zip(moved, same):
-                if unchanged:
-                    seen.version = grad._version
-                else:
-                    edited.append(slot)
         return edited
 
 
@@ -118,7 +105,8 @@ def edited_gradients_error(edited: Sequence[Slot], unseen: str) -> RuntimeError:
         f"The gradient of {edited[0].name}{more} was changed in place after backward, e.g. by "
         f"torch.nn.utils.clip_grad_norm_(model.parameters(), ...) between backward() and step(). Such a call cannot "
         f"clip this offload: {unseen} never fill param.grad, so it measured a norm without them and left them "
-        f"unclipped. The step was not taken. {CLIP_THROUGH_THE_OFFLOAD}")
+        f"unclipped (also when it changed nothing: torch multiplies by exactly 1 when the norm it measured is under "
+        f"the limit, which the true norm may not be). The step was not taken. {CLIP_THROUGH_THE_OFFLOAD}")
 
 
 def resent_warning(edited: Sequence[Slot]) -> str:
