@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.engine.rules.host_rule import HostRule, register_host_rule
     from lightning_offload.engine.rules.lion import Lion
     from lightning_offload.engine.step.clipping import NonFiniteGradientError, NonFiniteStepWarning
+    from lightning_offload.lsp.weight_hooks import ProjectedWeightHookWarning
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
     from lightning_offload.faces.loop import offload
@@ -64,6 +65,7 @@ _SOURCES: dict[str, str] = {
     "Lion": "lightning_offload.engine.rules.lion",
     "NonFiniteGradientError": "lightning_offload.engine.step.clipping",
     "NonFiniteStepWarning": "lightning_offload.engine.step.clipping",
+    "ProjectedWeightHookWarning": "lightning_offload.lsp.weight_hooks",
     "OffloadOptimizer": "lightning_offload.engine.optimizer",
     "ProjectorFitting": "lightning_offload.engine.fitting.projector_fitting",
     "RefitRecord": "lightning_offload.engine.figures.refit_record",
@@ -148,6 +150,7 @@ __all__ = [
     "PlainConversion",
     "PrecisionChoice",
     "ProjectedWeight",
+    "ProjectedWeightHookWarning",
     "ProjectorFitting",
     "ProjectorRefit",
     "random_projector",

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lightning_offload.lsp.kernels.selection import KernelSelector
 from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
 from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.weight_hooks import WeightHooks
 
 
 class _Untimed:
@@ -91,6 +92,8 @@ class ProjectedWeight:
         # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
         # autograd produces W.grad, one layer at a time; nothing accumulates into S.
         self.sampling = False
+        # The user's gradient hooks on the weight, which a projected weight cannot call (lsp/weight_hooks.py).
+        self.hooks = WeightHooks()
         # The engine's phase clock (lightning_offload/engine/figures/phases.py, which benchmarks switch on): charges the
         # projections below to their phases. Until an engine drives the layer, nothing is timed.
         self.phases: Any = _UNTIMED
@@ -279,7 +282,9 @@ def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     # is a checkpoint's recomputation of one already counted, so it is not counted again.
     if torch.is_grad_enabled() and self.weight.requires_grad and torch._C._current_graph_task_id() == -1:
         state.open_backwards += 1
-    return _ProjectedLinearFunction.apply(x, self.weight, self.bias, state)
+    state.hooks.check(state.name, self.weight)
+    # The Function takes the layer's anchor, not the weight: autograd would call the weight's hooks with None.
+    return _ProjectedLinearFunction.apply(x, state.hooks.anchor(x.device), self.bias, state)
 
 
 def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
@@ -290,10 +295,12 @@ def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
 
 
 class _ProjectedLinearFunction(torch.autograd.Function):
-    """``y = x Wᵀ + b`` whose backward accumulates ``S = (A Δᵀ)(B Xᵀ)ᵀ`` instead of returning ``∂L/∂W``."""
+    """``y = x Wᵀ + b`` whose backward accumulates ``S = (A Δᵀ)(B Xᵀ)ᵀ`` instead of returning ``∂L/∂W``. It takes
+    the layer's anchor in the weight's place (lsp/weight_hooks.py) and reads the weight from the layer's state."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, state: ProjectedWeight) -> Tensor:
+    def forward(ctx: Any, x: Tensor, anchor: Tensor, bias: Tensor | None, state: ProjectedWeight) -> Tensor:
+        weight = state.weight
         dtype = _compute_dtype(x, weight)
         # Autocast does not reach inside a custom Function's math the way it does for F.linear, so cast
         # explicitly and compute with it off; backward then sees the same dtypes as forward.
@@ -342,5 +349,5 @@ class _ProjectedLinearFunction(torch.autograd.Function):
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        # No gradient for the weight: its .grad stays None; S is its gradient in the compressed space.
+        # No gradient for the weight (nor its anchor): its .grad stays None; S is its gradient in the compressed space.
         return grad_x, None, grad_bias, None

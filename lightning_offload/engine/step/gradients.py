@@ -66,8 +66,10 @@ class GradientRouting:
                 slot.layer.on_grad_ready = lambda layer, slot=slot: self._timed(self._gradient_ready, slot)
                 # A projected weight used outside its module's forward (``F.linear(h, layer.weight)`` elsewhere, a
                 # tied use) gets a dense .grad from that use: it is compressed into S here rather than ignored.
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                    lambda param, slot=slot: self._timed(self._dense_gradient_of_projected, slot)))
+                handle = slot.param.register_post_accumulate_grad_hook(
+                    lambda param, slot=slot: self._timed(self._dense_gradient_of_projected, slot))
+                slot.layer.hooks.engine_ids.add(handle.id)  # not a user's hook (lsp/weight_hooks.py)
+                self._hooks.append(handle)
             else:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(
                     lambda param, slot=slot: self._timed(self._gradient_ready, slot)))
