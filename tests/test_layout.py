@@ -16,8 +16,8 @@ from pathlib import Path
 import lightning_offload
 
 PACKAGE = Path(lightning_offload.__file__).parent
-LAYERS = {"cache": 0, "lsp": 0, "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4, "registries": 5,
-          "cli": 5, "tasks": 5, "reporting": 5, "models": 5, "data": 5}
+LAYERS = {"cache": 0, "inner_optimizers": 0, "lsp": 0, "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4,
+          "registries": 5, "cli": 5, "tasks": 5, "reporting": 5, "models": 5, "data": 5}
 #: The faces, peers in their layer: each is one kind of training loop.
 FACES = {"trainer", "fabric", "loop", "hf"}
 

@@ -54,11 +54,51 @@ class UnfreezeAt(pl.Callback):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_parameter_unfrozen_during_the_fit_is_refused_by_name(strategy: str) -> None:
-    with pytest.raises(ValueError, match=r"body\.0\.weight was frozen \(requires_grad=False\) when the strategy set "
-                                         r"up and now has a gradient") as caught:
-        _fit(PartlyFrozen(), STRATEGIES[strategy](), callbacks=[UnfreezeAt(2)])
-    assert "Unfreeze it before trainer.fit" in str(caught.value)
+def test_a_parameter_unfrozen_during_the_fit_trains_as_under_plain_lightning(strategy: str) -> None:
+    """torch.optim steps any parameter of its groups that has a gradient, its state created at that first step: so
+    does the engine (a dense host step from then on, said in one log line)."""
+    reference = _fit(PartlyFrozen(), "auto", callbacks=[UnfreezeAt(2)])
+    offloaded = _fit(PartlyFrozen(), STRATEGIES[strategy](), callbacks=[UnfreezeAt(2)])
+    initial = params_of(PartlyFrozen())
+    for name, value in params_of(offloaded).items():
+        torch.testing.assert_close(value, params_of(reference)[name], msg=name)
+    assert not torch.equal(params_of(offloaded)["body.0.weight"], initial["body.0.weight"])
+
+
+class WithBackbone(pl.LightningModule):
+    """Lightning's ``BackboneFinetuning`` pattern: a backbone frozen by the callback, unfrozen at an epoch and added to
+    the optimizer as a param group of its own; the optimizer built over what is trainable at the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 24), nn.GELU())
+        self.head = nn.Linear(24, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_backbone_finetuning_equals_plain_lightning(strategy: str) -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def fit(strategy_: object) -> WithBackbone:
+        module = WithBackbone()
+        callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5, verbose=False)
+        trainer(strategy_, max_steps=-1, max_epochs=3, callbacks=[callback]).fit(module, classification_data())
+        return module
+
+    reference, offloaded = fit("auto"), fit(STRATEGIES[strategy]())
+    initial = params_of(WithBackbone())
+    got, want = params_of(offloaded), params_of(reference)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    assert not torch.equal(got["backbone.0.weight"], initial["backbone.0.weight"])  # the added group trained
 
 
 class SharedWeight(pl.LightningModule):

@@ -126,8 +126,8 @@ class _SendLog(Callback):
             send = slot.send
 
             def logged(*args: Any, slot: Any = slot, send: Any = send) -> None:
-                # During the closure's backward, _collecting is on; a send after it is the step's fallback.
-                self.sends.append((slot.name, optimizer._collecting))
+                # During the closure's backward the routing collects; a send after it is the step's fallback.
+                self.sends.append((slot.name, optimizer.orchestrator.routing.collecting))
                 send(*args)
 
             slot.send = logged

@@ -26,6 +26,7 @@ from lightning_offload.engine.figures.phases import PhaseClock
 from lightning_offload.engine.figures.state_sizes import (
     device_persistent_bytes, device_state_bytes, host_state_bytes, state_tensors)
 from lightning_offload.engine.figures.step_figures import StepFigures
+from lightning_offload.engine.late_params import LateParameters
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.rules.host_rule import MEFT_ROWS, host_rule_for
@@ -40,7 +41,8 @@ from lightning_offload.engine.step.host_jobs import HostJobs
 from lightning_offload.engine.step.orchestrator import StepOrchestrator
 from lightning_offload.engine.step.pipeline import HostWorker, UpdateRing
 from lightning_offload.engine.user_optimizer import (
-    LINK_DTYPES, check_engine_arguments, check_still_frozen, is_decoupled, named_parameters_of, validate_user_optimizer)
+    LINK_DTYPES, check_engine_arguments, hooked_load_state_dict, hooked_state_dict, is_decoupled, named_parameters_of,
+    share_hooks, validate_user_optimizer)
 from lightning_offload.lsp.channel_scales import ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
@@ -127,6 +129,7 @@ class OffloadOptimizer(Optimizer):
         # (and with any scheduler attached to it); the list itself is shared below as well.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
+        share_hooks(self, optimizer)
         self.wrapped = optimizer
         self.device = torch.device(device)
         self.pipelined = pipelined
@@ -159,9 +162,8 @@ class OffloadOptimizer(Optimizer):
         if update_buffers and self.projected_layers:
             largest = max(math.prod(layer.compressed_shape) for layer in self.projected_layers)
             self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
-        self.telemetry.host_state_bytes = self.host_state_bytes()
+        self.telemetry.host_state_bytes, self.telemetry.data_parallel = self.host_state_bytes(), self.ranks is not None
         self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
-        self.telemetry.data_parallel = self.ranks is not None
         self.closed = False
 
     def _build_slots(self, optimizer: Optimizer, projected: Iterable[ProjectedWeight | ScaledWeight],
@@ -172,10 +174,9 @@ class OffloadOptimizer(Optimizer):
         on_device = {id(p) for p in keep_on_device}
         # Parameters that do not require gradients (the user's frozen layers left in the optimizer, and those the
         # strategy froze) get no host state and are never stepped, as torch.optim skips a parameter whose grad is
-        # None. One unfrozen later would get gradients no slot takes: refused at the step (check_still_frozen).
-        self._frozen_at_setup = [(p, name) for name, p in named_parameters_of(self.param_groups, model)
-                                 if not p.requires_grad]
-        left_out = on_device | {id(p) for p in frozen} | {id(p) for p, _ in self._frozen_at_setup}
+        # None. One unfrozen later, or a group added later, gets its slot at the step where it trains (late_params.py).
+        frozen_at_setup = [(p, n) for n, p in named_parameters_of(self.param_groups, model) if not p.requires_grad]
+        left_out = on_device | {id(p) for p in frozen} | {id(p) for p, _ in frozen_at_setup}
         try:
             self.slots: list[Slot] = build_slots(
                 self.param_groups, list(projected), self.lanes, model, left_out, {id(p) for p in row_sparse},
@@ -183,6 +184,8 @@ class OffloadOptimizer(Optimizer):
         except BaseException:
             self.lanes.worker.close()  # a refused set-up leaves no worker thread behind
             raise
+        self.late = LateParameters(self.param_groups, self.slots, on_device, {id(p) for p in frozen}, frozen_at_setup,
+                                   {id(p): name for name, p in model.named_parameters()} if model is not None else {})
         self.projected_layers = [slot.layer for slot in self.slots if slot.layer is not None]
         for layer in self.projected_layers:
             layer.phases = self.phases
@@ -200,11 +203,6 @@ class OffloadOptimizer(Optimizer):
     def update_ring(self) -> UpdateRing | None:
         """The device buffers compressed updates land in (``None`` on the CPU)."""
         return self.lanes.ring
-
-    @property
-    def _collecting(self) -> bool:
-        """Whether the closure's backward is running (gradients are final as they come)."""
-        return self.orchestrator.routing.collecting
 
     @property
     def optimizer(self) -> Optimizer:
@@ -231,16 +229,21 @@ class OffloadOptimizer(Optimizer):
         (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`)."""
         if self.closed:
             raise RuntimeError("step() on a closed offload optimizer: close() handed the model back and stopped its "
-                               "host worker, so nothing would be trained. Build a new one "
-                               "(lightning_offload.offload(...) or the strategy's set-up) to train on.")
+                               "host worker, so nothing would be trained. Build a new one (offload(...), a strategy).")
         loss = self.orchestrator.collect(closure) if closure is not None else None
-        check_still_frozen(self._frozen_at_setup)
+        self._adopt_late_parameters()
         self.orchestrator.decide_and_launch()
         if not self.orchestrator.last_step_skipped:
             # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
             # scheduler's order check does not warn (the user's optimizer never steps itself).
             self.wrapped._opt_called = True
         return loss
+
+    def _adopt_late_parameters(self) -> None:
+        """Give a slot to each parameter that joined the groups or was unfrozen since set-up (late_params.py)."""
+        if self.late.due():
+            self.orchestrator.adopt(self.late.take(self.lanes, lambda group: is_decoupled(self.wrapped, group)))
+            self.telemetry.host_state_bytes = self.host_state_bytes()
 
     def synchronize(self) -> None:
         """Apply every pending update now (before reading weights outside training, saving, or evaluating)."""
@@ -252,9 +255,8 @@ class OffloadOptimizer(Optimizer):
 
     @torch.no_grad()
     def settle_row_decay(self) -> None:
-        """Applies the decoupled weight decay that row-sparse embeddings' untouched rows owe (their next step would
-        apply it), on the host master and the device weight: call before the weights are read (evaluation,
-        checkpoints, the end of fit, a callback), after :meth:`synchronize`."""
+        """Applies the decoupled weight decay that row-sparse embeddings' untouched rows owe, on the host master and the
+        device weight: call before the weights are read (evaluation, checkpoints, the end of fit), after synchronize."""
         for slot in self.slots:
             slot.settle()
         self.orchestrator.routing.expose()  # settled modules give back their plain dicts
@@ -266,8 +268,7 @@ class OffloadOptimizer(Optimizer):
             layer.zero_grad()
 
     def close(self) -> None:
-        """Apply what is pending, then remove hooks and stop the worker (idempotent);
-        a later :meth:`step` is refused."""
+        """Apply what is pending, then remove hooks and stop the worker (idempotent); a later step() is refused."""
         self.closed = True
         try:
             if self.lanes.worker.running:
@@ -311,16 +312,11 @@ class OffloadOptimizer(Optimizer):
     # ---------------------------------------------------------------------------------------------- host rows
     def attach_row_blocks(self, blocks: Sequence[HostRowBlocks],
                           settings: Callable[[], RowAdamSettings]) -> list[RowBlocksSlot]:
-        """Step host row matrices (MEFT's adapter keys and values) with everything else: their gradients land on
-        this optimizer's worker, their norm joins the global norm, and one clip and skip decision covers both.
-
-        Args:
-            blocks: each owner's matrices, gradient accumulators and row layout.
-            settings: the rows' Adam hyper-parameters, read at each step.
-
-        Returns:
-            One slot per owner, in the order given: the owner's gradient hooks hand row gradients to
-            ``slot.gradients.accumulate``, and its forward calls ``slot.wait()`` before reading the rows.
+        """Step host row matrices (MEFT's adapter keys and values; ``blocks``: each owner's matrices, accumulators and
+        row layout; ``settings``: their Adam hyper-parameters, read at each step) with everything else: gradients land
+        on this optimizer's worker, their norm joins the global norm, one clip and skip decision covers both. Returns
+        one slot per owner, in order: its gradient hooks hand row gradients to ``slot.gradients.accumulate``, its
+        forward calls ``slot.wait()`` before reading the rows.
 
         Raises:
             ValueError: with data parallelism (row gradients are not reduced between ranks), or when called twice.
@@ -342,12 +338,10 @@ class OffloadOptimizer(Optimizer):
         self, layer: ProjectedWeight, proj_out: SparseProjector, proj_in: SparseProjector, norm_ratio: float = 1.0,
         second_moment_scale: float = 1.0,
     ) -> None:
-        """Install new projectors for ``layer`` and carry its host Adam moments into the new subspace.
-
-        Pending updates are applied first (they belong to the old subspace). The moments are mapped on the host
-        (:func:`~lightning_offload.lsp.rotation.rotate_moments`); only ``d × d`` maps cross the link.
-        ``norm_ratio`` is the new projectors' ``‖S‖/‖G‖`` on sampled gradients (see :meth:`grad_norm`);
-        ``second_moment_scale`` is ``(‖S_new‖/‖S_old‖)²`` on the same gradients, applied to the carried ``v``.
+        """Install new projectors for ``layer`` and carry its host Adam moments into the new subspace. Pending updates
+        are applied first (they belong to the old subspace); the moments are mapped on the host
+        (:func:`~lightning_offload.lsp.rotation.rotate_moments`), only ``d × d`` maps cross. ``norm_ratio``: the new
+        projectors' ``‖S‖/‖G‖`` on sampled gradients; ``second_moment_scale``: ``(‖S_new‖/‖S_old‖)²``, applied to ``v``.
 
         Raises:
             ValueError: if ``layer`` is not offloaded here or the compressed sizes change.
@@ -364,8 +358,7 @@ class OffloadOptimizer(Optimizer):
         return host_state_bytes(self.slots, self.host_jobs)
 
     def device_persistent_bytes(self) -> dict[str, int]:
-        """Device bytes the offload machinery keeps between steps, by category
-        (:func:`~lightning_offload.engine.figures.state_sizes.device_persistent_bytes`; any device, ``meta`` too)."""
+        """Device bytes the offload machinery keeps between steps, by category (any device, ``meta`` too)."""
         return device_persistent_bytes(self.slots, self.lanes.ring, self.device_optimizer)
 
     def device_state_bytes(self) -> int:
@@ -378,19 +371,27 @@ class OffloadOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Everything needed to resume exactly (:func:`~lightning_offload.engine.engine_state.engine_state`)."""
+        """Everything needed to resume exactly (:func:`~lightning_offload.engine.engine_state.engine_state`), between
+        the state-dict hooks of this optimizer and the user's (as torch calls them)."""
+        return hooked_state_dict(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         self.synchronize()
         return engine_state(self.slots, self.param_groups, self.device_optimizer, self.telemetry, self.ranks,
                             self.lanes.rule)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict` output; all state stays on the host, projectors go to the device.
-
-        Call after the model weights are restored (Lightning does), since fp32 masters are refreshed from them.
+        """Restore :meth:`state_dict` output (between the load hooks, as torch calls them); all state stays on the
+        host, projectors go to the device. Call after the model weights are restored (Lightning does): fp32 masters
+        are refreshed from them. Parameters that joined since set-up (a group added again first) get slots first.
 
         Raises:
             ValueError: when the checkpoint was written for different layers, param groups or placements.
         """
+        hooked_load_state_dict(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._adopt_late_parameters()
         check_engine_state(state_dict, self.slots, self.device_optimizer, self.lanes.rule)
         self.synchronize()
         for slot in self.slots:

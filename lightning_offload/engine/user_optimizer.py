@@ -1,8 +1,9 @@
-"""The user's optimizer as the offload engine takes it over: which ones it accepts, which of their parameters were
-frozen when it did, and the row Adam's hyper-parameters read from it."""
+"""The user's optimizer as the offload engine takes it over: which ones it accepts, the hooks registered on it (run
+where torch runs them), and the row Adam's hyper-parameters read from it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,21 +42,6 @@ def named_parameters_of(groups: list[dict[str, Any]], model: torch.nn.Module | N
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     params = [p for group in groups for p in group["params"]]
     return [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
-
-
-def check_still_frozen(frozen_at_setup: list[tuple[Tensor, str]]) -> None:
-    """Refuse a step in which a parameter frozen at set-up has a gradient: it has no host state to step.
-
-    Raises:
-        ValueError: naming the parameter and when to unfreeze it instead.
-    """
-    for param, name in frozen_at_setup:
-        if param.grad is not None or param.requires_grad:
-            raise ValueError(
-                f"{name} was frozen (requires_grad=False) when the strategy set up and now has a gradient: the "
-                f"offload strategies build each trained tensor's host state at set-up, so it would never be "
-                f"stepped. Unfreeze it before trainer.fit (e.g. in configure_model), or stop and start a new "
-                f"fit from a checkpoint after unfreezing it.")
 
 
 def refuse_rows_across_ranks() -> None:
@@ -113,3 +99,42 @@ def row_adam_settings(optimizer: Optimizer, group: dict[str, Any], lr: float | N
         decoupled=weight_decay is not None or is_decoupled(optimizer, group),
         maximize=bool(group.get("maximize", False)),
     )
+
+
+#: The hooks ``torch.optim.Optimizer`` keeps per instance (``register_step_pre_hook`` and the rest).
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
+
+
+def share_hooks(offload: Optimizer, user: Optimizer) -> None:
+    """Give ``offload`` the user's optimizer's hook dicts, as it shares its ``param_groups``: a hook registered on
+    either (before the offload or after) runs once where the user's optimizer would run it, at the offload's step,
+    ``state_dict`` and ``load_state_dict`` (the user's optimizer never steps)."""
+    for name in _HOOK_DICTS:
+        setattr(offload, name, getattr(user, name))
+
+
+def hooked_state_dict(optimizer: Optimizer, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``build()`` between the state-dict hooks, as ``torch.optim.Optimizer.state_dict`` calls them (a post-hook may
+    return a new dict)."""
+    for pre_hook in optimizer._optimizer_state_dict_pre_hooks.values():
+        pre_hook(optimizer)
+    state = build()
+    for post_hook in optimizer._optimizer_state_dict_post_hooks.values():
+        returned = post_hook(optimizer, state)
+        if returned is not None:
+            state = returned
+    return state
+
+
+def hooked_load_state_dict(optimizer: Optimizer, state: dict[str, Any], load: Callable[[dict[str, Any]], None]) -> None:
+    """``load(state)`` between the load-state-dict hooks, as ``torch.optim.Optimizer.load_state_dict`` calls them (a
+    pre-hook may return a new dict)."""
+    for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        returned = pre_hook(optimizer, state)
+        if returned is not None:
+            state = returned
+    load(state)
+    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        post_hook(optimizer)

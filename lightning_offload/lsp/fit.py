@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_offload.inner_optimizers import step_unhooked
 from lightning_offload.lsp.projector import SparseProjector, SparsityPattern
 
 
@@ -233,7 +234,7 @@ class LayerFit:
                 loss = err_sq + self.settings.l2 * (self.a.square().mean() + self.b.square().mean())
                 self.adam.zero_grad(set_to_none=True)
                 loss.backward()
-            self.adam.step()
+            step_unhooked(self.adam)  # the user's optimizer hooks are for their step (inner_optimizers.py)
             self.iterations += 1
         return errors[0], errors[-1]
 

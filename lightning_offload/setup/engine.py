@@ -111,6 +111,8 @@ def refuse_unusable_model(model: torch.nn.Module, name: str) -> None:
 
 
 def _refuse_a_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    if isinstance(optimizer, OffloadOptimizer):
+        return  # the offload optimizer shares the user's optimizer's hooks (engine/user_optimizer.py): its step is fine
     raise RuntimeError(
         f"The {type(optimizer).__name__} handed to the offload was stepped itself: its state and arithmetic now live "
         f"in the offload optimizer that stands in for it (the one lightning_offload.offload(...) returned, or "

@@ -24,6 +24,7 @@ from lightning_offload.engine.fitting.batch_gradients import BatchGradients, Los
 from lightning_offload.engine.fitting.projector_fitting import (
     FitAgreement, OneProcess, ProjectorFitting, fit_projectors)
 from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.inner_optimizers import step_unhooked
 from lightning_offload.setup.engine import EngineSetup
 from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
 
@@ -161,7 +162,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         loss = self.orchestrator.collect(closure) if closure is not None else None
         if loop.settings.max_grad_norm is not None and self.norms.clip is None:
             self.clip_grad_norm_(loop.settings.max_grad_norm)
-        super().step()
+        # The engine's step as defined, not as torch wraps it: this step already ran the optimizer hooks once.
+        step_unhooked(self, OffloadOptimizer)
         return loss
 
     def settle(self) -> None:
@@ -232,7 +234,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         return record
 
     # ------------------------------------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def _state_dict(self) -> dict[str, Any]:
         """The engine's state (:meth:`OffloadOptimizer.state_dict`) and when the projectors were last fitted.
 
         Warns once when the latest step's updates were still pending: reads of the weights through the model
@@ -247,15 +249,15 @@ class LoopOffloadOptimizer(OffloadOptimizer):
                           f"are applied before each module's next forward, or when the weights are read through the "
                           f"model): weights read since that step from tensors held outside the model lack them. Read "
                           f"them through the model (model.state_dict()), or call optimizer.settle() first.",
-                          stacklevel=2)
-        return {**super().state_dict(), "loop": {"last_fit_step": loop.last_fit_step}}
+                          stacklevel=4)
+        return {**super()._state_dict(), "loop": {"last_fit_step": loop.last_fit_step}}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output. Load the model's weights first: the fp32 masters are refreshed from
         them."""
         state = dict(state_dict)
         saved = state.pop("loop", {})
-        super().load_state_dict(state)
+        super()._load_state_dict(state)
         self.loop.last_fit_step = int(saved.get("last_fit_step", self.loop.last_fit_step))
 
     def close(self) -> None:

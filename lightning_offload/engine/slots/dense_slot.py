@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import Lanes, pinned_zeros
+from lightning_offload.engine.slots.weight_fingerprint import fingerprint
 
 
 class DenseSlot(HostStepSlot):
@@ -47,6 +48,9 @@ class DenseSlot(HostStepSlot):
             # only the parameter's bytes cross.
             source = self.host_update.copy_(source)
         self.to_device_event = self.lanes.link.to_device(source, self.param.data, after=compute_done)
+        # What the parameter holds once the copy lands, for the step to see writes through .data since (taken from the
+        # host's bits, which the copy carries unchanged: no device work on this thread).
+        self.weights_fingerprint = fingerprint(source)
         self.timeline.add("link_to_device", self.name, start, time.perf_counter())
 
     def finish(self, start: float) -> None:

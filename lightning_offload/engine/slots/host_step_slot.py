@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot, clip_, thread_minor_faults
 from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.inner_optimizers import step_unhooked
 
 
 class HostStepSlot(Slot):
@@ -91,7 +92,7 @@ class HostStepSlot(Slot):
             grad.add_(self.host_l2, alpha=sign * l2_weight)
         self._before_host_step()
         self.host_param.grad = grad
-        self.host_optimizer.step()
+        step_unhooked(self.host_optimizer)  # the user's optimizer hooks are for their step (inner_optimizers.py)
         self.host_param.grad = None
         stepped = time.perf_counter()
         self._after_host_step(compute_done, stepped, speculative)

@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot, clip_, pinned_zeros, thread_minor_faults
+from lightning_offload.engine.slots.weight_fingerprint import fingerprint
 from lightning_offload.engine.step.pipeline import StepTimeline
 
 
@@ -123,6 +124,7 @@ class RowSlot(Slot):
         self.timeline.add("device_wait", self.name, start, time.perf_counter())
         self.param.data.index_copy_(0, self.rows_on_device, values)
         self.update_on_device, self.rows_on_device, self.row_values = None, None, None
+        self.watch_weights()  # as the engine left it: a write through .data from here on is the user's
 
     @torch.no_grad()
     def settle(self) -> None:
@@ -137,6 +139,7 @@ class RowSlot(Slot):
             self.param.data.index_copy_(0, rows.to(self.param.device), values.to(self.param.device, self.param.dtype))
             self.shown_rows = rows if self.shown_rows is None or self.shown_rows is _EVERY_ROW else \
                 torch.cat([self.shown_rows, rows]).unique()
+            self.watch_weights()
         self.shown_step = self.row_adam.step_count
 
     @torch.no_grad()
@@ -144,11 +147,17 @@ class RowSlot(Slot):
         """Before a training forward: rows shown with their decay paid get the master's values back, as training
         without the read would have them."""
         rows, self.shown_rows, self.shown_step = self.shown_rows, None, -1
+        written = rows is not None and (self.weights_written()
+                                        or not torch.equal(fingerprint(self.param), self.weights_fingerprint))
+        if written and not self.weights_match_master():
+            return  # written since it was shown (a clamp of what was read): the step adopts that write as it stands
         if rows is _EVERY_ROW:
             self.param.data.copy_(self.host_param)
         elif rows is not None:
             self.param.data.index_copy_(0, rows.to(self.param.device),
                                         self.host_param[rows].to(self.param.device, self.param.dtype))
+        if rows is not None:
+            self.watch_weights()
 
     def owes_settle(self) -> bool:
         # Some idle rows may owe decay that the device does not show yet.

@@ -23,6 +23,7 @@ from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.slot import (
     Clip, JobSettings, Lanes, clip_, pinned_zeros, thread_minor_faults)
 from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.inner_optimizers import step_unhooked
 from lightning_offload.lsp.channel_scales import ScaledWeight, channel_scales
 
 
@@ -149,7 +150,7 @@ class ScaledSlot(HostStepSlot):
             clip_(grad, clip)  # a clip by value was applied to G on the device (clamp_on_device)
         self.host_param.zero_()
         self.host_param.grad = grad
-        self.host_optimizer.step()
+        step_unhooked(self.host_optimizer)  # the user's optimizer hooks are for their step (inner_optimizers.py)
         self.host_param.grad = None
         scales, self.last_norm = channel_scales(self.host_param, gradient_norms, self.host_squares, self.last_norm,
                                                 self.weight.rule.norm_growth_limit)

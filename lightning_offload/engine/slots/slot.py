@@ -22,6 +22,7 @@ from lightning_offload.engine.checkpoint_kinds import refuse_other_kind
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.rules.host_rule import HostRule
+from lightning_offload.engine.slots.weight_fingerprint import fingerprint
 from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.step.pipeline import HostWorker, Job, Link, StepTimeline, UpdateRing
 
@@ -293,27 +294,27 @@ class Slot:
         self.watch_weights()
 
     def watch_weights(self) -> None:
-        """Remember the parameter's version counter as the master's: the engine writes the parameter through
-        ``.data``, which leaves it, and anyone else's in-place write (``model.load_state_dict``, a ``copy_`` under
-        ``no_grad``) moves it."""
+        """Remember the parameter as the engine left it (after each of its writes): its version counter (the engine
+        writes through ``.data``, which leaves it; anyone else's in-place write, ``model.load_state_dict`` or a
+        ``copy_`` under ``no_grad``, moves it) and its fingerprint, which a write through ``.data`` moves too
+        (:mod:`~lightning_offload.engine.slots.weight_fingerprint`)."""
         self.weights_version = self.param._version
+        self.weights_fingerprint = fingerprint(self.param) if self.keeps_master else None
 
     @torch.no_grad()
     def adopt_written_weights(self) -> None:
-        """Before a step: where the parameter was written since the master was set (the model's weights loaded after
-        the optimizer's state, or after ``offload()``; an edit of the user's), the master takes the written value, as
-        ``torch.optim`` would step from it. Not where the written value is the master's own (a checkpoint restoring
-        both, in either order: a narrower parameter's fp32 master is kept)."""
-        if not self.weights_written():
-            return
+        """Before a step, where the parameter was written since the engine last did (the model's weights loaded after
+        the optimizer's state, or after ``offload()``; a write of the user's, through ``.data`` too): the master takes
+        the written value, as ``torch.optim`` would step from it. Not where the written value is the master's own (a
+        checkpoint restoring both, in either order: a narrower parameter's fp32 master is kept)."""
         self.watch_weights()
         if not self.weights_match_master():
             self.host_param.copy_(self.param.detach())
             self.adopted_weights()
 
     def weights_written(self) -> bool:
-        """Whether the parameter of a master-keeping slot was written by anyone but the engine since the master was
-        set (its version counter moved)."""
+        """Whether the parameter of a master-keeping slot was written in place by anyone but the engine since the
+        master was set (its version counter moved; a write through ``.data`` is the fingerprint's to see)."""
         return self.keeps_master and self.param._version != self.weights_version
 
     def weights_match_master(self) -> bool:

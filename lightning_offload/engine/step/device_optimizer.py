@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.engine.slots.slot import Clip, clip_
+from lightning_offload.inner_optimizers import step_unhooked
 
 
 class DeviceOptimizer:
@@ -56,7 +57,7 @@ class DeviceOptimizer:
             optimizer.param_groups[0].update(self.rule.hparams_of(group))
             if master is not None:
                 master.grad = grad.float()
-            optimizer.step()
+            step_unhooked(optimizer)  # the user's optimizer hooks are for their step (inner_optimizers.py)
             if master is not None:
                 master.grad = None
                 param.copy_(master)

@@ -74,6 +74,12 @@ class GradientEdits:
         norm = torch._foreach_norm([grad])[0] if measure else None
         self._seen[id(slot)] = _Seen(weakref.ref(grad), grad._version, norm)
 
+    def watch(self, slot: Slot) -> None:
+        """Watch a slot that joined after set-up, its gradient as it is now taken as the one backward left."""
+        if slot.gradient_is_param_grad:
+            self._watched.append(slot)
+            self.backward_wrote(slot, measure=True)
+
     def norm(self, slot: Slot) -> Tensor | None:
         """``slot``'s gradient norm as measured when backward left it, while the gradient is unchanged since
         (``None`` otherwise: the caller measures it now)."""

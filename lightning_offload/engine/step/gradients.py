@@ -92,8 +92,10 @@ class GradientRouting:
             if owned:
                 self._slots_by_module[id(module)] = owned
                 self._modules.append(module)
+                # First among the module's pre-hooks: a user's own (a max-norm renormalisation writing w.data) then
+                # sees the updated weights, as it sees them after torch's step.
                 self._hooks.append(module.register_forward_pre_hook(
-                    lambda module, args: self._timed(self._before_forward, module, args)))
+                    lambda module, args: self._timed(self._before_forward, module, args), prepend=True))
                 served.update(id(slot) for slot in owned)
         return [slot for slot in slots if id(slot) not in served]
 
@@ -185,6 +187,13 @@ class GradientRouting:
             if self.ranks.is_ready(slot):
                 raise final_twice_error(slot.name)
             self.ranks.ready(slot)
+
+    def add_late(self, slot: Slot) -> None:
+        """Route a slot that joined after set-up (late_params.py): its gradient crosses as backward leaves it, and its
+        update is applied inside the step (no forward pre-hook of its module was set up for it)."""
+        self._hooks.append(slot.param.register_post_accumulate_grad_hook(
+            lambda param, slot=slot: self._timed(self._gradient_ready, slot)))
+        self.eager.append(slot)
 
     def remove(self) -> None:
         """Remove every hook, and give every module its own parameter dict back (idempotent)."""

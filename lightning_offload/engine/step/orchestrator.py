@@ -23,6 +23,7 @@ from lightning_offload.engine.figures.state_sizes import device_persistent_bytes
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.slot import Clip, Lanes, Slot
+from lightning_offload.engine.slots.weight_fingerprint import changed_since
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
@@ -115,6 +116,14 @@ class StepOrchestrator:
             if self.routing.collecting and self.host_jobs.speculative:
                 self.host_jobs.start(slot, self.round, self.figures.timeline)
 
+    def adopt(self, slots: list[Slot]) -> None:
+        """Step slots that joined after set-up (late_params.py) from this step on, their gradients as they are now."""
+        for slot in slots:
+            self.slots.append(slot)
+            self.routing.add_late(slot)
+            if self.norms.edits is not None:
+                self.norms.edits.watch(slot)
+
     # ------------------------------------------------------------------------------------------------ the step
     def decide_and_launch(self) -> None:
         """After backward: one norm (the clipping call's, else :meth:`grad_norm`), one decision; then every slot's
@@ -142,8 +151,9 @@ class StepOrchestrator:
             slot.count_device_buffers(step)
         clip = launch_clip(clip)
         compute_done = self.lanes.link.compute_event()
+        written = self._written_through_data()
         for slot in self.slots:
-            self._launch(slot, clip, compute_done, step)
+            self._launch(slot, clip, compute_done, step, id(slot) in written)
         if self.device_optimizer is not None:
             # Queued on the device after backward, like a native optimizer step: nothing waits for it.
             self.device_optimizer.step(clip)
@@ -181,8 +191,16 @@ class StepOrchestrator:
             self.warned_resent = True
             warnings.warn(resent_warning(resent), stacklevel=4)
 
-    def _launch(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry) -> None:
-        """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner."""
+    def _written_through_data(self) -> set[int]:
+        """The master-keeping slots whose parameter was written through ``.data`` since the engine's last write (its
+        fingerprint moved: :mod:`~lightning_offload.engine.slots.weight_fingerprint`), read with one synchronisation."""
+        watched = [slot for slot in self.slots if slot.owned and slot.keeps_master]
+        changed = changed_since([slot.param for slot in watched], [slot.weights_fingerprint for slot in watched])
+        return {id(slot) for slot, moved in zip(watched, changed) if moved}
+
+    def _launch(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry, written: bool) -> None:
+        """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner
+        (``written``: its parameter was written through ``.data`` since the engine's last write)."""
         ranks = self.lanes.ranks
         has_grad = slot.has_grad() if ranks is None else self.norms.present.get(id(slot), False)
         if not slot.owned:
@@ -193,7 +211,7 @@ class StepOrchestrator:
         if not has_grad:
             jobs.undo(slot, self.round)  # its gradient was dropped after it was sent (never in Lightning)
             return
-        if slot.weights_written():  # loaded weights, say: the master steps from them, not from what it held
+        if written or slot.weights_written():  # loaded weights, a clamp: the master steps from them, as torch would
             jobs.undo(slot, self.round)  # a step begun during backward stepped the master it held
             slot.adopt_written_weights()
         if clip is not None and clip[0] == "value":
