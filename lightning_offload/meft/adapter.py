@@ -236,7 +236,7 @@ class MEFTAdapter(nn.Module):
         :class:`MEFTFFN` calls this before running the FFN, so the host gather (and, on a GPU, the pinned staging)
         overlaps the FFN's compute; :meth:`mix` then waits for the rows.
         """
-        self.wait_for_update()
+        self.wait_for_update(reading=not torch.is_grad_enabled())
         flat = hidden.reshape(-1, self.hidden_size)
         valid = self._valid_tokens(flat.shape[0], flat.device)
         x = self.adapter_input(flat, valid)
@@ -290,10 +290,14 @@ class MEFTAdapter(nn.Module):
             h.touched[rows] = True
         return keys, values
 
-    def wait_for_update(self) -> None:
-        """Block until the host has finished this adapter's pending row update (no-op when none is pending)."""
-        if self.rows_slot is not None:
+    def wait_for_update(self, reading: bool | None = None) -> None:
+        """Block until the host has finished this adapter's pending row update (no-op when none is pending); then,
+        under ``meft_offload``, the rows training reads (``reading=False``), or AdamW's, with the decay idle blocks
+        owe shown (``True``: a read, an evaluation; :meth:`RowBlocksSlot.settle`)."""
+        if self.rows_slot is not None and reading is None:
             self.rows_slot.wait()
+        elif self.rows_slot is not None:
+            self.rows_slot.ready(training=not reading)
 
     def row_blocks(self, name: str, block_rows: int, key_lr_scale: float) -> HostRowBlocks:
         """The host rows as the offload engine steps them, under ``name``: keys and values, block by block (keys at
@@ -324,7 +328,7 @@ class MEFTAdapter(nn.Module):
 
     # ------------------------------------------------------------------ state dict: host rows, saved on the host
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        self.wait_for_update()  # never save rows the host is half-way through updating
+        self.wait_for_update(reading=True)  # never save rows half-way through an update, or owing decay unshown
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "keys"] = self.host.keys
         destination[prefix + "values"] = self.host.values
@@ -339,6 +343,8 @@ class MEFTAdapter(nn.Module):
                 getattr(self.host, name).copy_(state_dict[key])
             elif strict:
                 missing_keys.append(key)
+        if self.rows_slot is not None:
+            self.rows_slot.adopted_rows()  # the loaded rows owe no decay of earlier steps
         self.refresh_routing_keys()
         super()._load_from_state_dict({k: v for k, v in state_dict.items() if k not in (prefix + "keys",
                                                                                          prefix + "values")},

@@ -133,7 +133,9 @@ class AttachedAdapters:
         try:
             if finish:
                 for slot in self.slots:
-                    slot.materialize()  # after the slot's update: the sums of micro-batches not yet stepped
+                    # After the slot's update: the sums of micro-batches not yet stepped, and the decay idle blocks
+                    # owe paid for good (the rows handed back are AdamW's).
+                    slot.keep_shown()
         finally:
             gradients.release()
             for adapter in self.adapters:

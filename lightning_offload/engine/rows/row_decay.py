@@ -8,10 +8,10 @@ step's rate.
 
 :class:`DecayLedger` keeps, per matrix, the running sum ``L_t = Σ_{s≤t} log(1 − lr_s·λ_s)`` in float64 (advanced at
 every step of the matrix, a step that touched no row included) and, per block, the value of ``L`` when its decay was
-last paid (8 bytes per block and matrix). A block then owes ``exp(L_now − mark)``, whatever the schedule and whenever
-it is paid: at its next step, or earlier when the weights are read (:meth:`BlockRowAdam.settle_decay`), in any
-order, with the same product. A block paid at every step owes ``exp(0) = 1`` exactly, so it keeps torch's fused
-AdamW arithmetic bit for bit.
+last paid (8 bytes per block and matrix). A block then owes ``exp(L_now − mark)``, whatever the schedule: paid at its
+next step, and read without paying it whenever the weights are read (:meth:`BlockRowAdam.decayed_rows`, which an
+embedding's slot and a MEFT adapter's slot show on reads), with the same product. A block paid at every step owes
+``exp(0) = 1`` exactly, so it keeps torch's fused AdamW arithmetic bit for bit.
 """
 
 from __future__ import annotations

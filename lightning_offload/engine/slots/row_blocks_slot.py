@@ -87,6 +87,10 @@ class RowBlocksSlot(Slot):
         self.rows_updated = 0
         self.rows_stepped = 0
         self._said_torch_steps = False  # the log said once that the loaded native kernel does not fit these blocks
+        # Rows shown with the decay their blocks owe (settle): the blocks, their rows, and each matrix's master values
+        # of them, put back before training reads them (unsettle); and the step count they were shown at.
+        self.shown: tuple[Tensor, Tensor, list[Tensor]] | None = None
+        self.shown_step = -1
 
     # ------------------------------------------------------------------------------------------------ backward
     def gradient(self) -> Tensor | None:
@@ -173,6 +177,7 @@ class RowBlocksSlot(Slot):
         return dict(vars(self._settings())), 0.0
 
     def prepare(self, step: StepTelemetry) -> None:
+        self.unsettle()  # shown since the forward (a read between backward and step): the step steps the masters
         self.blocks = self.gradients.take(self)
         self.rows_updated = self.touched_rows  # counted with the blocks
         self.rows_stepped = self.blocks.numel() * self.row_adam.block_rows
@@ -215,18 +220,92 @@ class RowBlocksSlot(Slot):
             landing.forget(blocks)
         self.block_grads = []
 
+    # ------------------------------------------------------------------------------------------------ reads
+    @torch.no_grad()
     def settle(self) -> None:
-        self.materialize()  # the accumulators are read next (a checkpoint, an evaluation): every sum in them
+        """Show the decay idle blocks owe: the rows of blocks that owe decoupled decay take their values with it paid,
+        at each missed step's own rate (:meth:`BlockRowAdam.decayed_rows`: AdamW's weights, exactly for a block never
+        stepped, but for the momentum drift of one stepped and then left idle), the routing copy with them, for
+        whatever reads the rows now (``state_dict``, an export, an evaluation forward, a checkpoint). Their masters
+        are kept aside and put back before training reads the rows again (:meth:`unsettle`), and the decay ledger
+        stays as it is (each block's next step pays it), so training is the same, bit for bit, whether or not
+        anything read them. The accumulators get every sum of the step first (a reader of them may come next)."""
+        self.materialize()
+        adam = self.row_adam
+        if self.shown_step == adam.step_count or not adam.decay.active:
+            return
+        self.unsettle()  # shown at an earlier step: from the masters again
+        rows, values = adam.decayed_rows()
+        if rows.numel():
+            blocks = rows[::adam.block_rows] // adam.block_rows  # whole blocks' rows, in order
+            self.shown = (blocks, rows, [matrix[rows] for matrix in self.rows.matrices])
+            for matrix, value in zip(self.rows.matrices, values):
+                matrix.index_copy_(0, rows, value)
+            self.rows.on_stepped(adam.row_ranges(blocks))
+        self.shown_step = adam.step_count
+
+    @torch.no_grad()
+    def unsettle(self) -> None:
+        """Before training reads the rows (a training forward, a step): rows shown with their decay paid get their
+        masters back, as training without the read would have them."""
+        shown, self.shown, self.shown_step = self.shown, None, -1
+        if shown is None:
+            return
+        blocks, rows, masters = shown
+        for matrix, master in zip(self.rows.matrices, masters):
+            matrix.index_copy_(0, rows, master)
+        self.rows.on_stepped(self.row_adam.row_ranges(blocks))
+
+    def ready(self, training: bool) -> None:
+        """Before the owner's forward: its pending update applied, and its rows the masters for a training forward
+        (gradients enabled), or shown with the decay they owe for any other (:meth:`settle`), as an embedding's rows
+        are (:meth:`~lightning_offload.engine.slots.row_slot.RowSlot.settle`)."""
+        self.wait()
+        if training:
+            self.unsettle()
+        else:
+            self.settle()
+
+    def keep_shown(self) -> None:
+        """The rows are handed back (the engine lets go of them): the decay they owe is paid for good (settled, the
+        masters dropped, every block owing nothing)."""
+        self.settle()
+        self.shown, self.shown_step = None, -1
+        self.row_adam.decay.paid()
+
+    def adopted_rows(self) -> None:
+        """The owner's rows were loaded (its ``load_state_dict``): they owe no decay of the steps before, as AdamW
+        steps on from loaded weights, and no master is put back over them (a checkpoint's host state that follows
+        restores the masters and the ledger it was written with)."""
+        self.shown, self.shown_step = None, -1
+        self.row_adam.decay.paid()
 
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> list[Tensor]:
         return []  # its matrices, accumulators and moments are reported whole as its owner's (host_rows_bytes)
 
     def host_state(self) -> dict[str, Any]:
-        return self.row_adam.state_dict()
+        """The row Adam's state, and the masters of the rows the owner's state dict shows with their decay paid (it
+        is settled here first, so that whichever of the two a checkpoint reads first, they agree): a resume puts them
+        back under the shown values, and continues as the uninterrupted run, bit for bit."""
+        self.settle()
+        state = self.row_adam.state_dict()
+        if self.shown is not None:
+            blocks, rows, masters = self.shown
+            state = {**state, "shown_masters": {"blocks": blocks, "rows": rows, "matrices": masters}}
+        return state
 
+    @torch.no_grad()
     def load_host_state(self, state: dict[str, Any]) -> None:
-        self.row_adam.load_state_dict(state)
+        """Restore :meth:`host_state` output (load the owner's rows first: the masters of rows saved shown are put
+        back over them)."""
+        shown = state.get("shown_masters")
+        self.shown, self.shown_step = None, -1
+        self.row_adam.load_state_dict({key: value for key, value in state.items() if key != "shown_masters"})
+        if shown is not None:
+            for matrix, master in zip(self.rows.matrices, shown["matrices"]):
+                matrix.index_copy_(0, shown["rows"], master)
+            self.rows.on_stepped(self.row_adam.row_ranges(shown["blocks"]))
 
     def check_saved_state(self, saved: dict[str, Any]) -> None:
         """Nothing here: its row Adam checks its own state's layout as it loads it."""
