@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import Lanes, pinned_zeros
-from lightning_offload.engine.slots.weight_fingerprint import fingerprint
+from lightning_offload.engine.slots.weight_fingerprint import fingerprint, fingerprint_dtype
 
 
 class DenseSlot(HostStepSlot):
@@ -29,6 +30,8 @@ class DenseSlot(HostStepSlot):
         # A low-precision parameter's value crosses in its own dtype (bf16: 2 bytes per element, not the master's 4).
         host_update = pinned_zeros(param.shape, lanes.pin, param.dtype) if param.dtype != master.dtype else None
         super().__init__(name, param, group, lanes, decoupled, master, host_optimizer, host_update, owner)
+        #: Where the worker writes the fingerprint of each value it sends (preallocated: host jobs allocate nothing).
+        self.host_fingerprint = torch.zeros((), dtype=fingerprint_dtype(param))
         self.watch_weights()
 
     def prepare(self, step: StepTelemetry) -> None:
@@ -50,7 +53,7 @@ class DenseSlot(HostStepSlot):
         self.to_device_event = self.lanes.link.to_device(source, self.param.data, after=compute_done)
         # What the parameter holds once the copy lands, for the step to see writes through .data since (taken from the
         # host's bits, which the copy carries unchanged: no device work on this thread).
-        self.weights_fingerprint = fingerprint(source)
+        self.weights_fingerprint = fingerprint(source, out=self.host_fingerprint)
         self.timeline.add("link_to_device", self.name, start, time.perf_counter())
 
     def finish(self, start: float) -> None:
