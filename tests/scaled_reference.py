@@ -2,13 +2,15 @@
 parameters: what the engine's offloaded form must equal. Nothing of ``lightning_offload`` is imported here.
 
 For a chosen weight ``W`` (stored ``rows × cols``; a Hugging Face ``Conv1D`` stores ``in × out``) with gradient ``G``:
-the channels are the larger side of the mathematical ``out × in`` weight (the output side when square), ``n`` the
-other side, ``r = round(⌈ρ·out⌉·⌈ρ·in⌉ / max(out, in))`` for the rank ``ρ``; draw ``d`` of ``P`` is
+the channels are the larger side of the stored weight (its rows when square, as APOLLO's code takes them: a Linear's
+output side, a ``Conv1D``'s input side), ``n`` the other side, ``r = round(⌈ρ·out⌉·⌈ρ·in⌉ / max(out, in))`` for the
+rank ``ρ``; draw ``d`` of ``P`` is
 ``randn(r, n) / √r`` from a CPU generator seeded ``(seed·1000003 + position)·1000003 + d``, the draw in use after
 ``t`` steps is ``t // redraw_every``. Per step: ``R = G_c·Pᵀ`` (``G_c``: channels as rows), bias-corrected Adam
 moments of ``R`` give ``R̃ = m̂ / (√v̂ + ε)``, ``s_j = ‖R̃_j‖ / ‖R_j‖`` (where ``r = 1``, one scale
-``‖R̃‖_F / ‖R‖_F`` for every channel), ``U = diag(s)·G_c``, whose norm may grow at
-most ``γ``-fold over the last step's, and ``W_c ← W_c·(1 − lr·λ) − lr·√(n/r)·U``. Every other parameter: AdamW.
+``‖R̃‖_F / ‖R‖_F`` for every channel), ``U = diag(s / k)·G_c`` with Adam's bias correction
+``k = √(1 − β₂ᵗ) / (1 − β₁ᵗ)`` taken out (the moments' own ``m / √v``, as APOLLO's code limits it), whose norm may grow
+at most ``γ``-fold over the last step's, and ``W_c ← W_c·(1 − lr·λ) − lr·k·√(n/r)·U``. Every other parameter: AdamW.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import torch
 from torch import nn
 
 
-def _stored_math_shape(module: nn.Module) -> tuple[int, int, bool]:
+def _math_shape(module: nn.Module) -> tuple[int, int]:
     rows, cols = module.weight.shape
-    conv1d = type(module).__name__ == "Conv1D"
-    return (cols, rows, conv1d) if conv1d else (rows, cols, conv1d)
+    return (cols, rows) if type(module).__name__ == "Conv1D" else (rows, cols)
 
 
 class ScaledAdamWReference(torch.optim.Optimizer):
@@ -43,13 +44,12 @@ class ScaledAdamWReference(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rule: dict[int, dict[str, Any]] = {}
         for position, module in enumerate(modules):
-            out_features, in_features, conv1d = _stored_math_shape(module)
-            channels_are_out = out_features >= in_features
+            out_features, in_features = _math_shape(module)
             n = min(out_features, in_features)
             r = max(1, min(n, round(math.ceil(rank * out_features) * math.ceil(rank * in_features)
                                     / max(out_features, in_features))))
-            # Stored dimension of the channels: a Linear stores out × in, a Conv1D in × out.
-            channel_dim = 0 if channels_are_out != conv1d else 1
+            rows, cols = module.weight.shape
+            channel_dim = 0 if rows >= cols else 1  # stored dimension of the channels
             self.rule[id(module.weight)] = dict(position=position, n=n, r=r, channel_dim=channel_dim, steps=0,
                                                 m=None, v=None, last_norm=None)
         self.seed, self.redraw_every, self.limit = seed, redraw_every, limit
@@ -84,7 +84,8 @@ class ScaledAdamWReference(torch.optim.Optimizer):
                 scales = (direction.norm() / projected.norm()).expand(projected.shape[0])
             else:
                 scales = direction.norm(dim=1) / projected.norm(dim=1)
-            update = scales.unsqueeze(1) * grad
+            correction = math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+            update = (scales / correction).unsqueeze(1) * grad
             norm = float(update.norm())
             if self.limit is not None and info["last_norm"] and norm > self.limit * info["last_norm"]:
                 update = update * (self.limit * info["last_norm"] / norm)
@@ -92,6 +93,6 @@ class ScaledAdamWReference(torch.optim.Optimizer):
             info["last_norm"] = norm
             weight = p.data if info["channel_dim"] == 0 else p.data.t()
             weight.mul_(1 - group["lr"] * group["weight_decay"])
-            weight.add_(update, alpha=-group["lr"] * math.sqrt(info["n"] / info["r"]))
+            weight.add_(update, alpha=-group["lr"] * correction * math.sqrt(info["n"] / info["r"]))
             info["steps"] = t
         return loss

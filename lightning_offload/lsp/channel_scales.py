@@ -6,8 +6,10 @@ rows or columns along the larger one. ``P`` (``r × n``, entries ``N(0, 1/r)``) 
 ``r`` numbers, ``R = G·Pᵀ`` (``channels × r``). The host keeps Adam's moments of ``R`` only and returns, per channel,
 ``s_j = ‖R̃_j‖ / ‖R_j‖`` with ``R̃ = m̂ / (√v̂ + ε)``; the device applies the full-rank update
 ``W ← W·(1 − lr·λ) − lr·α·diag(s)·G`` with ``α = √(n / r)``. A norm-growth limiter keeps ``‖diag(s)·G‖`` from
-growing more than ``γ``-fold per step (against the last applied norm). ``P`` is redrawn every ``redraw_every`` steps;
-the moments are kept across a redraw.
+growing more than ``γ``-fold per step (against the last applied norm), as APOLLO's code has it: on the scales of the
+moments without their bias correction, which then joins the step size (so the limiter does not hold back the
+correction's own growth over the first steps). ``P`` is redrawn every ``redraw_every`` steps; the moments are kept
+across a redraw.
 
 The rank means what it means for ``update="projected"``: the same host elements per layer, so ``rank=0.25``
 (``(o/4)·(i/4)`` moments) projects each channel to ``n/16`` numbers.
@@ -86,8 +88,9 @@ class ScaledWeight:
         self.position = int(position)
         rows, cols = module.weight.shape
         out_features, in_features = (cols, rows) if is_hf_conv1d(module) else (rows, cols)
-        #: The stored weight's dimension that holds the channels (the larger side; the output side when square).
-        self.channel_dim = 0 if (out_features >= in_features) != is_hf_conv1d(module) else 1
+        #: The stored weight's dimension that holds the channels: the larger side; the stored rows when square (as
+        #: APOLLO's code takes them: a Linear's output side, a ``Conv1D``'s input side).
+        self.channel_dim = 0 if rows >= cols else 1
         self.channels = module.weight.shape[self.channel_dim]
         self.projected_side = module.weight.shape[1 - self.channel_dim]
         self.rank = scaled_projection_size(out_features, in_features, rank)
@@ -155,20 +158,31 @@ class ScaledWeight:
             copy_stochastic_rounded_(weight[here], value, generator)
 
 
+def bias_correction(betas: tuple[float, float], step: int) -> float:
+    """``√(1 − β₂ᵗ) / (1 − β₁ᵗ)``: what Adam's bias correction multiplies ``m / √v`` by at step ``t``."""
+    return math.sqrt(1.0 - betas[1] ** step) / (1.0 - betas[0] ** step)
+
+
 def channel_scales(direction: Tensor, gradient_norms: Tensor, channel_squares: Tensor, last_norm: float | None,
-                   limit: float | None) -> tuple[Tensor, float]:
+                   limit: float | None, correction: float = 1.0) -> tuple[Tensor, float]:
     """Host: each channel's scale (one for them all where ``r = 1``) and the update's norm after the limiter.
 
+    The limiter acts as APOLLO's code has it (``apollo-torch``'s ``APOLLOAdamW``): on ``diag(s)·G`` built from the
+    moments without their bias correction, ``s / correction``; the correction is applied after it, as a step size.
+
     Args:
-        direction: Adam's direction ``±R̃`` (``channels × r``; the sign does not matter, only row norms are read).
+        direction: Adam's bias-corrected direction ``±R̃`` (``channels × r``; the sign does not matter, only row norms
+            are read).
         gradient_norms: ``‖R_j‖`` of the unclipped projected gradient (the device's ``G`` is unclipped too, so
             clipping reaches the update only through the moments, exactly as for a clipped ``G``).
         channel_squares: ``‖G_j‖²`` of the device's unclipped gradient.
         last_norm: the norm of the update applied at the last step, or ``None`` before the first.
         limit: ``γ``, or ``None`` for no limiter.
+        correction: :func:`bias_correction` of the step ``direction`` was made at.
 
     Returns:
-        The scales ``s`` (fp32, ``channels``) and the norm ``‖diag(s)·G‖`` they give, to compare the next one with.
+        The scales ``s`` (fp32, ``channels``, the correction in them) and the norm ``‖diag(s)·G‖ / correction`` of the
+        uncorrected update they give, to compare the next one with.
     """
     if direction.shape[1] == 1:
         # r = 1: one scale for the weight (see the module's docstring); none when its whole projection is zero.
@@ -181,7 +195,7 @@ def channel_scales(direction: Tensor, gradient_norms: Tensor, channel_squares: T
         scales = torch.where(gradient_norms > 0,
                              numerators / gradient_norms.clamp_min(torch.finfo(torch.float32).tiny),
                              torch.zeros_like(numerators))
-    norm = float(torch.sqrt((scales.square() * channel_squares).sum()))
+    norm = float(torch.sqrt((scales.square() * channel_squares).sum())) / correction
     # Against a zero last norm (a step whose gradient was all zero) nothing can be compared: no limit then.
     if limit is not None and last_norm and norm > limit * last_norm:
         scales.mul_(limit * last_norm / norm)

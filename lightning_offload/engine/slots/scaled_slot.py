@@ -24,7 +24,7 @@ from lightning_offload.engine.slots.slot import (
     Clip, JobSettings, Lanes, clip_, pinned_zeros, thread_minor_faults)
 from lightning_offload.engine.step.pipeline import StepTimeline
 from lightning_offload.inner_optimizers import step_unhooked
-from lightning_offload.lsp.channel_scales import ScaledWeight, channel_scales
+from lightning_offload.lsp.channel_scales import ScaledWeight, bias_correction, channel_scales
 
 
 def scaled_across_ranks_error() -> ValueError:
@@ -153,7 +153,7 @@ class ScaledSlot(HostStepSlot):
         step_unhooked(self.host_optimizer)  # the user's optimizer hooks are for their step (inner_optimizers.py)
         self.host_param.grad = None
         scales, self.last_norm = channel_scales(self.host_param, gradient_norms, self.host_squares, self.last_norm,
-                                                self.weight.rule.norm_growth_limit)
+                                                self.weight.rule.norm_growth_limit, self._correction())
         self.host_scales.copy_(scales)
         stepped = time.perf_counter()
         if self.device_scales is not None:
@@ -161,6 +161,11 @@ class ScaledSlot(HostStepSlot):
         step.host_page_faults += thread_minor_faults() - faults
         self.timeline.add("link_to_host", f"{self.name} (landing)", start, landed)
         self.timeline.add("host", self.name, landed, stepped)
+
+    def _correction(self) -> float:
+        """Adam's bias correction at the step its moments took last (what the limiter leaves out of its norms)."""
+        steps = int(self.host_optimizer.state[self.host_param]["step"])
+        return bias_correction(self.host_optimizer.param_groups[0]["betas"], steps)
 
     def finish(self, start: float) -> None:
         lanes = self.lanes
@@ -181,13 +186,17 @@ class ScaledSlot(HostStepSlot):
 
     def host_state(self) -> dict[str, Any]:
         return {**self.host_optimizer.state_dict(), "scaled": {
-            "last_norm": self.last_norm, "steps_taken": self.steps_taken, "seed": self.weight.seed,
+            "last_norm": self.last_norm, "last_norm_uncorrected": True, "steps_taken": self.steps_taken,
+            "seed": self.weight.seed,
             "rounding_generator": self.generator.get_state()}}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         scaled = state["scaled"]
         self.host_optimizer.load_state_dict({key: value for key, value in state.items() if key != "scaled"})
         self.last_norm = scaled["last_norm"]
+        if self.last_norm and not scaled.get("last_norm_uncorrected"):
+            # Written when the limiter compared bias-corrected norms: the same norm without the correction.
+            self.last_norm /= self._correction()
         self.steps_taken = int(scaled["steps_taken"])
         self.weight.seed = int(scaled["seed"])  # the draws the checkpoint's run made, whatever this run's seed
         self.weight.draw_number = -1
