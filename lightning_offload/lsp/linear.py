@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_offload.lsp.kernels.selection import KernelSelector
+from lightning_offload.lsp.model_attachments import CopiedAsAbsent
 from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.weight_hooks import WeightHooks
@@ -41,7 +42,7 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
-class ProjectedWeight:
+class ProjectedWeight(CopiedAsAbsent):
     """The LSP state of one weight: its projectors and the device buffer that accumulates ``S``.
 
     Args:
@@ -112,7 +113,7 @@ class ProjectedWeight:
         self.modules.append(module)
         self._instance_forwards[id(module)] = module.__dict__.get("forward")
         self._original_forwards[id(module)] = module.forward
-        module.forward = types.MethodType(_projected_forward, module)
+        module.forward = _ProjectedForward(module, self._instance_forwards[id(module)])
         module._lsp_state = self
 
     def add_use(self, name: str, module: nn.Module) -> None:
@@ -271,8 +272,37 @@ def update_scale(proj_out: SparseProjector, proj_in: SparseProjector) -> float:
     return float(torch.tensor(scale, dtype=torch.float32))  # the precision it is applied in
 
 
+class _ProjectedForward:
+    """A projected module's ``forward``; a copy or a pickle of the module gets its own forward back
+    (lsp/model_attachments.py): the one the user had set on the instance, else its class's.
+
+    Args:
+        module: the projected module.
+        instance_forward: the forward the user had set on the instance, or ``None``.
+    """
+
+    __slots__ = ("module", "instance_forward")
+
+    def __init__(self, module: nn.Module, instance_forward: Callable[..., Tensor] | None) -> None:
+        self.module = module
+        self.instance_forward = instance_forward
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _projected_forward(self.module, x)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The module is being copied or pickled already (this object is part of its state), so the copy's own module
+        # is what the reconstruction receives.
+        return _plain_forward, (self.module, self.instance_forward)
+
+
+def _plain_forward(module: nn.Module, instance_forward: Callable[..., Tensor] | None) -> Callable[..., Tensor]:
+    """A copy's forward: the instance's own where the user had set one, else its class's, bound to it."""
+    return instance_forward if instance_forward is not None else types.MethodType(type(module).forward, module)
+
+
 def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
-    """Replacement ``forward`` bound onto a projected module."""
+    """A projected module's forward (called by :class:`_ProjectedForward`)."""
     state: ProjectedWeight = self._lsp_state
     if state.sampling or not (torch.is_grad_enabled() and self.weight.requires_grad):
         # No weight gradient can be asked of this call (evaluation, generation, a frozen weight; or a fit sampling

@@ -25,6 +25,7 @@ from lightning_offload.engine.fitting.projector_fitting import (
     FitAgreement, OneProcess, ProjectorFitting, fit_projectors)
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.inner_optimizers import step_unhooked
+from lightning_offload.lsp.model_attachments import EngineHook
 from lightning_offload.setup.engine import EngineSetup
 from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
 
@@ -113,7 +114,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         if loop.accumulation_steps is not None:
             # The backward of the step's last micro-batch delivers final gradients: they may cross during it, as in
             # the Trainer strategies' closure. Its forward is how a loop of one's own says which backward that is.
-            self.loop.forward_counter = setup.model.register_forward_pre_hook(self._count_forward)
+            # An EngineHook: a copy of the model (deepcopy, torch.save) holds an inert hook, not this optimizer.
+            self.loop.forward_counter = setup.model.register_forward_pre_hook(EngineHook(self._count_forward))
         else:
             self.orchestrator.routing.measure_every_backward = True  # any backward may be the step's last
 

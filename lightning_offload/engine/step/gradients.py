@@ -15,6 +15,7 @@ from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.data_parallel import RankShards, ReducedTensor
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 from lightning_offload.engine.step.module_reads import conceal, expose
+from lightning_offload.lsp.model_attachments import EngineHook
 
 
 def final_twice_error(name: str) -> RuntimeError:
@@ -94,8 +95,10 @@ class GradientRouting:
                 self._modules.append(module)
                 # First among the module's pre-hooks: a user's own (a max-norm renormalisation writing w.data) then
                 # sees the updated weights, as it sees them after torch's step.
+                # An EngineHook: a copy of the model (an EMA's deepcopy, torch.save) holds an inert hook, not the
+                # engine.
                 self._hooks.append(module.register_forward_pre_hook(
-                    lambda module, args: self._timed(self._before_forward, module, args), prepend=True))
+                    EngineHook(lambda module, args: self._timed(self._before_forward, module, args)), prepend=True))
                 served.update(id(slot) for slot in owned)
         return [slot for slot in slots if id(slot) not in served]
 
