@@ -232,6 +232,14 @@ def test_an_unknown_setting_names_the_closest_one() -> None:
         plan(_model(), "lsp_offload", batch_size=1, seq_len=8, device_memory="1GiB", hardware=CPU, rnak=0.1)
 
 
+@pytest.mark.parametrize("single,grid", [("batch_size", "batch_sizes="), ("gradient_checkpointing", "checkpointing="),
+                                         ("rank", "ranks="), ("embeddings", "placements=")])
+def test_choose_refuses_one_value_of_what_it_tries_as_a_grid(single: str, grid: str) -> None:
+    value = {"batch_size": 4, "gradient_checkpointing": True, "rank": 0.1, "embeddings": "host"}[single]
+    with pytest.raises(TypeError, match=f"{single}={value!r}.*pass {grid}"):
+        choose(_model(), seq_len=64, device_memory="1GiB", precision="32-true", hardware=CPU, **{single: value})
+
+
 def test_sizes_parse() -> None:
     assert parse_bytes("24GiB", "x") == 24 * 2**30
     assert parse_bytes("4 GB", "x") == 4 * 10**9

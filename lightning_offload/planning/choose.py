@@ -96,6 +96,12 @@ def _grid(strategies: Sequence[str], ranks: Sequence[float], placements: Sequenc
     return combos
 
 
+#: Settings that choose() takes as a grid, by the name plan() takes one value under: each singular name is refused.
+GRID_ARGUMENTS = {"batch_size": "batch_sizes=[...]", "gradient_checkpointing": "checkpointing=[...]",
+                  "rank": "ranks=[...]", "strategy": "strategies=[...]", "embeddings": "placements=[(embeddings, head)]",
+                  "head": "placements=[(embeddings, head)]"}
+
+
 def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, precision: str = "bf16-mixed",
            hardware: str | Hardware | None = None, device: torch.device | str | None = None,
            time_budget: float | None = None, strategies: Sequence[str] = ("auto", "lsp_offload", "zero_offload"),
@@ -127,6 +133,7 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
 
     Raises:
         ValueError: for a bad size, precision, strategy or setting (as ``plan`` raises them).
+        TypeError: for a single value of what ``choose`` tries as a grid (``batch_size=4``: pass ``batch_sizes=[4]``).
 
     Example::
 
@@ -136,6 +143,11 @@ def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, 
         print(choice.table())  # the chosen plan, then each rejected candidate and why
     """
     parse_bytes(device_memory, "device_memory")
+    grid_values = sorted(settings.keys() & GRID_ARGUMENTS.keys())
+    if grid_values:
+        name = grid_values[0]
+        raise TypeError(f"choose() got {name}={settings[name]!r}: choose tries a grid of those; pass "
+                        f"{GRID_ARGUMENTS[name]} (a fixed {name} is a grid of one), or call plan() for one setting.")
     if time_budget is not None and not time_budget > 0:
         raise ValueError(f"time_budget={time_budget!r} must be a positive number of seconds per step, or None.")
     if precision not in PRECISIONS:
