@@ -177,6 +177,11 @@ def test_wandb_offline_run_is_written_inside_the_run_dir(tmp_path: Path, monkeyp
         train(compose_cfg(["logger=wandb", *TINY], run_dir))
     finally:
         _finish_wandb()
+        # wandb's service process writes the run file; finish() may return before it has (a loaded machine showed
+        # it): teardown waits for the service to finish writing, as the CLI's process exit does.
+        import wandb
+
+        wandb.teardown()
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # nothing written beside it
     (events,) = wandb_run.glob("run-*.wandb")
