@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra.core.global_hydra import GlobalHydra
 
@@ -189,6 +190,21 @@ def test_wandb_offline_run_is_written_inside_the_run_dir(tmp_path: Path, monkeyp
     for key in (b"lightning_offload.faces.trainer.offload.LSPOffloadStrategy", b"tiny_causal_lm",  # the config
                 b"offload/bytes_device_to_host", b"val/loss", b"train/loss", b"summary/loss_after"):
         assert key in data, key
+
+
+def test_the_command_line_takes_down_the_process_group_its_run_started() -> None:
+    # Lightning's DDP strategies leave the group up after fit; the command line's run ends with it taken down.
+    from lightning_offload.cli.train import _finish_process_group
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        assert torch.distributed.is_initialized()
+        _finish_process_group()
+        assert not torch.distributed.is_initialized()
+        _finish_process_group()  # nothing to take down: a run on one device
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_optuna_search_runs_trials(tmp_path: Path, env: dict[str, str]) -> None:

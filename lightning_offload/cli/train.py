@@ -16,6 +16,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -218,6 +219,14 @@ def _finish_wandb() -> None:
             wandb.finish()
 
 
+def _finish_process_group() -> None:
+    # Lightning's DDP strategies leave their process group up after fit (a script may fit again); the command line
+    # ends its run here, so it takes the group down: the next job of a multirun in this process starts its own, and
+    # the process exits without torch's warning about a group never destroyed.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
     """The value a sweeper optimises, with a clear error when the run did not produce it."""
     if not name:
@@ -267,6 +276,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                          + (f"\n(Traceback in {where}; HYDRA_FULL_ERROR=1 prints it here.)" if where else "")) from None
     finally:
         _finish_wandb()
+        _finish_process_group()
     return metric_value(metrics, cfg.get("optimized_metric"))
 
 
