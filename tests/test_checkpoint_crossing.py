@@ -44,6 +44,25 @@ def test_an_offload_checkpoint_resumed_without_one_says_so(tmp_path: Path) -> No
     assert objects["trainer"].global_step == 1
 
 
+@pytest.mark.parametrize("written,resumed,names", [("lsp", "zero", ("lsp_offload", "zero_offload")),
+                                                    ("zero", "lsp", ("zero_offload", "lsp_offload"))])
+def test_a_checkpoint_of_the_other_offload_strategy_is_refused_before_anything_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str, resumed: str, names: tuple[str, str]) -> None:
+    checkpoint, _ = _checkpoint(tmp_path, written)
+    import lightning_offload.cli.train as cli_train
+
+    built = []
+    monkeypatch.setattr(cli_train, "build_trainer", lambda *args, **kwargs: built.append(1))
+    with pytest.raises(SettingsError, match=rf"written by {names[0]}.*this run trains with {names[1]}.*"
+                                            r"weights_from=<path> instead of ckpt_path=<path>"):
+        train(compose_cfg([*TINY, f"offload={resumed}", f"ckpt_path={checkpoint}"], tmp_path / "resumed"))
+    assert not built
+    monkeypatch.undo()
+    _, objects = train(compose_cfg([*TINY, f"offload={resumed}", f"weights_from={checkpoint}", "trainer.max_steps=1"],
+                                   tmp_path / "weights"))
+    assert objects["trainer"].global_step == 1
+
+
 def test_resume_and_weights_only_together_are_refused(tmp_path: Path) -> None:
     checkpoint, _ = _checkpoint(tmp_path, "zero")
     with pytest.raises(SettingsError, match="set one of them"):

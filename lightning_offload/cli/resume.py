@@ -16,7 +16,9 @@ from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.engine.checkpoint_kinds import (
     checkpoint_kind,
     offload_state_without_offload,
+    other_offload_strategy,
     torch_state_under_offload,
+    written_with_projection,
 )
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.tasks.schedule import SettingsError
@@ -66,12 +68,22 @@ def check_checkpoint_fits_strategy(cfg: DictConfig, policy: OffloadPolicy) -> No
             raise SettingsError(f"{name}={path} is not a file.")
     if ckpt_path is None:
         return
-    kind = checkpoint_kind(read_checkpoint(ckpt_path))
+    checkpoint = read_checkpoint(ckpt_path)
+    kind = checkpoint_kind(checkpoint)
     offloads = isinstance(policy.strategy, OffloadMixin)
     if kind == "offload" and not offloads:
         raise SettingsError(offload_state_without_offload(f"offload={cfg.offload.get('name')}"))
     if kind == "torch" and offloads:
         raise SettingsError(torch_state_under_offload())
+    if kind == "offload" and offloads:
+        state = checkpoint["optimizer_states"][0]
+        run_projects = bool(getattr(policy.strategy.settings, "projection", False))
+        if written_with_projection(state) and not run_projects:
+            raise SettingsError(other_offload_strategy("lsp_offload", policy.strategy.strategy_name))
+        if not written_with_projection(state) and run_projects and policy.strategy.strategy_name.startswith("lsp"):
+            # No projected layer in it: zero_offload's state (or that of an lsp_offload run that projected none, which
+            # said so when it ran).
+            raise SettingsError(other_offload_strategy("zero_offload", policy.strategy.strategy_name))
 
 
 def resume_command(checkpoint: str | Path) -> str:

@@ -37,6 +37,22 @@ def checkpoint_kind(checkpoint: Mapping[str, Any]) -> str:
     return optimizer_state_kind(states[0]) if states else "none"
 
 
+def written_with_projection(state: Mapping[str, Any]) -> bool:
+    """Whether an offload optimizer state holds projected state (projectors, or the scaled rule's): ``lsp_offload``
+    wrote it. ``False``: ``zero_offload`` or ``meft_offload`` did (or an ``lsp_offload`` run that projected nothing)."""
+    return bool(state.get("projectors")) or any(
+        isinstance(saved, Mapping) and "scaled" in saved for saved in state.get("host_adam") or [])
+
+
+def other_offload_strategy(written: str, run: str) -> str:
+    """The message for an offload checkpoint resumed under the other offload strategy (``written`` wrote it, the run
+    has ``run``)."""
+    return (f"This checkpoint was written by {written}, and this run trains with {run}: the two keep different host "
+            f"state (compressed moments of projected weights against full ones), so neither resumes the other. "
+            f"Resume it with {written} (the command line: the offload group that wrote it), or start from its "
+            f"weights. " + WEIGHTS_ONLY)
+
+
 def torch_state_under_offload() -> str:
     """The message for a plain Lightning checkpoint resumed by an offload strategy."""
     return ("This checkpoint was written without an offload strategy: its optimizer state is a plain torch.optim "
