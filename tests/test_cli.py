@@ -53,6 +53,13 @@ REFUSED = [
     ("unknown", ["+optim.momentum=0.9"],
      "optim.momentum is not an optimizer setting; the settings are ['betas', 'decay'"),
     ("rank", ["offload.strategy.rank=0"], "ValueError: rank=0 must be at least 1 (rows kept) or a fraction in (0, 1]"),
+    ("trainer-strategy", ["+trainer.strategy=zero_offload"],
+     "trainer.strategy=zero_offload is not read: the offload group sets the Trainer's strategy. Choose it with "
+     "offload=<group>"),
+    ("misspelt-strategy-setting", ["offload.strategy.rnak=0.1"],
+     "offload.strategy.rnak=0.1: no offload strategy has a setting rnak=. Did you mean offload.strategy.rank=?"),
+    ("model-path", ["model=hf", "model.name_or_path=/no/such/model"],
+     "model.name_or_path=/no/such/model is not a directory"),
 ]
 FAILED = [
     ("devices", ["offload=meft", "trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),

@@ -26,11 +26,12 @@ from lightning_offload.cli.devices import data_parallel_offload
 from lightning_offload.cli.failures import error_paragraph, log_to_files, remove_fresh_run_dir
 from lightning_offload.cli.fit_run import build_trainer, fit_between_evaluations, report
 from lightning_offload.cli.machine_size import RunSize, size_to_machine
+from lightning_offload.cli.override_checks import refuse_unknown_strategy_settings
 from lightning_offload.cli.plan_run import choice_of_run, log_plan, plan_mode, plan_of_run, record_errors
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
-from lightning_offload.models.builders import LanguageModel
+from lightning_offload.models.builders import LanguageModel, check_hf_name_or_path
 from lightning_offload.reporting.summary import RunNames, summarize
 from lightning_offload.tasks.causal_lm import CausalLMModule
 from lightning_offload.tasks.classifier import SequenceClassifierModule, decoder_of
@@ -193,6 +194,22 @@ def _checked_settings(cfg: DictConfig) -> tuple[OptimSettings, OffloadPolicy, Ru
         SettingsError: naming the setting refused.
     """
     optim = check_optim(cfg.optim)
+    if cfg.trainer.get("strategy") is not None:
+        # The Trainer is built on the offload policy's strategy: a trainer.strategy would be overridden unread, and a
+        # sweep over it would run the same strategy in every job.
+        groups = ", ".join(sorted(path.stem for path in (CONFIG_DIR / "offload").glob("*.yaml")))
+        raise SettingsError(f"trainer.strategy={cfg.trainer.strategy} is not read: the offload group sets the "
+                            f"Trainer's strategy. Choose it with offload=<group> ({groups}; offload=zero for "
+                            f"zero_offload, offload=none for plain training), and its settings with "
+                            f"offload.strategy.<setting>=.")
+    if str(cfg.model.get("_target_", "")).endswith(".hf_causal_lm"):
+        # Before the run directory is made: a path that names nothing would otherwise reach the hub's "Repo id must
+        # be in the form ..." after it.
+        given = None if OmegaConf.is_missing(cfg.model, "name_or_path") else cfg.model.get("name_or_path")
+        try:
+            check_hf_name_or_path(given)
+        except ValueError as error:
+            raise SettingsError(str(error)) from None
     resolve_precision(cfg)
     run_size = size_to_machine(cfg)  # before anything is built from the run's length and block size
     if cfg.get("seed") is not None:
@@ -301,6 +318,7 @@ def main() -> None:
         raise SystemExit(f"lightning-offload-train: the configs are not at {CONFIG_DIR}. The command reads the "
                          f"repository's conf/ directory: install from a checkout with `pip install -e .`.")
     sys.argv[1:] = null_group_overrides(sys.argv[1:])
+    refuse_unknown_strategy_settings(sys.argv[1:])
     _hydra_main()
 
 

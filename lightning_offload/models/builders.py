@@ -11,6 +11,7 @@ Every builder returns the same shape of object so that ``train(cfg)`` never need
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,11 +64,27 @@ def smollm2_135m(dtype: str = "fp32", untie: bool = False) -> LanguageModel:
     return LanguageModel(network, tokenizer, name)
 
 
-def hf_causal_lm(name_or_path: str, dtype: str = "fp32") -> LanguageModel:
-    """Any Hugging Face causal LM by hub id (network or a populated HF cache) or local directory."""
+def check_hf_name_or_path(name_or_path: str | None) -> None:
+    """Refuse a ``name_or_path`` that can name no model: empty, or a local path (absolute, relative with ``./``,
+    ``~``, or more than one ``/``: a hub id is ``org/name``) that is not a directory.
+
+    Raises:
+        ValueError: naming the value and the two forms it may take.
+    """
     if not name_or_path:
         raise ValueError("model=hf needs model.name_or_path=<hub id or local directory>, e.g. "
                          "model.name_or_path=HuggingFaceTB/SmolLM2-360M.")
+    text = str(name_or_path)
+    local = text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1
+    if local and not Path(text).expanduser().is_dir():
+        raise ValueError(f"model.name_or_path={text} is not a directory (a local model is a directory holding its "
+                         f"config.json and weights; a hub id has the form <org>/<name>, e.g. "
+                         f"HuggingFaceTB/SmolLM2-360M).")
+
+
+def hf_causal_lm(name_or_path: str, dtype: str = "fp32") -> LanguageModel:
+    """Any Hugging Face causal LM by hub id (network or a populated HF cache) or local directory."""
+    check_hf_name_or_path(name_or_path)
     network, tokenizer = load_hf_model(name_or_path, dtype=parse_dtype(dtype))
     return LanguageModel(network, tokenizer, str(name_or_path))
 
