@@ -16,6 +16,7 @@ blocks of steps with the probes on and off, alternated in one process; the media
     python scripts/benchmark_clip_norm.py --model smollm2 --batches 16
     python scripts/benchmark_clip_norm.py --model small_llama --projectors random --data-seed 1
     python scripts/benchmark_clip_norm.py --projectors learned --steps 300 --lr 1e-3 [--probes 0]
+    python scripts/benchmark_clip_norm.py --projectors random --steps 300 --lr 1e-3 --clip 0 --unclipped-every 4
     python scripts/benchmark_clip_norm.py --timing --steps 10 --repeats 30
 """
 
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="probes per layer and step for ρ while clipping (0: off, the ρ of the fit all along)")
     parser.add_argument("--window", type=int, default=norm_probe.WINDOW_STEPS,
                         help="the span in steps of the probes' averages (each step's weight decays by 1 − 1/window)")
+    parser.add_argument("--unclipped-every", type=int, default=norm_probe.UNCLIPPED_EVERY,
+                        help="with --clip 0: the probes run at every this many-th step")
     parser.add_argument("--held-out-books", action="store_true",
                         help="measure on the held-out books (other text) instead of fresh training batches")
     parser.add_argument("--timing", action="store_true", help="measure the probes' cost (step time, on and off)")
@@ -116,7 +119,8 @@ def estimate_after_training(args: argparse.Namespace) -> dict:
     layer_medians = [statistics.median(v) for v in per_layer.values()]
     return {"model": args.model, "projectors": args.projectors, "rank": args.rank, "steps": args.steps,
             "lr": args.lr, "clip": args.clip, "probes": args.probes, "window": args.window,
-            "batches": len(global_ratios), "batch_size": args.batch_size, "norm_samples": args.norm_samples,
+            "unclipped_every": args.unclipped_every, "batches": len(global_ratios), "batch_size": args.batch_size,
+            "norm_samples": args.norm_samples,
             "data_seed": args.data_seed,
             "global_median": statistics.median(global_ratios), "global_min": min(global_ratios),
             "global_max": max(global_ratios), "layer_median_min": min(layer_medians),
@@ -142,12 +146,13 @@ def _global_ratios(squares: dict[str, list[tuple[float, float]]], ratios: dict[s
 
 def probe_cost(args: argparse.Namespace) -> dict:
     """Median step time with the probes on and off: ``--repeats`` blocks of ``--steps`` steps each, alternated in
-    one process (this machine's speed drifts), after a warm-up block; clipping on throughout."""
+    one process (this machine's speed drifts), after a warm-up block; clipping on throughout (``--clip 0``: off, the
+    probes then run at every ``--unclipped-every``-th step)."""
     seed_everything(0)
     data = _data(args)
     model = _model(args.model, len(data.tokenizer), args.hidden)
     optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=args.lr), rank=args.rank, min_dim=64,
-                        projectors="random", max_grad_norm=args.clip)
+                        projectors="random", max_grad_norm=args.clip or None)
     batches = itertools.cycle(list(itertools.islice(iter(data.train_dataloader()), 64)))
 
     def step(_: int) -> None:
@@ -167,20 +172,28 @@ def probe_cost(args: argparse.Namespace) -> dict:
         optimizer.close()
     # Every timed step of a setting pooled: a block is too short for a median of its own to settle.
     on, off = (spread(itertools.chain.from_iterable(blocks[setting])).median for setting in ("on", "off"))
+    # Unclipped, a quarter of the steps probe: the median step is an unprobed one, so the mean of each block's steps
+    # (median over blocks) is what tells the cost.
+    block_means = {setting: statistics.median(statistics.mean(block) for block in blocks[setting])
+                   for setting in ("on", "off")}
     return {"model": args.model, "hidden": args.hidden, "rank": args.rank, "probes": args.probes,
-            "steps_per_block": args.steps, "repeats": args.repeats, "step_seconds_probes_on": on,
-            "step_seconds_probes_off": off, "cost": on / off - 1.0, "threads": torch.get_num_threads()}
+            "clip": args.clip, "unclipped_every": args.unclipped_every, "steps_per_block": args.steps,
+            "repeats": args.repeats, "step_seconds_probes_on": on,
+            "step_seconds_probes_off": off, "cost": on / off - 1.0,
+            "block_mean_seconds_probes_on": block_means["on"], "block_mean_seconds_probes_off": block_means["off"],
+            "cost_of_block_means": block_means["on"] / block_means["off"] - 1.0, "threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     begin_run(args, __file__, argv)
-    probes, window = norm_probe.PROBES, norm_probe.WINDOW_STEPS
-    norm_probe.PROBES, norm_probe.WINDOW_STEPS = args.probes, args.window
+    settings = norm_probe.PROBES, norm_probe.WINDOW_STEPS, norm_probe.UNCLIPPED_EVERY
+    norm_probe.PROBES, norm_probe.WINDOW_STEPS, norm_probe.UNCLIPPED_EVERY = (args.probes, args.window,
+                                                                              args.unclipped_every)
     try:
         result = probe_cost(args) if args.timing else estimate_after_training(args)
     finally:
-        norm_probe.PROBES, norm_probe.WINDOW_STEPS = probes, window
+        norm_probe.PROBES, norm_probe.WINDOW_STEPS, norm_probe.UNCLIPPED_EVERY = settings
     print(json.dumps(result, indent=2))
     write_json(args.json, result)
     return result

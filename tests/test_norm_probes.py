@@ -1,5 +1,6 @@
 """The clipping norm stays true while training goes on: each projected layer's ``ρ = ‖S‖/‖G‖`` is re-measured from
-the probes of every step's backward while clipping is in use (``lightning_offload/lsp/norm_probe.py``).
+the probes of every step's backward while clipping is in use, and of every 4th step without clipping, where
+``optimizer.grad_norm()`` is what users log (``lightning_offload/lsp/norm_probe.py``).
 
 Without the probes ``ρ`` keeps the value of the fit (or 1 for random draws) while training changes how much of each
 gradient the subspace holds: on the tiny LLaMA below the estimate read 0.77–0.90× (random, lr 1e-2) and 0.75–0.84×
@@ -137,24 +138,40 @@ def _estimate_over_true(model: nn.Module, optimizer: Any, batches: list) -> floa
     return statistics.median(ratios)
 
 
+# Unclipped, grad_norm() is what users log and pick max_grad_norm from, and only every UNCLIPPED_EVERY-th step is
+# measured: at these rates, which unclipped are rougher, one data order's median reads 0.82-1.12 (random: 1.04, 0.82,
+# 0.99; learned: 1.12, 1.00, 0.98 over orders 0-2; 0.73-0.86 without the probes), so the median over three orders is
+# what is held to 10% (the small LLaMA of scripts/benchmark_clip_norm.py reads 0.95-1.01 from one order).
+DATA_ORDERS = {1.0: (0,), None: (0, 1, 2)}
+
+
+def _estimates_over_true(projectors: str, max_grad_norm: float | None) -> tuple[float, list[bool]]:
+    """The median over :data:`DATA_ORDERS` of :func:`_estimate_over_true` after :data:`STEPS` steps, and whether
+    every projected layer's averages had replaced its ``ρ``."""
+    ratios, measured = [], []
+    for seed in DATA_ORDERS[max_grad_norm]:
+        model, optimizer, batches = _train(projectors, STEPS, max_grad_norm, seed=seed)
+        ratios.append(_estimate_over_true(model, optimizer, batches))
+        measured += [layer.norm_probe.ready() for layer in optimizer.projected_layers]
+        optimizer.close()
+    return statistics.median(ratios), measured
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("projectors", ["random", "learned"])
-def test_the_clipping_norm_is_within_ten_percent_after_training(projectors: str) -> None:
-    model, optimizer, batches = _train(projectors, STEPS)
-    ratio = _estimate_over_true(model, optimizer, batches)
-    measured = [layer.norm_probe.ready() for layer in optimizer.projected_layers]
-    optimizer.close()
+def test_the_clipping_norm_is_within_ten_percent_after_training(projectors: str, max_grad_norm: float | None) -> None:
+    ratio, measured = _estimates_over_true(projectors, max_grad_norm)
     assert all(measured)
     assert 0.9 <= ratio <= 1.1, ratio
 
 
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("projectors", ["random", "learned"])
-def test_without_the_probes_the_estimate_drifts_past_ten_percent(projectors: str,
+def test_without_the_probes_the_estimate_drifts_past_ten_percent(projectors: str, max_grad_norm: float | None,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # What the probes correct: the same training with ρ left as the fit (or the draw) set it.
     monkeypatch.setattr(norm_probe, "PROBES", 0)
-    model, optimizer, batches = _train(projectors, STEPS)
-    ratio = _estimate_over_true(model, optimizer, batches)
-    optimizer.close()
+    ratio, _ = _estimates_over_true(projectors, max_grad_norm)
     assert ratio < 0.9, ratio
 
 
@@ -192,8 +209,8 @@ def test_a_checkpoint_written_before_the_probes_loads_and_starts_their_averages(
 
 
 @pytest.mark.parametrize("clipping", ["none", "value"])
-def test_runs_that_do_not_clip_by_norm_never_probe_and_keep_their_results(clipping: str,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runs_that_do_not_clip_by_norm_probe_every_fourth_step_and_keep_their_results(
+        clipping: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def run() -> tuple[dict[str, torch.Tensor], list[int]]:
         torch.manual_seed(0)
         model = tiny_hf_model("llama")
@@ -205,14 +222,15 @@ def test_runs_that_do_not_clip_by_norm_never_probe_and_keep_their_results(clippi
             optimizer.step()
             optimizer.zero_grad()
         optimizer.settle()
-        draws = [layer.norm_probe.draws + layer.norm_probe.window_steps for layer in optimizer.projected_layers]
+        draws = [layer.norm_probe.window_steps for layer in optimizer.projected_layers]
         optimizer.close()
         return params_of(model), draws
 
     probed, draws = run()
     monkeypatch.setattr(norm_probe, "PROBES", 0)  # the measurement off: what runs did before it existed
-    unprobed, _ = run()
-    assert draws == [0] * len(draws)
+    unprobed, unmeasured = run()
+    steps = norm_probe.WINDOW_STEPS + 2
+    assert draws == [steps // norm_probe.UNCLIPPED_EVERY] * len(draws) and unmeasured == [0] * len(draws)
     for name, value in unprobed.items():
         assert torch.equal(probed[name], value), name
 

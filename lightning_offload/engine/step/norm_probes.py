@@ -22,8 +22,8 @@ from lightning_offload.lsp.norm_probe import pooled_ratio
 @torch.no_grad()
 def measure_norm_ratios(slots: Sequence[Slot], ranks: RankShards | None, clip: Clip) -> None:
     """Add this step's ``‖S‖²`` and ``‖G z‖²/m`` to each probed layer's averages, replace the ``ρ`` of every layer
-    measured long enough by the averages' ratio, and turn the next step's probes on when this step was clipped by
-    norm (off otherwise).
+    measured long enough by the averages' ratio, and say whether the next step probes (after a step clipped by norm,
+    and at a sparser cadence without: :data:`~lightning_offload.lsp.norm_probe.UNCLIPPED_EVERY`).
 
     Args:
         slots: the engine's slots (projected ones are measured).

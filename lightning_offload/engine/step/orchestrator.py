@@ -145,7 +145,7 @@ class StepOrchestrator:
             return
         if edited:
             self._take_edits(edited)
-        measure_norm_ratios(self.slots, self.lanes.ranks, clip)  # ρ kept true while clipping is in use
+        measure_norm_ratios(self.slots, self.lanes.ranks, clip)  # ρ kept true for the norm's readers
         step = self.host_jobs.take_step()
         for slot in self.slots:
             slot.count_device_buffers(step)
