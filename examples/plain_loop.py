@@ -43,8 +43,8 @@ def main(steps: int = 40, accumulation: int = 2) -> list[float]:
         optimizer.zero_grad()
         losses.append(total)
     optimizer.settle()  # pending updates applied: the weights are this step's, ready to read or save
-    # To resume later, save {"model": model.state_dict(), "optimizer": optimizer.state_dict()} now, and restore the
-    # model's state before optimizer.load_state_dict(...).
+    # To resume later, save {"model": model.state_dict(), "optimizer": optimizer.state_dict()} now, and load both
+    # (in either order, as with torch.optim) into a model and optimizer set up the same way.
     optimizer.close()  # applies what is pending, gives the model back as it was
     return losses
 
