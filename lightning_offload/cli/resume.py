@@ -77,10 +77,10 @@ def check_checkpoint_fits_strategy(cfg: DictConfig, policy: OffloadPolicy) -> No
         raise SettingsError(torch_state_under_offload())
     if kind == "offload" and offloads:
         state = checkpoint["optimizer_states"][0]
-        run_projects = bool(getattr(policy.strategy.settings, "projection", False))
+        run_projects = policy.strategy.settings.projection  # what every offload strategy's settings say
         if written_with_projection(state) and not run_projects:
             raise SettingsError(other_offload_strategy("lsp_offload", policy.strategy.strategy_name))
-        if not written_with_projection(state) and run_projects and policy.strategy.strategy_name.startswith("lsp"):
+        if not written_with_projection(state) and run_projects:
             # No projected layer in it: zero_offload's state (or that of an lsp_offload run that projected none, which
             # said so when it ran).
             raise SettingsError(other_offload_strategy("zero_offload", policy.strategy.strategy_name))

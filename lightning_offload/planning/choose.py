@@ -98,8 +98,8 @@ def _grid(strategies: Sequence[str], ranks: Sequence[float], placements: Sequenc
 
 #: Settings that choose() takes as a grid, by the name plan() takes one value under: each singular name is refused.
 GRID_ARGUMENTS = {"batch_size": "batch_sizes=[...]", "gradient_checkpointing": "checkpointing=[...]",
-                  "rank": "ranks=[...]", "strategy": "strategies=[...]", "embeddings": "placements=[(embeddings, head)]",
-                  "head": "placements=[(embeddings, head)]"}
+                  "rank": "ranks=[...]", "strategy": "strategies=[...]",
+                  "embeddings": "placements=[(embeddings, head)]", "head": "placements=[(embeddings, head)]"}
 
 
 def choose(model: nn.Module, *, seq_len: int, device_memory: int | float | str, precision: str = "bf16-mixed",
