@@ -19,8 +19,25 @@ from lightning_offload.setup import hardware_precision as hp
 
 
 def test_the_probe_measures_a_positive_ratio() -> None:
-    ratio = hp.bf16_matmul_slowdown(size=(16, 32, 32), repeats=1)
+    ratio = hp.bf16_matmul_slowdown(size=(16, 32, 32), rounds=1)
     assert ratio > 0 and ratio == ratio  # finite and not NaN
+
+
+def test_a_burst_of_other_work_does_not_move_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A clock that advances by each product's cost: bf16 native at 0.3x fp32, and a burst of other work making the
+    # 5th to 8th products 20x slower (the bf16 warm-up and timed products of a probe that ran fp32 first, then bf16),
+    # as a busy machine did (it read 1.8x and trained in fp32).
+    clock, products = [0.0], []
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> None:
+        products.append(a.dtype)
+        burst = 20.0 if 5 <= len(products) <= 8 else 1.0
+        clock[0] += (0.3e-3 if a.dtype == torch.bfloat16 else 1e-3) * burst
+
+    monkeypatch.setattr(hp.torch, "mm", product)
+    monkeypatch.setattr(hp.time, "perf_counter", lambda: clock[0])
+    assert hp.bf16_matmul_slowdown() == pytest.approx(0.3)
+    assert products.count(torch.bfloat16) == products.count(torch.float32) == 10  # a warm-up and 9 rounds each
 
 
 @pytest.mark.parametrize("ratio, expected", [(0.5, "bf16-mixed"), (1.0, "bf16-mixed"), (2.8, "32-true"),
