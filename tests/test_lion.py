@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lightning_offload import LSPOffloadStrategy, Lion, offload, signed_permutation_projector
-from lightning_offload.lsp.projector import random_projector
+from lightning_offload.lsp.projector import SparseProjector, random_projector
 from lightning_offload.lsp.rotation import coordinate_map
-from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
+from tiny_modules import ProjectedUpdateRMS, TinyCausalLM, tiny_hf_model, token_data, trainer
 
 LR, DECAY, STEPS = 3e-3, 0.1, 10
 LOSSLESS = dict(rank=1.0, density=1, min_dim=16, projector_factory=signed_permutation_projector)
@@ -143,6 +143,50 @@ def test_the_trainer_s_lsp_offload_with_lion_equals_plain_lightning_with_lion() 
         trainer(strategy, max_steps=STEPS, gradient_clip_val=0.5).fit(module, token_data(n=4 * STEPS, batch_size=4))
         runs.append(module.model)
     _assert_same_weights(runs[1], runs[0])
+
+
+class ConstantLion(TinyCausalLM):
+    """Lion at one rate, without decay: each step changes every element of a dense weight by exactly ``LR``."""
+
+    def configure_optimizers(self) -> Any:
+        return Lion(self.parameters(), lr=LR)
+
+
+@pytest.mark.parametrize("projectors", ["random", "learned"])
+def test_under_projection_lion_steps_each_element_by_lr_on_average(projectors: str) -> None:
+    # Dense Lion's step is ±lr per element (RMS exactly lr, where no gradient is exactly 0). Expanded through random
+    # projectors it read 1.12–1.15× lr; the expanded step now takes U's per-element RMS (measured on every row of
+    # these small weights). U is 0 where a compressed row or column is hit by no coordinate (density 2 at rank 0.5
+    # leaves ~2% of them empty: S, its moment and its sign are 0 there), so U's RMS, and the step's, is a little under
+    # lr, never over it.
+    strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors=projectors, embeddings="host",
+                                  pipelined=False)
+    sizes = ProjectedUpdateRMS(strategy)
+    trainer(strategy, max_steps=6, callbacks=[sizes]).fit(ConstantLion(tiny_hf_model("llama")),
+                                                          token_data(n=24, batch_size=4))
+    assert len(sizes.rms) == 6
+    for rms in sizes.rms:
+        assert 0.97 * LR <= rms <= LR * (1 + 1e-6), rms / LR
+
+
+def test_the_rms_measured_on_sampled_rows_is_the_whole_update_s_within_a_few_percent() -> None:
+    # Past RMS_SAMPLE_ROWS rows of W the RMS is measured on evenly spaced rows: over a wide layer's real shape (2752 ×
+    # 1024 at rank 0.25, 8 nonzeros) and the signs of a compressed gradient (U = lr·sign(A G Bᵀ), which follow the
+    # projectors as training's do: expanded, 1.14× lr), the whole expanded update's RMS lands within 3% of U's.
+    from lightning_offload.lsp.linear import RMS_SAMPLE_ROWS, match_element_rms_
+
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = 2752, 1024
+    row_projector = SparseProjector.random(rows, rows // 4, 8, generator=generator)
+    col_projector = SparseProjector.random(cols, cols // 4, 8, generator=generator)
+    gradient = torch.randn(rows, cols, generator=generator)
+    update = LR * torch.sign(col_projector.compress_rows(row_projector.compress_rows(gradient).t()).t())
+    half = col_projector.expand_rows(update.t()).t().contiguous()  # U B: d_o × cols
+    unscaled = float(row_projector.expand_rows(half).square().mean().sqrt()) / LR
+    match_element_rms_(half, row_projector, update)
+    rescaled = float(row_projector.expand_rows(half).square().mean().sqrt()) / LR
+    assert rows > RMS_SAMPLE_ROWS and abs(unscaled - 1) > 0.05  # there was something to correct
+    assert rescaled == pytest.approx(1.0, abs=0.03)
 
 
 def test_lion_keeps_one_moment_per_tensor_on_the_host() -> None:

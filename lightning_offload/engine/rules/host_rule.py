@@ -40,6 +40,9 @@ class HostRule:
         check: ``(optimizer) -> None``: refuse a configuration of the user's optimizer the rule cannot step.
         rows: whether the engine's row Adam steps it (``embeddings="sparse"``, MEFT's adapter rows).
         scaled: whether ``update="scaled"`` can take its direction (the scaled rule's scales read Adam's).
+        one_step_size: whether every element's step has one size (Lion's sign): a projected weight's expanded update
+            then takes the host update's per-element RMS, which the expansion does not keep
+            (:meth:`~lightning_offload.lsp.linear.ProjectedWeight.apply_update`).
     """
 
     name: str
@@ -54,6 +57,7 @@ class HostRule:
     check: Callable[[Optimizer], None] = lambda optimizer: None
     rows: bool = False
     scaled: bool = False
+    one_step_size: bool = False
 
     def hparams_of(self, group: dict[str, Any]) -> dict[str, Any]:
         """The hyper-parameters of a user group that the stepping optimizer copies before each step."""

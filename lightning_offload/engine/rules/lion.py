@@ -87,4 +87,5 @@ LION = register_host_rule(HostRule(
     decoupled=lambda optimizer, group: True,  # Lion's decay multiplies the weight, always
     moments=1,
     step_bytes=0,  # Lion counts no steps
+    one_step_size=True,  # ±lr per element: an expanded step keeps that size (per-element RMS)
 ))

@@ -186,7 +186,7 @@ class ProjectedSlot(HostStepSlot):
         self.timeline.add("device_wait", self.name, start, time.perf_counter())
         if lanes.ranks is not None:
             lanes.ranks.broadcast_(update, src=self.owner)  # the other ranks apply the same U
-        self.layer.apply_update(update, self.decay, self.generator)
+        self.layer.apply_update(update, self.decay, self.generator, lanes.rule.one_step_size)
         if self.ring_index is not None:
             # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
             lanes.ring.release(self.ring_index, lanes.link.compute_event())

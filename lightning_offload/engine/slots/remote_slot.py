@@ -107,6 +107,6 @@ class RemoteSlot(Slot):
         lanes.ranks.broadcast_(update, src=self.owner)
         self.timeline.add("device_wait", self.name, start, time.perf_counter())
         # Applied as the owner applies it: the same decay, the same rounding generator.
-        self.layer.apply_update(update, self.decay, self.generator)
+        self.layer.apply_update(update, self.decay, self.generator, lanes.rule.one_step_size)
         if index is not None:
             lanes.ring.release(index, lanes.link.compute_event())
