@@ -11,8 +11,9 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 
-from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, offload
+from lightning_offload import FabricOffload, FabricZeroOffload, LSPOffloadStrategy, ZeroOffloadStrategy, offload
 from tiny_modules import TinyCausalLM, params_of, tiny_hf_model, token_data, trainer
 
 STRATEGIES = {
@@ -101,6 +102,31 @@ def test_a_plain_loop_s_model_copies_and_saves_mid_run(setting: str) -> None:
                     _check_copy(model, make_copy(model), ids)
         optimizer.close()
         return params_of(model)
+
+    with_copies, without = train(True), train(False)
+    for name in without:
+        assert torch.equal(with_copies[name], without[name]), name
+
+
+FABRIC_STRATEGIES = {"lsp": lambda: FabricOffload(projectors="random", rank=0.5, density=2, min_dim=16),
+                     "zero": lambda: FabricZeroOffload()}
+
+
+@pytest.mark.parametrize("strategy", FABRIC_STRATEGIES)
+def test_fabric_s_model_copies_and_saves_mid_run(strategy: str) -> None:
+    def train(copy_each_step: bool) -> dict[str, torch.Tensor]:
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=FABRIC_STRATEGIES[strategy]())
+        model = tiny_hf_model("llama")
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        for (ids,) in token_data(n=16, batch_size=4):
+            fabric.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if copy_each_step:
+                for make_copy in COPIES.values():  # the module as Fabric hands it back, and the user's own inside
+                    _check_copy(model.module, make_copy(model.module), ids)
+                    _check_copy(model.module, make_copy(model).module, ids)
+        return params_of(model.module)
 
     with_copies, without = train(True), train(False)
     for name in without:
