@@ -95,6 +95,9 @@ class NormProbe:
         self.window_steps = 0
 
     # ------------------------------------------------------------------------------------------------ one step
+    # Run eagerly under torch.compile: the draw is seeded by the count of measured steps, which a traced graph would
+    # take as a constant and so recompile at every measured step.
+    @torch.compiler.disable
     def probe(self, in_features: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         """This step's probes ``z`` (``i × m``, ``±1`` in ``dtype``): drawn at the step's first forward, then kept
         until the step is measured, so every micro-batch (and a checkpointed layer's recomputation) uses the same."""
