@@ -253,6 +253,26 @@ def test_inputs_are_standardised_over_the_calibration_batches_and_kept(calibrati
     assert torch.equal(plain.adapter_input(seen[0]), seen[0])
 
 
+def test_an_evaluation_during_calibration_adds_nothing_to_it() -> None:
+    # In eval mode (Lightning's validation, a reader's model.eval()) the adapter reads the statistics as they are: the
+    # calibration, and so the run, is the same whether or not something was evaluated mid-way (it took the
+    # evaluation's tokens in before, and an evaluation forward between training steps changed the training after it).
+    data = batches(4, pad_last=4)
+    straight, evaluated = meft_model(calibration_batches=3), meft_model(calibration_batches=3)
+    with torch.no_grad():
+        for batch in data[:3]:
+            straight(**batch)
+        evaluated(**data[0])
+        evaluated.eval()
+        evaluated(**data[3])  # other tokens, read in eval mode
+        evaluated.train()
+        for batch in data[1:3]:
+            evaluated(**batch)
+    a, b = meft_adapters(straight)[0], meft_adapters(evaluated)[0]
+    assert int(b.input_batches) == 3 and bool(b.input_calibrated)
+    assert torch.equal(a.input_mean, b.input_mean) and torch.equal(a.input_inv_scale, b.input_inv_scale)
+
+
 def test_calibration_resumed_midway_continues_the_same_estimate() -> None:
     data = batches(3, pad_last=4)
     straight = meft_model(calibration_batches=3)

@@ -1,5 +1,6 @@
 """Copies and saves of a model in training: ``copy.deepcopy(model)``, ``torch.optim.swa_utils.AveragedModel(model)``
-(EMA and SWA callbacks) and ``torch.save(model)`` work mid-run under every strategy and face, each copy is a plain model
+(EMA and SWA callbacks) and ``torch.save(model)`` work mid-run under every strategy (MEFT's adapters included) and
+face, each copy is a plain model
 holding the current weights, and training after them is bit for bit what it is without them."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from lightning_offload import FabricOffload, FabricZeroOffload, LSPOffloadStrategy, ZeroOffloadStrategy, offload
+from lightning_offload import (FabricOffload, FabricZeroOffload, LSPOffloadStrategy, MEFTConfig, MEFTOffloadStrategy,
+                               ZeroOffloadStrategy, inject_meft, meft_state_dict, offload)
 from tiny_modules import TinyCausalLM, params_of, tiny_hf_model, token_data, trainer
 
 STRATEGIES = {
@@ -104,6 +106,28 @@ def test_a_plain_loop_s_model_copies_and_saves_mid_run(setting: str) -> None:
         return params_of(model)
 
     with_copies, without = train(True), train(False)
+    for name in without:
+        assert torch.equal(with_copies[name], without[name]), name
+
+
+def _meft_fit(callbacks: list[pl.Callback]) -> dict[str, torch.Tensor]:
+    model = tiny_hf_model("llama")
+    inject_meft(model, MEFTConfig(num_neurons=64, top_k=4, num_experts=8, experts_per_token=2))
+    module = TinyCausalLM(model)  # AdamW with weight decay: idle experts owe decay that reads and copies show
+    trainer(MEFTOffloadStrategy(), max_steps=4, callbacks=callbacks).fit(module, token_data(n=16))
+    return {**params_of(module), **{name: value.clone() for name, value in meft_state_dict(model).items()}}
+
+
+@pytest.mark.parametrize("copy_kind", COPIES)
+def test_a_meft_model_s_copy_mid_run_holds_the_current_adapters_and_changes_nothing(copy_kind: str) -> None:
+    # The adapters' rows live on the host under the engine: a copy holds them as a read shows them (the decay idle
+    # experts owe shown), routes its own mask, and has no engine; training after it is bit for bit the same.
+    ids = next(iter(token_data(n=4)))[0]
+    copier = _Copier(COPIES[copy_kind], ids)
+    with_copies = _meft_fit([copier])
+    assert copier.copies == 4
+    without = _meft_fit([])
+    assert with_copies.keys() == without.keys()
     for name in without:
         assert torch.equal(with_copies[name], without[name]), name
 

@@ -199,12 +199,14 @@ class MEFTAdapter(nn.Module):
     def adapter_input(self, flat: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """``x = (h − μ)/σ`` for flattened states ``[T, h]`` (``h`` itself when ``standardize_inputs`` is off).
 
-        The first ``calibration_batches`` calls calibrate ``μ``/``σ`` on their real tokens (``valid``) unless they
-        were loaded.
+        The first ``calibration_batches`` training-mode calls calibrate ``μ``/``σ`` on their real tokens (``valid``)
+        unless they were loaded. An evaluation (the module in eval mode, as Lightning's validation and a reader's
+        ``model.eval()`` put it) reads the statistics as they are and adds nothing: training's calibration, and so the
+        run, does not depend on whether or when anything was evaluated (as a BatchNorm's running statistics).
         """
         if not self.config.standardize_inputs:
             return flat
-        if not self._calibrated:
+        if not self._calibrated and self.training:
             self._calibrate(flat, valid if valid is not None else torch.ones(flat.shape[0], dtype=torch.bool,
                                                                              device=flat.device))
         return (flat - self.input_mean.to(flat.dtype)) * self.input_inv_scale.to(flat.dtype)
@@ -325,6 +327,21 @@ class MEFTAdapter(nn.Module):
                 accumulator.index_add_(0, rows, grad.detach().float().cpu())
 
         return sink
+
+    # ------------------------------------------------------------------ copies: deepcopy, AveragedModel, torch.save
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy of the adapter (an EMA's deepcopy, SWA's AveragedModel, ``torch.save`` of the model) is a plain
+        adapter: its rows as a read shows them (pending updates applied, the decay idle blocks owe shown; training
+        afterwards is unchanged), fresh gradient accumulators, and no engine behind it."""
+        self.wait_for_update(reading=True)
+        state = self.__dict__.copy()
+        rows = self.host
+        state["host"] = _HostRows(rows.keys.clone(), rows.values.clone(), torch.zeros_like(rows.keys),
+                                  torch.zeros_like(rows.values),
+                                  *(torch.zeros_like(rows.touched) for _ in range(3)),
+                                  expert_counts=None if rows.expert_counts is None else rows.expert_counts.clone())
+        state.update(row_pipeline=None, rows_slot=None, _row_block=None, _block_views=None, attention_mask=None)
+        return state
 
     # ------------------------------------------------------------------ state dict: host rows, saved on the host
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:

@@ -104,18 +104,30 @@ def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
         replace_submodule(model, name, MEFTFFN(ffn, adapter))
         adapters.append(adapter)
 
-    def hand_over_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        mask = kwargs.get("attention_mask")
-        for adapter in adapters:
-            adapter.attention_mask = mask if torch.is_tensor(mask) and mask.ndim == 2 else None
-
-    hook = model.register_forward_pre_hook(hand_over_mask, with_kwargs=True)
+    hook = model.register_forward_pre_hook(MaskHandOver(adapters), with_kwargs=True)
     # What unload_meft (lightning_offload.meft.export) needs to give the base back exactly as it was.
     model.__dict__["_meft_injection"] = MEFTInjection(config, [name for name, _ in targets], hook, requires_grad,
                                                       model.__dict__.get("save_pretrained"))
     if callable(getattr(model, "save_pretrained", None)):
         model.__dict__["save_pretrained"] = _refuse_save_pretrained
     return adapters
+
+
+class MaskHandOver:
+    """The model's forward pre-hook that hands each forward's attention mask (padding) to the adapters. An object,
+    not a closure: a copy of the model (deepcopy, ``torch.save``) gets one handing the mask to its own adapters.
+
+    Args:
+        adapters: the model's adapters.
+    """
+
+    def __init__(self, adapters: list[MEFTAdapter]) -> None:
+        self.adapters = adapters
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        for adapter in self.adapters:
+            adapter.attention_mask = mask if torch.is_tensor(mask) and mask.ndim == 2 else None
 
 
 @dataclass
