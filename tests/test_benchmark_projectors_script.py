@@ -96,7 +96,7 @@ def test_shared_lr_report_says_where_adamw_gained_nothing():
 
 
 def test_block_diagonal_draws_mix_coordinates_only_within_their_block():
-    from lightning_offload.lsp.linear import update_scale
+    from lightning_offload.lsp.update_size import update_scale
 
     draw = _shared_lr_script().block_diagonal_projector(4)
     projector = draw(128, 32, 8, torch.Generator().manual_seed(0), torch.device("cpu"))

@@ -173,7 +173,7 @@ def test_the_rms_measured_on_sampled_rows_is_the_whole_update_s_within_a_few_per
     # Past RMS_SAMPLE_ROWS rows of W the RMS is measured on evenly spaced rows: over a wide layer's real shape (2752 ×
     # 1024 at rank 0.25, 8 nonzeros) and the signs of a compressed gradient (U = lr·sign(A G Bᵀ), which follow the
     # projectors as training's do: expanded, 1.14× lr), the whole expanded update's RMS lands within 3% of U's.
-    from lightning_offload.lsp.linear import RMS_SAMPLE_ROWS, match_element_rms_
+    from lightning_offload.lsp.update_size import RMS_SAMPLE_ROWS, match_element_rms_
 
     generator = torch.Generator().manual_seed(0)
     rows, cols = 2752, 1024

@@ -90,7 +90,7 @@ def test_an_initial_fit_that_ends_above_its_threshold_is_warned():
 def test_random_draws_leave_the_update_scale_exactly_one():
     """The README promises random projectors' arithmetic untouched: c = 1 exactly at every density."""
     from lightning_offload import random_projector
-    from lightning_offload.lsp.linear import update_scale
+    from lightning_offload.lsp.update_size import update_scale
 
     generator = torch.Generator().manual_seed(0)
     for density in range(1, 13):

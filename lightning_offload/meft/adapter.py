@@ -18,10 +18,8 @@ thread while the FFN computes. :func:`~lightning_offload.meft.injection.inject_m
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +28,7 @@ from torch import nn
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.host_rows import HostRows, fetch_pool
 from lightning_offload.meft.routing import Routing, expert_key_scores, select_experts, select_neurons
 
 
@@ -42,70 +41,6 @@ class _Prefetch:
     rows: torch.Tensor  # sorted unique row ids (host)
     index: torch.Tensor  # [T, k] positions in ``rows``
     gathered: Future
-
-
-#: The process's one fetch thread, started at the first gather. It is the process's, not an adapter's or a model's:
-#: an idle thread costs nothing, an adapter may be copied or pickled (a thread cannot), and concurrent.futures joins it
-#: when the interpreter exits.
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _fetch_pool() -> ThreadPoolExecutor:
-    # One host thread gathers rows for every adapter: gathers are memory-bound, more threads would only contend.
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meft-fetch")
-    return _POOL
-
-
-def _forget_fetch_pool() -> None:
-    # A forked child (DDP's fork launcher, a fork of one's own) has the pool but not its thread (fork copies only the
-    # calling thread), and the pool believes that thread idle: a gather submitted to it would never run, and the
-    # forward would wait for it forever. The child starts its own thread at its first gather.
-    global _POOL
-    _POOL = None
-
-
-os.register_at_fork(after_in_child=_forget_fetch_pool)
-
-
-@dataclass
-class RowTraffic:
-    """Rows and bytes an adapter moved since the counters were last read."""
-
-    rows: int = 0
-    bytes_to_device: int = 0
-    bytes_to_host: int = 0
-
-
-@dataclass
-class _HostRows:
-    """The host side of one adapter: parameters, gradient accumulators and the set of rows touched.
-
-    Without ``meft_offload`` the accumulators sum gradients like ``.grad`` (zero-initialised, added to). Under it, a
-    row's accumulator holds this step's sum only where ``written_keys`` / ``written_values`` say so: the step's first
-    gradient of a row is copied in rather than added, so no pass ever zeroes the rows a step consumed, and a step's
-    only gradient of a matrix is kept where it landed until something reads the accumulators (``before_read``; see
-    :meth:`summed_gradients`).
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    grad_keys: torch.Tensor
-    grad_values: torch.Tensor
-    touched: torch.Tensor  # bool [N]: rows fetched with gradients enabled since the last step
-    written_keys: torch.Tensor  # bool [N]: rows of grad_keys holding this step's sum (under meft_offload)
-    written_values: torch.Tensor  # bool [N]: likewise for grad_values
-    traffic: RowTraffic = field(default_factory=RowTraffic)
-    expert_counts: torch.Tensor | None = None
-    #: Under ``meft_offload``: puts the step's gradients kept where they landed into the accumulators.
-    before_read: Callable[[], None] | None = None
-
-    def summed_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of this step's summed key and value gradients, zero in rows that received none."""
-        if self.before_read is not None:
-            self.before_read()
-        return (self.grad_keys * self.written_keys.unsqueeze(1), self.grad_values * self.written_values.unsqueeze(1))
 
 
 class MEFTAdapter(nn.Module):
@@ -138,7 +73,7 @@ class MEFTAdapter(nn.Module):
         self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
         with torch.no_grad():
             self.router.weight.copy_(keys.view(config.num_experts, -1, hidden_size).mean(dim=1))
-        self.host = _HostRows(keys, values, torch.zeros_like(keys), torch.zeros_like(values),
+        self.host = HostRows(keys, values, torch.zeros_like(keys), torch.zeros_like(values),
                               *(torch.zeros(config.num_neurons, dtype=torch.bool) for _ in range(3)),
                               expert_counts=torch.zeros(config.num_experts, dtype=torch.int64))
         # Device routing reads a bf16 copy of the keys; a buffer so `.to(device)` moves it, non-persistent because the
@@ -253,7 +188,7 @@ class MEFTAdapter(nn.Module):
         index[valid] = local
         rows = rows.cpu()
         pin = flat.device.type == "cuda"
-        gathered = _fetch_pool().submit(self._gather, rows, pin, link_dtype(x))
+        gathered = fetch_pool().submit(self._gather, rows, pin, link_dtype(x))
         return _Prefetch(routing, x, rows, index, gathered)
 
     def _gather(self, rows: torch.Tensor, pin: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +271,7 @@ class MEFTAdapter(nn.Module):
         self.wait_for_update(reading=True)
         state = self.__dict__.copy()
         rows = self.host
-        state["host"] = _HostRows(rows.keys.clone(), rows.values.clone(), torch.zeros_like(rows.keys),
+        state["host"] = HostRows(rows.keys.clone(), rows.values.clone(), torch.zeros_like(rows.keys),
                                   torch.zeros_like(rows.values),
                                   *(torch.zeros_like(rows.touched) for _ in range(3)),
                                   expert_counts=None if rows.expert_counts is None else rows.expert_counts.clone())
