@@ -122,6 +122,22 @@ def test_checkpointing_keeps_less_than_the_whole_forward() -> None:
     assert doubled.device_parts["activations"] == 2 * found.device_parts["activations"]
 
 
+def test_a_model_with_hugging_face_s_checkpointing_on_in_train_mode_plans_as_without_it() -> None:
+    # HF's checkpointing in training runs without a cache, which made transformers look for packed sequences by reading
+    # the meta positions' values (Tensor.item() on meta): plan() and choose() crashed, and a checkpointed forward would
+    # have hidden every block's saves from the measurement. The plan works checkpointing out itself.
+    common = dict(batch_size=2, seq_len=16, device_memory="1GiB", precision="32-true", hardware=CPU,
+                  gradient_checkpointing=True)
+    checkpointed = _model()
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    got = plan(checkpointed, "lsp_offload", **common)
+    assert checkpointed.model.gradient_checkpointing  # the user's setting is given back
+    assert got.figures() == plan(_model(), "lsp_offload", **common).figures()
+    assert choose(checkpointed, seq_len=16, device_memory="1GiB", precision="32-true", hardware=CPU,
+                  batch_sizes=(1,), ranks=(0.25,)).best is not None
+
+
 def test_attention_is_counted_as_the_fused_kernels_keep_it() -> None:
     # Flash / memory-efficient attention keeps no T × T probabilities: activations grow linearly with the sequence
     # (the meta device's math path would keep the probabilities, and double the sequence would more than double them).

@@ -144,6 +144,22 @@ def _stand_ins(forwards: Mapping[nn.Module, Any]) -> Iterator[None]:
             del module.forward
 
 
+@contextlib.contextmanager
+def _without_hf_checkpointing(network: nn.Module) -> Iterator[None]:
+    """Measure every block's saves even where the user enabled Hugging Face's gradient checkpointing (the plan works
+    out checkpointing itself, from the blocks). A checkpointed forward would keep only the blocks' inputs, and in
+    training it runs without a cache, which makes Hugging Face look for packed sequences by reading the meta
+    positions' values."""
+    enabled = [m for m in network.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for module in enabled:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in enabled:
+            module.gradient_checkpointing = True
+
+
 #: Measurements at one sequence, per network (a measurement is linear in the batch: planning several batch sizes, or a
 #: chooser's grid, measures each projection once).
 _MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Activations]] = weakref.WeakKeyDictionary()
@@ -208,7 +224,7 @@ def _measure(model: nn.Module, network: nn.Module, seq_len: int, dtype: torch.dt
     network.config.pad_token_id = None
     try:
         hooked = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with _stand_ins(stand_ins), _fused_attention_kernels(), hooked:
+        with _stand_ins(stand_ins), _fused_attention_kernels(), _without_hf_checkpointing(network), hooked:
             functional_call(network, tensors, (), {"input_ids": ids, "labels": ids}, strict=False)
     finally:
         network.config.pad_token_id = pad_token_id
