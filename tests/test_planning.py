@@ -5,6 +5,8 @@ H200 measured), the chooser, the calibration cache and the errors it raises."""
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -177,7 +179,6 @@ def test_a_cpu_step_time_is_said_to_be_a_lower_bound() -> None:
 
 
 def test_the_engines_fixed_cost_per_tensor_is_counted() -> None:
-    from dataclasses import replace
 
     common = dict(batch_size=2, seq_len=64, device_memory="1GiB", precision="32-true")
     quiet = plan(_model(), "lsp_offload", hardware=replace(CPU, seconds_per_offloaded_tensor=0.0), **common)
@@ -210,11 +211,32 @@ def test_calibration_is_measured_once_per_machine(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(calibration, "measure", lambda device, dtype: calls.append(dtype) or CPU)
     assert calibration.calibrate("cpu") == CPU
     assert calibration.calibrate("cpu") == CPU
-    assert len(calls) == 1
+    assert len(calls) == 2  # two measurements that agree, then the kept figures
     stored = json.loads((tmp_path / "planning" / "calibration.json").read_text())
     assert list(stored.values()) == [vars(CPU)]
     calibration.calibrate("cpu", cache=False)
-    assert len(calls) == 2
+    assert len(calls) == 4
+
+
+def test_a_calibration_that_disagrees_with_itself_is_retaken_and_not_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path, caplog) -> None:
+    # A busy machine's measurement (its Adam call 150x slower, as one cached calibration was) is not what is kept:
+    # the next measurement that agrees with another is, at each figure's fastest.
+    monkeypatch.setenv("LIGHTNING_OFFLOAD_CACHE", str(tmp_path))
+    busy = replace(CPU, adam_seconds_per_call=CPU.adam_seconds_per_call * 150, matmul_flops=CPU.matmul_flops / 3)
+    quiet_again = replace(CPU, matmul_flops=CPU.matmul_flops * 1.2)
+    taken = iter([busy, CPU, quiet_again])
+    monkeypatch.setattr(calibration, "measure", lambda device, dtype: next(taken))
+    kept = calibration.calibrate("cpu")
+    assert kept == replace(CPU, matmul_flops=CPU.matmul_flops * 1.2)  # the agreeing pair's fastest figures
+    assert list(json.loads((tmp_path / "planning" / "calibration.json").read_text()).values()) == [vars(kept)]
+    # Three that never agree: the fastest serves this call, nothing is kept, and the log says so.
+    (tmp_path / "planning" / "calibration.json").unlink()
+    taken = iter([busy, CPU, replace(CPU, host_bandwidth=CPU.host_bandwidth / 4)])
+    with caplog.at_level(logging.WARNING, logger="lightning_offload.planning.calibration"):
+        assert calibration.calibrate("cpu") == CPU
+    assert not (tmp_path / "planning" / "calibration.json").exists()
+    assert "disagreed with itself" in caplog.text
 
 
 def test_prediction_errors_compare_the_run_summary() -> None:

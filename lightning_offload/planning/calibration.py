@@ -10,17 +10,20 @@ elementwise passes), and on CUDA the pinned copies each way and the device's own
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from lightning_offload.cache import cache_root
 from lightning_offload.lsp.projector import random_projector
+
+log = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cached calibrations are then measured anew.
 CALIBRATION_VERSION = 2
@@ -199,10 +202,52 @@ def host_memory() -> int:
         return 0
 
 
+#: Figures of two measurements that differ by more than this factor disagree: the machine was busy during one.
+AGREEMENT = 1.5
+#: Measurements taken, at most, to find two that agree.
+MEASUREMENTS = 3
+# Each figure of a Hardware a measurement sets, with whether larger is faster and the smallest value told apart
+# (the engine's overhead per tensor may measure as 0: below a microsecond, two figures agree).
+_FIGURES = {"matmul_flops": (True, 1.0), "sparse_seconds_per_nonzero_column": (False, 1e-15),
+            "adam_seconds_per_element": (False, 1e-15), "adam_seconds_per_call": (False, 1e-9),
+            "host_bandwidth": (True, 1.0), "device_bandwidth": (True, 1.0), "link_to_host": (True, 1.0),
+            "link_to_device": (True, 1.0), "seconds_per_offloaded_tensor": (False, 1e-6)}
+
+
+def _agree(first: Hardware, second: Hardware) -> bool:
+    """Whether every figure of two measurements lies within :data:`AGREEMENT` of the other's."""
+    for name, (_, floor) in _FIGURES.items():
+        a, b = max(getattr(first, name), floor), max(getattr(second, name), floor)
+        if max(a, b) > AGREEMENT * min(a, b):
+            return False
+    return True
+
+
+def _fastest(measured: list[Hardware]) -> Hardware:
+    """Each figure at its fastest over ``measured`` (each is already the best of its repeats: the quietest)."""
+    best = {name: (max if larger else min)(getattr(h, name) for h in measured)
+            for name, (larger, _) in _FIGURES.items()}
+    return replace(measured[0], **best)
+
+
+def measure_agreed(device: torch.device, dtype: torch.dtype) -> tuple[Hardware, bool]:
+    """Measure until two measurements agree (at most :data:`MEASUREMENTS`); the figures of the agreeing pair at their
+    fastest, and whether two agreed (``False``: the machine stayed busy; the fastest of all, not to be kept)."""
+    taken = [measure(device, dtype)]
+    while len(taken) < MEASUREMENTS:
+        taken.append(measure(device, dtype))
+        agreeing = [h for h in taken[:-1] if _agree(h, taken[-1])]
+        if agreeing:
+            return _fastest([agreeing[0], taken[-1]]), True
+    return _fastest(taken), False
+
+
 def calibrate(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
               cache: bool = True) -> Hardware:
-    """This machine's speeds on ``device`` (``None``: CUDA when present, else the CPU) in ``dtype``: measured once
-    and kept in ``<cache root>/planning/`` per machine, device, dtype and thread count.
+    """This machine's speeds on ``device`` (``None``: CUDA when present, else the CPU) in ``dtype``: measured until
+    two measurements agree (a busy machine's one-off figures are not kept for good) and kept in
+    ``<cache root>/planning/`` per machine, device, dtype and thread count. Where none agree, the fastest figures
+    serve this call and nothing is kept (said in the log).
 
     Args:
         device: the training device.
@@ -222,8 +267,12 @@ def calibrate(device: torch.device | str | None = None, dtype: torch.dtype = tor
             stored = {}  # an unreadable cache is measured anew
         if key in stored:
             return Hardware(**stored[key])
-    hardware = measure(device, dtype)
-    if cache:
+    hardware, agreed = measure_agreed(device, dtype)
+    if not agreed:
+        log.warning("The planner's calibration of this machine disagreed with itself over %d measurements (the "
+                    "machine is busy): its fastest figures serve this plan, and it is measured again next time.",
+                    MEASUREMENTS)
+    if cache and agreed:
         stored[key] = asdict(hardware)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".tmp")
