@@ -278,6 +278,19 @@ def test_choose_refuses_one_value_of_what_it_tries_as_a_grid(single: str, grid: 
         choose(_model(), seq_len=64, device_memory="1GiB", precision="32-true", hardware=CPU, **{single: value})
 
 
+def test_a_cpu_device_s_memory_is_counted_and_shown_with_the_host_s() -> None:
+    # On a CPU the "device" is the host's memory: a plan whose host bytes alone fit but not with the device's says
+    # both, not "X of Y: DOES NOT FIT" with X < Y.
+    common = dict(batch_size=2, seq_len=16, precision="32-true", hardware=CPU)
+    found = plan(_model(), "lsp_offload", device_memory="1GiB", **common)
+    assert found.device_shares_host_memory
+    between = found.host_bytes + found.device_bytes // 2
+    tight = plan(_model(), "lsp_offload", device_memory="1GiB", host_memory=between, **common)
+    assert tight.host_bytes < between and not tight.fits_host
+    assert "+ the CPU device's" in tight.table() and "in the same memory" in tight.table()
+    assert "DOES NOT FIT" in tight.table()
+
+
 def test_sizes_parse() -> None:
     assert parse_bytes("24GiB", "x") == 24 * 2**30
     assert parse_bytes("4 GB", "x") == 4 * 10**9

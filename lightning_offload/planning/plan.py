@@ -249,7 +249,8 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
                 host_memory=host_memory, fits_device=device_peak <= device_memory * (1 - headroom),
                 fits_host=host_memory == 0 or host_needed <= host_memory, step=step, hardware=hw.name,
                 persistent=dict(parts.persistent), projected_layers=len(found.of("projected", "scaled")),
-                notes=tuple(found.messages), step_is_lower_bound=hw.device == "cpu")
+                notes=tuple(found.messages), step_is_lower_bound=hw.device == "cpu",
+                device_shares_host_memory=shares_memory)
 
 
 def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bool, plain: bool,

@@ -39,6 +39,8 @@ class Plan:
         optimizer: the user's optimizer planned for (its state is what the host keeps; shown where not AdamW).
         step_is_lower_bound: the step time leaves out what dominates on this hardware (a CPU: the model's own Python,
             autograd and elementwise work), so a run takes longer; said in the table.
+        device_shares_host_memory: the device is the CPU, whose memory is the host's: ``fits_host`` counts both, and
+            the table says so.
     """
 
     strategy: str
@@ -66,6 +68,16 @@ class Plan:
     notes: tuple[str, ...] = ()
     step_is_lower_bound: bool = False
     optimizer: str = "AdamW"
+    device_shares_host_memory: bool = False
+
+    def _host_line(self, verdict: str) -> str:
+        """The host memory row: on a CPU device, the device's bytes are in the same memory and counted with it."""
+        memory = gib(self.host_memory) if self.host_memory else "?"
+        rows = f" (adapter rows {gib(self.host_rows_bytes)})" if self.host_rows_bytes else ""
+        if self.device_shares_host_memory:
+            return (f"{gib(self.host_bytes)}{rows} + the CPU device's {gib(self.device_bytes)} in the same memory = "
+                    f"{gib(self.host_bytes + self.device_bytes)} of {memory}: {verdict}")
+        return f"{gib(self.host_bytes)} of {memory}: {verdict}{rows}"
 
     @property
     def fits(self) -> bool:
@@ -138,9 +150,7 @@ class Plan:
                               f"(checkpointing off {gib(self.device_bytes_by_checkpointing[False])}, on "
                               f"{gib(self.device_bytes_by_checkpointing[True])})"),
             ("  parts", ", ".join(f"{k} {gib(v)}" for k, v in self.device_parts.items() if v)),
-            ("host memory", f"{gib(self.host_bytes)} of {gib(self.host_memory) if self.host_memory else '?'}: "
-                            f"{ok(self.fits_host)}"
-                            + (f" (adapter rows {gib(self.host_rows_bytes)})" if self.host_rows_bytes else "")),
+            ("host memory", self._host_line(ok(self.fits_host))),
             ("link / step", f"{self.link_bytes_to_host / 2**20:,.1f} MiB to host, "
                             f"{self.link_bytes_to_device / 2**20:,.1f} MiB to device"),
             ("step time", f"{self.step.step:.3f} s ({self.tokens_per_second:,.0f} tokens/s) on {self.hardware}"
