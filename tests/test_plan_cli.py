@@ -38,6 +38,19 @@ def test_plan_mode_prints_the_plan_and_trains_nothing(tmp_path: Path, monkeypatc
     assert not (run_dir / "summary.json").exists()  # nothing trained, nothing summarised
 
 
+@pytest.mark.parametrize("data", ["bible_genre", "bible_qa"])
+def test_every_task_plans_at_its_longest_sequence(data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The task sets have no block size ("Key 'block_size' is not in struct" left them without a plan): a plan is made
+    # for the longest training example, what a padded batch reaches at most.
+    overrides = [o for o in TINY if not o.startswith("data.")]
+    _, objects = _train([*overrides, f"data={data}", "logger=none", "+plan=true", "main_job.size_to_machine=false"],
+                        tmp_path / "run", monkeypatch, tmp_path)
+    datamodule = objects["datamodule"]
+    datamodule.setup("fit")
+    lengths = [len(example["input_ids"]) for example in datamodule.train_set]
+    assert objects["plan"].batch_size == 16 and objects["plan"].seq_len == max(lengths) > 1
+
+
 def test_plan_choose_prints_the_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     _, objects = _train([*TINY, "logger=none", "+plan=choose", "+plan_device_memory=64MiB"], tmp_path / "run",

@@ -68,8 +68,26 @@ def _device_memory(cfg: DictConfig) -> int | str:
     return host_memory()  # the CPU "device" is the host's memory
 
 
-def plan_of_run(cfg: DictConfig, module: torch.nn.Module, policy: OffloadPolicy) -> Plan:
-    """The plan of the run ``cfg`` describes, for its built module (the policy's method applied) and strategy."""
+def planned_sequence_length(datamodule: Any) -> int:
+    """Tokens per sequence a run's plan is made for: a packed language-modelling set's block size, else the task
+    set's longest training example (what a padded batch reaches at most).
+
+    Raises:
+        ValueError: for a data module that says neither.
+    """
+    block = getattr(datamodule, "block_size", None)
+    if block is not None:
+        return int(block)
+    longest = getattr(datamodule, "longest_sequence", None)
+    if callable(longest):
+        return int(longest())
+    raise ValueError(f"{type(datamodule).__name__} says no sequence length to plan for (a block_size attribute or a "
+                     f"longest_sequence() method).")
+
+
+def plan_of_run(cfg: DictConfig, module: torch.nn.Module, policy: OffloadPolicy, seq_len: int) -> Plan:
+    """The plan of the run ``cfg`` describes, for its built module (the policy's method applied) and strategy, at
+    ``seq_len`` tokens per sequence (:func:`planned_sequence_length`)."""
     strategy, settings = policy_strategy(policy)
     network = next(m for m in module.modules() if hasattr(m, "config"))
     hardware = cfg.get("plan_hardware")
@@ -77,7 +95,7 @@ def plan_of_run(cfg: DictConfig, module: torch.nn.Module, policy: OffloadPolicy)
         raise ValueError(f"plan_hardware={hardware!r} is not a known profile; use one of {sorted(PROFILES)}.")
     device = "cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") \
         else "cpu"
-    return plan(module, strategy, batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.block_size),
+    return plan(module, strategy, batch_size=int(cfg.data.batch_size), seq_len=seq_len,
                 device_memory=_device_memory(cfg), precision=str(cfg.trainer.precision),
                 gradient_checkpointing=_checkpointing(network),
                 hardware=hardware, device=device, **settings)
@@ -91,10 +109,10 @@ def _checkpointing(network: torch.nn.Module) -> bool:
     return False
 
 
-def choice_of_run(cfg: DictConfig, module: torch.nn.Module) -> Choice:
+def choice_of_run(cfg: DictConfig, module: torch.nn.Module, seq_len: int) -> Choice:
     """The chooser over the run's model, sequence length and precision (``+plan=choose``)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose(module, seq_len=int(cfg.data.block_size), device_memory=_device_memory(cfg),
+    return choose(module, seq_len=seq_len, device_memory=_device_memory(cfg),
                   precision=str(cfg.trainer.precision), hardware=cfg.get("plan_hardware"), device=device)
 
 

@@ -27,7 +27,14 @@ from lightning_offload.cli.failures import error_paragraph, log_to_files, remove
 from lightning_offload.cli.fit_run import build_trainer, fit_between_evaluations, report
 from lightning_offload.cli.machine_size import RunSize, size_to_machine
 from lightning_offload.cli.override_checks import refuse_unknown_strategy_settings
-from lightning_offload.cli.plan_run import choice_of_run, log_plan, plan_mode, plan_of_run, record_errors
+from lightning_offload.cli.plan_run import (
+    choice_of_run,
+    log_plan,
+    plan_mode,
+    plan_of_run,
+    planned_sequence_length,
+    record_errors,
+)
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
@@ -133,9 +140,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     mode = plan_mode(cfg)
     if mode in ("plan", "choose"):
-        return _plan_only(cfg, module, policy, mode)
+        metrics, objects = _plan_only(cfg, module, policy, mode, planned_sequence_length(datamodule))
+        return metrics, {**objects, "datamodule": datamodule}
     run = build_trainer(cfg, policy, run_dir)
-    planned = _planned(cfg, module, policy, run.loggers) if mode != "off" else None
+    planned = _planned(cfg, module, policy, run.loggers, datamodule) if mode != "off" else None
     evaluations = fit_between_evaluations(cfg, module, datamodule, heldout, run)
     if rank_zero_only.rank != 0:
         # Another rank of a multi-device run: it trained and evaluated its share; rank 0 writes and prints.
@@ -162,23 +170,24 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return metrics, objects
 
 
-def _plan_only(cfg: DictConfig, module: pl.LightningModule, policy: OffloadPolicy,
-               mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _plan_only(cfg: DictConfig, module: pl.LightningModule, policy: OffloadPolicy, mode: str,
+               seq_len: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """``+plan=true`` / ``+plan=choose``: the run's plan (or the chooser's answer) printed, nothing trained."""
     if mode == "choose":
-        choice = choice_of_run(cfg, module)
+        choice = choice_of_run(cfg, module, seq_len)
         print(choice.table())
         return ({f"plan/{k}": v for k, v in choice.plan.summary_figures().items()} if choice.plan else {},
                 {"cfg": cfg, "module": module, "choice": choice})
-    found = plan_of_run(cfg, module, policy)
+    found = plan_of_run(cfg, module, policy, seq_len)
     print(found.table())
     return found.figures(), {"cfg": cfg, "module": module, "policy": policy, "plan": found}
 
 
-def _planned(cfg: DictConfig, module: pl.LightningModule, policy: OffloadPolicy, loggers: list[Any]) -> Any:
+def _planned(cfg: DictConfig, module: pl.LightningModule, policy: OffloadPolicy, loggers: list[Any],
+             datamodule: pl.LightningDataModule) -> Any:
     """The run's plan, logged; ``None`` (and a warning) when it cannot be planned: a plan never stops a run."""
     try:
-        found = plan_of_run(cfg, module, policy)
+        found = plan_of_run(cfg, module, policy, planned_sequence_length(datamodule))
     except Exception as error:  # noqa: BLE001  (a model the planner cannot read still trains)
         log.warning("No plan for this run (%s: %s); it trains as configured.", type(error).__name__, error)
         return None

@@ -162,6 +162,11 @@ class _CachedBibleTask(L.LightningDataModule):
         """Tokenises and caches both splits."""
         self._load()
 
+    def longest_sequence(self) -> int:
+        """Tokens of the longest training example: what a padded batch reaches at most (a run's plan is made for
+        it)."""
+        return max(len(example["input_ids"]) for example in self._load()["train"])
+
     def setup(self, stage: str | None = None) -> None:
         """Loads the cached splits and applies the size limits (a seeded subset of train, evenly spaced val)."""
         splits = self._load()
