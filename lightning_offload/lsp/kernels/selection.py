@@ -97,8 +97,7 @@ class KernelSelector:
         #: the same update to its replica, and only the same kernel rounds it alike on every rank.
         self.agree: Callable[[str], str] | None = None
         self._kernels: dict[str, ProjectionKernel] = {}
-        # The same choices by (product, device type, dtype, sizes): what a product looks up at each call.
-        self._chosen: dict[tuple[Any, ...], ProjectionKernel] = {}
+        self._chosen: dict[tuple[Any, ...], ProjectionKernel] = {}  # the same choices by (product, device, dtype, sizes)
 
     # ------------------------------------------------------------------------------------------- the products
     # Each product looks its kernel up by a tuple of what its key names (no string is formatted per call: a step calls
