@@ -97,47 +97,35 @@ class KernelSelector:
         #: the same update to its replica, and only the same kernel rounds it alike on every rank.
         self.agree: Callable[[str], str] | None = None
         self._kernels: dict[str, ProjectionKernel] = {}
-        self._chosen: dict[tuple[Any, ...], ProjectionKernel] = {}  # the same choices by (product, device, dtype, sizes)
 
     # ------------------------------------------------------------------------------------------- the products
-    # Each product looks its kernel up by a tuple of what its key names (no string is formatted per call: a step calls
-    # these a few times per projected layer); the key itself is formatted once, when the kernel is chosen.
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         """``P · xᵀ`` (``d × T``) by the kernel chosen for this product."""
-        sizes = (projector.dim_in, projector.dim_out, projector.nnz_per_column, x.shape[0])
-        kernel = self._chosen.get(("compress_tokens", x.device.type, x.dtype, sizes))
-        if kernel is None:
-            key = _key("compress_tokens", x.device, x.dtype, **dict(zip(("n", "d", "r", "T"), sizes)))
-            kernel = self._kernel(key, x.device, lambda k: k.compress_tokens(projector, x), projector)
-            self._chosen[("compress_tokens", x.device.type, x.dtype, sizes)] = kernel
+        key = _key("compress_tokens", x.device, x.dtype, n=projector.dim_in, d=projector.dim_out,
+                   r=projector.nnz_per_column, T=x.shape[0])
+        kernel = self._kernel(key, x.device, lambda k: k.compress_tokens(projector, x), projector)
         return kernel.compress_tokens(projector, x)
 
     def expand_columns(self, projector: SparseProjector, matrix: Tensor) -> Tensor:
         """``matrix · P`` (``k × n`` fp32) by the kernel chosen for this product."""
-        sizes = (projector.dim_in, projector.dim_out, projector.nnz_per_column, matrix.shape[0])
-        kernel = self._chosen.get(("expand_columns", matrix.device.type, matrix.dtype, sizes))
-        if kernel is None:
-            key = _key("expand_columns", matrix.device, matrix.dtype, **dict(zip(("n", "d", "r", "k"), sizes)))
-            kernel = self._kernel(key, matrix.device, lambda k: k.expand_columns(projector, matrix), projector)
-            self._chosen[("expand_columns", matrix.device.type, matrix.dtype, sizes)] = kernel
+        key = _key("expand_columns", matrix.device, matrix.dtype, n=projector.dim_in, d=projector.dim_out,
+                   r=projector.nnz_per_column, k=matrix.shape[0])
+        kernel = self._kernel(key, matrix.device, lambda k: k.expand_columns(projector, matrix), projector)
         return kernel.expand_columns(projector, matrix)
 
     def update_rows_(self, weight: Tensor, projector: SparseProjector, half: Tensor, decay: float,
                      generator: torch.Generator | None) -> None:
         """``weight ← weight·decay + Pᵀ·half`` in place by the kernel chosen for this product."""
-        sizes = (weight.shape[0], weight.shape[1], projector.dim_out, projector.nnz_per_column)
-        kernel = self._chosen.get(("update_rows", weight.device.type, weight.dtype, sizes))
-        if kernel is None:
-            def timed(kernel: ProjectionKernel) -> None:
-                # On a copy, with a generator of its own: timing must leave the weight and the layer's rounding alone.
-                scratch = weight.detach().clone()
-                own = torch.Generator(device=weight.device).manual_seed(0)
-                kernel.update_rows_(scratch, projector, half, decay, own)
+        key = _key("update_rows", weight.device, weight.dtype, rows=weight.shape[0], cols=weight.shape[1],
+                   d=projector.dim_out, r=projector.nnz_per_column)
 
-            key = _key("update_rows", weight.device, weight.dtype, **dict(zip(("rows", "cols", "d", "r"), sizes)))
-            kernel = self._kernel(key, weight.device, timed, projector)
-            self._chosen[("update_rows", weight.device.type, weight.dtype, sizes)] = kernel
-        kernel.update_rows_(weight, projector, half, decay, generator)
+        def timed(kernel: ProjectionKernel) -> None:
+            # On a copy, with a generator of its own: timing must leave the weight and the layer's rounding alone.
+            scratch = weight.detach().clone()
+            own = torch.Generator(device=weight.device).manual_seed(0)
+            kernel.update_rows_(scratch, projector, half, decay, own)
+
+        self._kernel(key, weight.device, timed, projector).update_rows_(weight, projector, half, decay, generator)
 
     # --------------------------------------------------------------------------------------------- choosing
     def _kernel(self, key: str, device: torch.device, call: Callable[[ProjectionKernel], Any],
