@@ -78,9 +78,10 @@ def check_checkpoint_fits_strategy(cfg: DictConfig, policy: OffloadPolicy) -> No
     if kind == "offload" and offloads:
         state = checkpoint["optimizer_states"][0]
         run_projects = policy.strategy.settings.projection  # what every offload strategy's settings say
-        if written_with_projection(state) and not run_projects:
+        written_projected = written_with_projection(state)
+        if written_projected and not run_projects:
             raise SettingsError(other_offload_strategy("lsp_offload", policy.strategy.strategy_name))
-        if not written_with_projection(state) and run_projects:
+        if not written_projected and run_projects:
             # No projected layer in it: zero_offload's state (or that of an lsp_offload run that projected none, which
             # said so when it ran).
             raise SettingsError(other_offload_strategy("zero_offload", policy.strategy.strategy_name))

@@ -73,9 +73,7 @@ class MEFTAdapter(nn.Module):
         self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
         with torch.no_grad():
             self.router.weight.copy_(keys.view(config.num_experts, -1, hidden_size).mean(dim=1))
-        self.host = HostRows(keys, values, torch.zeros_like(keys), torch.zeros_like(values),
-                              *(torch.zeros(config.num_neurons, dtype=torch.bool) for _ in range(3)),
-                              expert_counts=torch.zeros(config.num_experts, dtype=torch.int64))
+        self.host = HostRows.holding(keys, values, torch.zeros(config.num_experts, dtype=torch.int64))
         # Device routing reads a bf16 copy of the keys; a buffer so `.to(device)` moves it, non-persistent because the
         # fp32 host keys are the truth (saved in the state dict by the hooks below).
         self.register_buffer("routing_keys", keys.to(torch.bfloat16) if config.routing == "device" else None,
@@ -271,10 +269,8 @@ class MEFTAdapter(nn.Module):
         self.wait_for_update(reading=True)
         state = self.__dict__.copy()
         rows = self.host
-        state["host"] = HostRows(rows.keys.clone(), rows.values.clone(), torch.zeros_like(rows.keys),
-                                  torch.zeros_like(rows.values),
-                                  *(torch.zeros_like(rows.touched) for _ in range(3)),
-                                  expert_counts=None if rows.expert_counts is None else rows.expert_counts.clone())
+        state["host"] = HostRows.holding(rows.keys.clone(), rows.values.clone(),
+                                         None if rows.expert_counts is None else rows.expert_counts.clone())
         state.update(row_pipeline=None, rows_slot=None, _row_block=None, _block_views=None, attention_mask=None)
         return state
 

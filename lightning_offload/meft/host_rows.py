@@ -68,6 +68,12 @@ class HostRows:
     #: Under ``meft_offload``: puts the step's gradients kept where they landed into the accumulators.
     before_read: Callable[[], None] | None = None
 
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, expert_counts: torch.Tensor | None) -> HostRows:
+        """Rows holding ``keys`` and ``values``, their accumulators zero and no row touched or written."""
+        return cls(keys, values, torch.zeros_like(keys), torch.zeros_like(values),
+                   *(torch.zeros(keys.shape[0], dtype=torch.bool) for _ in range(3)), expert_counts=expert_counts)
+
     def summed_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of this step's summed key and value gradients, zero in rows that received none."""
         if self.before_read is not None:
