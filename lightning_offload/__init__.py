@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
     from lightning_offload.faces.loop import offload
+    from lightning_offload.lm_loss import causal_lm_loss
     from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
     from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
     from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
@@ -78,6 +79,7 @@ _SOURCES: dict[str, str] = {
     "FabricZeroOffloadDDP": "lightning_offload.faces.fabric",
     "LoopOffloadOptimizer": "lightning_offload.setup.loop_optimizer",
     "offload": "lightning_offload.faces.loop",
+    "causal_lm_loss": "lightning_offload.lm_loss",
     "FitSettings": "lightning_offload.lsp.fit",
     "reconstruction_error": "lightning_offload.lsp.fit",
     "ProjectedWeight": "lightning_offload.lsp.linear",
@@ -117,6 +119,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockRowAdam",
     "calibrate",
+    "causal_lm_loss",
     "Choice",
     "choose",
     "FabricMEFTOffload",

@@ -1,11 +1,11 @@
 """The package's layers, as docs/design.md's Package layout states them: each module imports only its own layer and
 those below, and the faces are peers.
 
-cache (where built kernels and converted models are kept) and lsp (projectors, projected layers, their kernels) <
-engine (the offload optimizer; no Lightning) < setup (what every face shares; no Lightning) < meft (the adapters; no
-Lightning strategy) and planning (a run's plan; no Lightning) < faces (one per training loop: trainer, fabric, loop,
-hf; none imports another) < the product (registries, cli, tasks, reporting, models, data). Imports inside functions
-count too: a cycle hidden in a local import is still a cycle.
+cache (where built kernels and converted models are kept), lm_loss (a causal LM's loss without its logits) and lsp
+(projectors, projected layers, their kernels) < engine (the offload optimizer; no Lightning) < setup (what every face
+shares; no Lightning) < meft (the adapters; no Lightning strategy) and planning (a run's plan; no Lightning) < faces
+(one per training loop: trainer, fabric, loop, hf; none imports another) < the product (registries, cli, tasks,
+reporting, models, data). Imports inside functions count too: a cycle hidden in a local import is still a cycle.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import lightning_offload
 
 PACKAGE = Path(lightning_offload.__file__).parent
-LAYERS = {"cache": 0, "inner_optimizers": 0, "lsp": 0, "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4,
+LAYERS = {"cache": 0, "inner_optimizers": 0, "lm_loss": 0, "lsp": 0,
+          "engine": 1, "setup": 2, "meft": 3, "planning": 3, "faces": 4,
           "registries": 5, "cli": 5, "tasks": 5, "reporting": 5, "models": 5, "data": 5}
 #: The faces, peers in their layer: each is one kind of training loop.
 FACES = {"trainer", "fabric", "loop", "hf"}

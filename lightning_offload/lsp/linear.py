@@ -195,6 +195,11 @@ class ProjectedWeight(CopiedAsAbsent):
         self.has_grad = False
         self.norm_probe.clear_step()
 
+    def expect_backwards(self, count: int) -> None:
+        """Count ``count`` more backwards of this layer before its gradient is complete: a loss that runs the layer
+        chunk by chunk inside backward (lm_loss.py), where forwards are not counted, says how many it will run."""
+        self.open_backwards += count
+
     def reset_forward_count(self) -> None:
         """Forget forward calls whose backward never ran (called before each optimizer step's forward)."""
         self.open_backwards = 0

@@ -1,0 +1,189 @@
+"""A causal language model's loss without its logits: the output head and the cross-entropy run chunk by chunk of
+tokens, so no ``tokens × vocabulary`` tensor exists in forward or backward.
+
+At 4×512 tokens a 128K-vocabulary head's bf16 logits are 0.5 GiB, and Hugging Face's loss keeps about six times that
+at once (the logits, their fp32 copy, the softmax and its gradient). Here each chunk's logits exist only while the
+chunk is computed, and are freed before the next one.
+
+The head's gradient stays what its placement makes it. A plain ``nn.Linear`` head's gradients (of its input, its
+weight and bias) are made in forward, chunk by chunk, by the same products the unchunked loss's backward runs, and
+backward only scales them: its weight gets one dense gradient (its gradient hooks fire once a step, as with the
+unchunked loss). A head projected by ``lsp_offload`` must make its compressed gradient in its own backward: forward
+keeps only the head's input, and each chunk's logits are computed again in backward (one more head product a step,
+where projection saved the weight-gradient one), adding each chunk's share into its ``S``, so its dense
+``vocab × hidden`` gradient never exists; the layer is complete (its transfer may start) after the last chunk.
+
+Results equal Hugging Face's ``ForCausalLMLoss`` (labels shifted left by one, ``-100`` ignored, the mean over target
+tokens or the sum over ``num_items_in_batch``) to the rounding of summing in another order. Soft-capped
+(``final_logit_softcapping``, Gemma-2) and scaled logits (``logit_scale``, Cohere; ``logits_scaling``, Granite) are
+applied as those models apply them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_offload.lm_loss.chunks import IGNORE_INDEX, ChunkedHeadLoss, HeadChunks, LogitTransform
+
+__all__ = ["IGNORE_INDEX", "LogitTransform", "base_and_head", "causal_lm_loss", "chunk_transient_bytes",
+           "default_chunk_tokens", "head_loss", "head_predictions", "hidden_and_head", "shifted_targets"]
+
+
+#: Bytes of fp32 logits one chunk may hold by default: 64 MiB is 131 tokens of a 128K vocabulary, enough for the
+#: head's products to run at full speed while the chunk's few logits-sized tensors stay far below the full logits.
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+#: The logit-sized tensors one chunk holds at once, in units of fp32 chunk logits (its logits in the compute dtype,
+#: their fp32 copy that becomes the gradient, log-sum-exp's temporary): what the planner counts for the loss's
+#: transient.
+CHUNK_TENSORS = 3
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk for a vocabulary of ``vocab_size``: as many as fit :data:`DEFAULT_CHUNK_BYTES` of fp32
+    logits (at least one)."""
+    return max(1, DEFAULT_CHUNK_BYTES // (4 * vocab_size))
+
+
+def chunk_transient_bytes(tokens: int, vocab_size: int, chunk_tokens: int | None = None) -> int:
+    """Bytes one chunk's backward holds beyond what forward kept, for ``tokens`` tokens a step (the planner's count)."""
+    chunk = min(tokens, _chunk_tokens(chunk_tokens, vocab_size))
+    return CHUNK_TENSORS * 4 * chunk * vocab_size
+
+
+def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, num_items_in_batch: int | Tensor | None = None,
+                   chunk_tokens: int | None = None) -> Tensor:
+    """The causal-LM loss of a Hugging Face model on ``batch``, without materialising its logits.
+
+    Use it in a LightningModule's ``training_step`` or a Hugging Face ``Trainer``'s ``compute_loss``::
+
+        loss = lightning_offload.causal_lm_loss(model, batch)
+
+        class ChunkedLossTrainer(transformers.Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return lightning_offload.causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+
+    Args:
+        model: a Hugging Face causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``, …): its ``base_model`` gives the
+            final hidden states and its ``get_output_embeddings()`` is the head.
+        batch: ``input_ids`` (or ``inputs_embeds``), ``labels`` and any other input the base model takes
+            (``attention_mask``, ``position_ids``); a ``num_items_in_batch`` entry is not passed on.
+        num_items_in_batch: the divisor of the summed loss (Hugging Face's gradient accumulation passes the target
+            tokens of all micro-batches); ``None`` averages over this batch's target tokens.
+        chunk_tokens: tokens per chunk; ``None`` sizes chunks to 64 MiB of fp32 logits.
+
+    Returns:
+        The scalar loss, differentiable with respect to the model's parameters.
+
+    Raises:
+        TypeError: for a model with no separate base model and head, or one wrapped by ``DistributedDataParallel``
+            (call the wrapper's forward, or the loss on an unwrapped model).
+        ValueError: when ``batch`` has no ``labels``.
+    """
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError("causal_lm_loss() runs the model's base and head directly, which would bypass "
+                        f"{type(model).__name__}'s gradient synchronisation: pass the model it wraps, under a "
+                        "strategy that synchronises gradients itself (lsp_offload_ddp, Lightning's DDP around a "
+                        "LightningModule), or use the model's own loss.")
+    if "labels" not in batch:
+        raise ValueError("causal_lm_loss() needs batch['labels'] (the token ids to predict, -100 where ignored).")
+    hidden, head = hidden_and_head(model, batch)
+    return head_loss(hidden, head, batch["labels"], transform=LogitTransform.of(model.config),
+                     num_items_in_batch=num_items_in_batch, chunk_tokens=chunk_tokens)
+
+
+def hidden_and_head(model: nn.Module, batch: Mapping[str, Any]) -> tuple[Tensor, nn.Module]:
+    """The final hidden states of a Hugging Face causal LM on ``batch`` (its base model's output; ``labels`` and
+    ``num_items_in_batch`` are not passed on), and its output head.
+
+    Raises:
+        TypeError: for a model with no separate base model and head.
+    """
+    base, head = base_and_head(model)
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
+    out = base(**inputs, return_dict=True)
+    if getattr(out, "last_hidden_state", None) is None:
+        raise TypeError(f"causal_lm_loss(): {type(base).__name__}, the base model of {type(model).__name__}, returned "
+                        f"{type(out).__name__}, not hidden states; use the model's own loss for this model.")
+    return out.last_hidden_state, head
+
+
+def base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """A Hugging Face causal LM's base model (the final hidden states) and output head.
+
+    Raises:
+        TypeError: for a model with no separate base model and head.
+    """
+    unwrap = getattr(model, "get_base_model", None)
+    if callable(unwrap):  # PEFT's PeftModel: the Hugging Face model it wraps, its adapters injected in place
+        model = unwrap()
+    base = getattr(model, "base_model", None)
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if base is None or base is model or head is None:
+        raise TypeError(f"causal_lm_loss() needs a Hugging Face causal LM with a base model and an output head "
+                        f"(LlamaForCausalLM, GPT2LMHeadModel, ...); {type(model).__name__} has "
+                        f"{'no base model' if base is None or base is model else 'no output embeddings'}.")
+    return base, head
+
+
+def shifted_targets(labels: Tensor) -> Tensor:
+    """Each position's target, flattened: the next label, ``-100`` after each row's last (Hugging Face's shift)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+
+
+def head_loss(hidden: Tensor, head: nn.Module, labels: Tensor, *, transform: LogitTransform = LogitTransform(),
+              num_items_in_batch: int | Tensor | None = None, chunk_tokens: int | None = None) -> Tensor:
+    """The causal-LM loss of ``head(hidden)`` against ``labels``, computed chunk by chunk of tokens.
+
+    Args:
+        hidden: the final hidden states, ``batch × sequence × hidden``.
+        head: the output head (an ``nn.Linear``, possibly projected by ``lsp_offload``).
+        labels: ``batch × sequence`` token ids, ``-100`` where ignored; shifted here as Hugging Face does.
+        transform: what the model does to the logits before the loss.
+        num_items_in_batch: the divisor of the summed loss; ``None``: this batch's target tokens.
+        chunk_tokens: tokens per chunk; ``None`` sizes chunks to 64 MiB of fp32 logits.
+    """
+    targets = shifted_targets(labels.to(hidden.device))
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    chunk = _chunk_tokens(chunk_tokens, head.weight.shape[0])
+    divisor = (targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    spec = HeadChunks(head, transform, chunk)
+    params = spec.dense_parameters()
+    wanted = (flat.requires_grad, *(p.requires_grad for p in params))
+    if spec.plain_linear and torch.is_grad_enabled() and any(wanted):
+        spec.eager = wanted
+    return ChunkedHeadLoss.apply(flat, targets, divisor, spec, *params)
+
+
+def _chunk_tokens(chunk_tokens: int | None, vocab_size: int) -> int:
+    if chunk_tokens is None:
+        return default_chunk_tokens(vocab_size)
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1 (or None: chunks of 64 MiB of fp32 logits).")
+    return chunk_tokens
+
+
+@torch.no_grad()
+def head_predictions(hidden: Tensor, head: nn.Module, labels: Tensor, *, transform: LogitTransform = LogitTransform(),
+                     chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """Evaluation without the logits: each position's summed loss and whether its argmax is its target.
+
+    Returns:
+        ``(loss, correct)``, both ``batch × sequence``: the position's cross-entropy (0 where the target is ignored,
+        and at each row's last position) and whether its argmax equals the target.
+    """
+    targets = shifted_targets(labels.to(hidden.device))
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    spec = HeadChunks(head, transform, _chunk_tokens(chunk_tokens, head.weight.shape[0]))
+    losses = torch.empty(targets.shape, dtype=torch.float32, device=flat.device)
+    correct = torch.empty(targets.shape, dtype=torch.bool, device=flat.device)
+    for part in spec.slices(flat.shape[0]):
+        logits = spec.logits(flat[part]).float()
+        losses[part] = F.cross_entropy(logits, targets[part], ignore_index=IGNORE_INDEX, reduction="none")
+        correct[part] = logits.argmax(-1) == targets[part]
+    return losses.view(labels.shape), correct.view(labels.shape)
