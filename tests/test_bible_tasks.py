@@ -109,7 +109,7 @@ def test_token_accuracy_and_exact_match_count_only_answer_tokens() -> None:
     labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 7, 8, -100, -100]])
     # Position t predicts label t+1. Row 0: answer 3,4,5 predicted 3,4,5 (exact); row 1: 7 right, 8 wrong.
     predicted = torch.tensor([[9, 3, 4, 5, 0], [7, 1, 0, 0, 0]])
-    module = CausalLMModule(_FixedLogits(predicted), exact_match=True)
+    module = CausalLMModule(_FixedLogits(predicted), exact_match=True, loss="model")
     logged: dict[str, torch.Tensor] = {}
     module.log = lambda name, value, **kw: logged.__setitem__(name, value)  # type: ignore[method-assign]
     module.validation_step({"input_ids": predicted, "labels": labels}, 0)

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_offload.lm_loss import (
+    LogitTransform, base_and_head, causal_lm_loss, head_predictions, hidden_and_head)
 from lightning_offload.tasks.schedule import LinearWarmup, OptimSettings  # noqa: F401  (LinearWarmup: public here too)
 
 IGNORE_INDEX = -100  # HF causal LMs skip labels equal to this in the loss.
@@ -89,6 +91,9 @@ class CausalLMModule(L.LightningModule):
             :func:`lightning_offload.cli.baselines.galore_optimizer`); ``optimizer``, ``betas``, ``eps`` and ``fused``
             are then unused.
         exact_match: Also log ``val/exact_match`` (meaningful for prompt → answer data such as ``bible_qa``).
+        loss: ``"chunked"`` computes the head and the loss chunk by chunk of tokens, so the ``tokens × vocabulary``
+            logits never exist (:func:`lightning_offload.causal_lm_loss`; at 4×512 tokens and a 128K vocabulary they
+            are gigabytes); ``"model"`` takes the model's own ``.loss`` (a model without a separate base and head).
     """
 
     def __init__(
@@ -106,10 +111,19 @@ class CausalLMModule(L.LightningModule):
         fused: bool | None = None,
         optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
         exact_match: bool = False,
+        loss: str = "chunked",
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "adam"):
             raise ValueError(f"optimizer must be 'adamw' or 'adam', got {optimizer!r}")
+        if loss not in ("chunked", "model"):
+            raise ValueError(f"loss must be 'chunked' (the head and loss by token chunks) or 'model' (the model's own "
+                             f"loss), got {loss!r}")
+        if loss == "chunked":
+            try:
+                base_and_head(model)
+            except TypeError as error:
+                raise TypeError(f"{error} Pass loss='model' to train with the model's own loss.") from None
         self.optim_settings = OptimSettings(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                                             warmup_steps=warmup_steps, warmup_ratio=warmup_ratio, decay=decay,
                                             min_lr_ratio=min_lr_ratio)
@@ -128,19 +142,33 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Returns the mean token loss of the batch and logs it as ``train/loss``."""
-        loss = self.model(**_lm_inputs(batch)).loss
+        if self.hparams.loss == "chunked":
+            loss = causal_lm_loss(self.model, _lm_inputs(batch))
+        else:
+            loss = self.model(**_lm_inputs(batch)).loss
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Accumulates the batch's mean loss weighted by its number of target tokens."""
-        out = self.model(**_lm_inputs(batch))
-        loss = out.loss.detach()
-        self.val_loss.update(loss.float(), weight=count_target_tokens(batch).to(loss.device, torch.float32))
-        # Position t predicts label t+1 (HF shifts inside the model); compare the argmax there with the target.
-        targets = batch["labels"][:, 1:].to(out.logits.device)
+        inputs = _lm_inputs(batch)
+        # Position t predicts label t+1 (HF shifts inside the model): a position's loss and argmax are against it.
+        targets = batch["labels"][:, 1:]
+        if self.hparams.loss == "chunked":
+            hidden, head = hidden_and_head(self.model, inputs)
+            transform = LogitTransform.of(self.model.config)
+            losses, right = head_predictions(hidden, head, batch["labels"], transform=transform)
+            targets = targets.to(losses.device)
+            count = count_target_tokens(batch).to(losses.device)
+            loss = losses.sum() / count
+            correct = right[:, :-1] & (targets != IGNORE_INDEX)
+        else:
+            out = self.model(**inputs)
+            loss = out.loss.detach()
+            targets = targets.to(out.logits.device)
+            correct = (out.logits[:, :-1].argmax(-1) == targets) & (targets != IGNORE_INDEX)
         is_target = targets != IGNORE_INDEX
-        correct = (out.logits[:, :-1].argmax(-1) == targets) & is_target
+        self.val_loss.update(loss.float(), weight=count_target_tokens(batch).to(loss.device, torch.float32))
         if is_target.any():
             self.val_token_acc.update(correct.sum() / is_target.sum(), weight=is_target.sum().float())
         if self.hparams.exact_match:
