@@ -358,3 +358,27 @@ def test_a_lion_plan_counts_lion_s_one_moment_as_the_engine_keeps_it() -> None:
         plan(model, "meft_offload", optimizer="lion", **common)
     with pytest.raises(TypeError, match="optimizer='sgd'"):
         plan(model, "lsp_offload", optimizer="sgd", **common)
+
+
+def test_the_chunked_loss_keeps_no_logits_and_a_projected_head_pays_its_recomputation() -> None:
+    from lightning_offload.lm_loss import chunk_transient_bytes
+
+    # 65536 entries: chunks of 256 tokens, four of them a step.
+    model = tiny_llama(vocab_size=65536, hidden=128, layers=2, heads=4, intermediate=256, seed=0,
+                       tie_word_embeddings=False, max_positions=512)
+    common = dict(batch_size=2, seq_len=512, device_memory="8GiB", precision="32-true", hardware=CPU)
+    logits = 2 * 512 * 65536 * 4
+    whole = plan(model, "lsp_offload", loss="model", **common)
+    chunked = plan(model, "lsp_offload", **common)  # the default: what the package's task and CLI train with
+    assert whole.device_parts["activations"] >= logits > chunked.device_parts["activations"]
+    assert chunked.device_parts["activations_transient"] == chunk_transient_bytes(2 * 512, 65536) < logits
+    assert chunked.device_bytes < whole.device_bytes - logits
+    # A plain head's gradients come from forward's products: no more device work. A projected head's logits are
+    # computed again in backward: 2·tokens·elements more.
+    assert chunked.step.device == pytest.approx(whole.step.device)
+    head = dict(head="projected", embeddings="host")
+    extra = plan(model, "lsp_offload", **common, **head).step.device - \
+        plan(model, "lsp_offload", loss="model", **common, **head).step.device
+    assert extra == pytest.approx(2 * 2 * 512 * 65536 * 128 / CPU.matmul_flops)
+    with pytest.raises(ValueError, match="loss='whole'"):
+        plan(model, "lsp_offload", loss="whole", **common)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from lightning_offload.lm_loss import LogitTransform, base_and_head, chunk_transient_bytes, head_loss
 from lightning_offload.lsp.linear import is_hf_conv1d
 
 
@@ -32,8 +33,8 @@ class Activations:
     Attributes:
         saved: bytes kept without gradient checkpointing.
         checkpointed: bytes kept with every block checkpointed (inputs kept, one block recomputed at a time).
-        transient: the largest single saved tensor (the logits' size): its gradient exists beside everything saved
-            when backward starts.
+        transient: what exists beside everything saved at some point of backward: the largest single saved tensor's
+            gradient (the logits' under the model's own loss), or the chunked loss's chunk of logit-sized tensors.
         blocks: the transformer blocks found (0 when none: then ``checkpointed`` equals ``saved``).
     """
 
@@ -167,7 +168,7 @@ _MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Activation
 
 def measure_activations(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype,
                         projected: Mapping[str, int] | None = None,
-                        product_dtype: torch.dtype = torch.float32) -> Activations:
+                        product_dtype: torch.dtype = torch.float32, loss: str = "chunked") -> Activations:
     """Bytes a training forward of ``model`` keeps for backward at ``batch_size × seq_len`` tokens: one sequence
     measured (once per network, sequence length, dtype and projection), times the batch.
 
@@ -178,26 +179,40 @@ def measure_activations(model: nn.Module, batch_size: int, seq_len: int, dtype: 
         dtype: the compute dtype (floating parameters and buffers take it; bf16-true and bf16-mixed: bf16).
         projected: qualified names (in ``model``) of projected layers and their ``d_i``.
         product_dtype: the dtype projected layers keep ``B Xᵀ`` in (fp32 on the CPU, the compute dtype on CUDA).
+        loss: ``"chunked"`` (:func:`lightning_offload.causal_lm_loss`, what the package's task and CLI train with: no
+            logits kept, one chunk of them at a time in backward) or ``"model"`` (the model's own loss over the full
+            logits).
     """
+    if loss not in ("chunked", "model"):
+        raise ValueError(f"loss={loss!r} is not 'chunked' (lightning_offload.causal_lm_loss) or 'model' (the model's "
+                         f"own loss over all the logits).")
     network = network_of(model)
+    if not _has_lm_head(network):
+        loss = "model"  # a base network (a classifier's decoder): no vocabulary head, no LM loss to chunk
     key = (seq_len, dtype, product_dtype, tuple(sorted((projected or {}).items())),
-           tuple(p.requires_grad for p in network.parameters()))
+           tuple(p.requires_grad for p in network.parameters()), loss)
     one = _MEASURED.setdefault(network, {}).get(key)
     if one is None:
-        one = _MEASURED[network][key] = _measure(model, network, seq_len, dtype, projected or {}, product_dtype)
-    return Activations(one.saved * batch_size, one.checkpointed * batch_size, one.transient * batch_size, one.blocks)
+        one = _MEASURED[network][key] = _measure(model, network, seq_len, dtype, projected or {}, product_dtype, loss)
+    transient = one.transient * batch_size
+    if loss == "chunked":  # a chunk's logits do not grow with the batch
+        vocab = network.get_output_embeddings().weight.shape[0]
+        transient = max(transient, chunk_transient_bytes(batch_size * seq_len, vocab))
+    return Activations(one.saved * batch_size, one.checkpointed * batch_size, transient, one.blocks)
 
 
 def _measure(model: nn.Module, network: nn.Module, seq_len: int, dtype: torch.dtype, projected: Mapping[str, int],
-             product_dtype: torch.dtype) -> Activations:
+             product_dtype: torch.dtype, loss: str) -> Activations:
     """One sequence's activations (see :func:`measure_activations`)."""
     by_name = dict(model.named_modules())
     stand_ins = {by_name[name]: _projection_forward(d_in, product_dtype) for name, d_in in projected.items()}
+    counted: dict[int, int] = {}
+    if loss == "chunked":
+        stand_ins[network] = _chunked_loss_forward(counted)
     stand_ins.update({m: _without_adapter for m in model.modules() if type(m).__name__ == "MEFTFFN"})
     tensors = {name: _meta_like(t, dtype) for name, t in
                [*network.named_parameters(), *network.named_buffers()]}
     parameters = {tensors[name].untyped_storage()._cdata for name, _ in network.named_parameters()}
-    counted: dict[int, int] = {}
     alive: list[Tensor] = []  # keeps each storage alive, so its key is not reused by a later one
 
     def pack(saved: Tensor) -> Tensor:
@@ -235,6 +250,27 @@ def _measure(model: nn.Module, network: nn.Module, seq_len: int, dtype: torch.dt
     outside = saved - sum(per_block)
     checkpointed = outside + sum(size for _, _, size in marks) + max(per_block, default=0) if marks else saved
     return Activations(saved, min(saved, checkpointed), max(counted.values(), default=0), len(marks))
+
+
+def _has_lm_head(network: nn.Module) -> bool:
+    try:
+        base_and_head(network)
+    except TypeError:
+        return False
+    return True
+
+
+def _chunked_loss_forward(counted: dict[int, int]) -> Any:
+    """The network's training forward under the chunked loss (the measurement's stand-in for its own forward). What
+    the loss keeps until backward is one hidden-state-sized tensor (the head's input, or its gradient made in forward:
+    counted under ``counted``'s key -1); what a chunk saves lives only while the chunk runs (the transient's part,
+    :func:`~lightning_offload.lm_loss.chunk_transient_bytes`), so the saves inside the loss are not counted."""
+    def forward(self: nn.Module, input_ids: Tensor, labels: Tensor) -> Tensor:
+        hidden = self.base_model(input_ids=input_ids, return_dict=True).last_hidden_state
+        counted[-1] = hidden.numel() * hidden.element_size()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return head_loss(hidden, self.get_output_embeddings(), labels, transform=LogitTransform.of(self.config))
+    return forward
 
 
 def _meta_like(tensor: Tensor, dtype: torch.dtype) -> Tensor:

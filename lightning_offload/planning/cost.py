@@ -47,6 +47,8 @@ class Workload:
         formed_elements: elements of the Linear/Conv1D weights whose full gradient autograd forms (trained and not
             projected: the weight-gradient GEMM runs for them).
         checkpointing: gradient checkpointing on.
+        recomputed_elements: elements of the weights whose forward product runs again in backward (the output head
+            under the chunked loss, which recomputes each chunk's logits).
     """
 
     tokens: int
@@ -56,6 +58,7 @@ class Workload:
     matmul_elements: int
     formed_elements: int
     checkpointing: bool
+    recomputed_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool, 
     flops = forward + (2 * work.tokens * work.matmul_elements + 2 * attention) + 2 * work.tokens * work.formed_elements
     if work.checkpointing:
         flops += forward
+    flops += 2 * work.tokens * work.recomputed_elements
     flops += sum(2 * work.tokens * e.host_numel for e in projected)  # S = (AΔᵀ)(BXᵀ)ᵀ
     seconds = flops / hw.matmul_flops
     # B Xᵀ in forward and A Δᵀ in backward: every nonzero of each projector times every token; the update's expansion

@@ -81,6 +81,8 @@ class _Shape:
     hidden: int
     blocks: int
     matmul: dict[str, nn.Module]
+    head: str | None  # the output head's weight, by name in the model (None without one)
+    head_elements: int
 
 
 def _shape(model: nn.Module) -> _Shape:
@@ -88,8 +90,11 @@ def _shape(model: nn.Module) -> _Shape:
     config = network.config
     blocks = blocks_of(network)
     matmul = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)}
+    head = network.get_output_embeddings()
+    head_name = next((f"{name}.weight" for name, m in model.named_modules() if m is head), None) if head else None
     return _Shape(int(getattr(config, "hidden_size", getattr(config, "n_embd", 0))),
-                  len(blocks) if blocks is not None else 0, matmul)
+                  len(blocks) if blocks is not None else 0, matmul, head_name,
+                  head.weight.numel() if head is not None else 0)
 
 
 def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, seq_len: int,
@@ -97,7 +102,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
          hardware: str | Hardware | None = None, device: torch.device | str | None = None,
          host_memory: int | float | str | None = None, meft: MEFTConfig | None = None,
          activation_bytes: int | None = None, headroom: float = 0.05,
-         optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | str | None = None,
+         optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | str | None = None, loss: str = "chunked",
          **settings: Any) -> Plan:
     """Predict a run: device and host bytes, link bytes per step, whether it fits, and the step time with its parts.
 
@@ -128,6 +133,9 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         optimizer: the user's optimizer, its class, or the class's name (``"adamw"``, ``"adam"``, ``"lion"``); its
             state is what the host (or, for plain training, the device) keeps. Default: ``None``
             (``torch.optim.AdamW``).
+        loss: ``"chunked"`` (:func:`lightning_offload.causal_lm_loss`: what the package's task and CLI use; no
+            ``tokens × vocabulary`` logits) or ``"model"`` (the model's own loss over all the logits). Default:
+            ``"chunked"``.
         settings: the strategy's settings, as the strategies take them (``rank=0.125``, ``update="scaled"``,
             ``embeddings="host"``, ``link_dtype="bf16"``...).
 
@@ -163,11 +171,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
                          offload.update_buffers if offload else None, link.itemsize, rule,
                          _csr_kernels(offload, accelerator))
-    activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes)
-    shape = _shape(model)
-    work = Workload(batch_size * seq_len, seq_len, shape.hidden, shape.blocks,
-                    sum(m.weight.numel() for m in shape.matmul.values()),
-                    _formed_elements(found, shape, offload is None), gradient_checkpointing)
+    activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes, loss)
+    work = _workload(model, found, batch_size * seq_len, seq_len, offload is None, gradient_checkpointing, loss)
     return _assemble(strategy, offload, found, parts, activations, link, work, hw, memory,
                      parse_bytes(host_memory, "host_memory") if host_memory is not None else hw.host_memory,
                      meft_part, dict(batch_size=batch_size, seq_len=seq_len, precision=precision,
@@ -209,13 +214,27 @@ def _formed_elements(found: Inventory, shape: _Shape, plain: bool) -> int:
     return sum(e.numel for e in found.of(*kinds) if e.name in weights)
 
 
+def _workload(model: nn.Module, found: Inventory, tokens: int, seq_len: int, plain: bool, checkpointing: bool,
+              loss: str) -> Workload:
+    shape = _shape(model)
+    return Workload(tokens, seq_len, shape.hidden, shape.blocks, sum(m.weight.numel() for m in shape.matmul.values()),
+                    _formed_elements(found, shape, plain), checkpointing, _recomputed_elements(found, shape, loss))
+
+
+def _recomputed_elements(found: Inventory, shape: _Shape, loss: str) -> int:
+    """Elements of the head the chunked loss runs again in backward: a projected head's (its compressed gradient is
+    made in its own backward); a plain head's gradients are made in forward, by the products the loss needs anyway."""
+    projected = {e.name for e in found.of("projected")}
+    return shape.head_elements if loss == "chunked" and shape.head in projected else 0
+
+
 def _activations(model: nn.Module, found: Inventory, batch_size: int, seq_len: int, dtype: torch.dtype,
-                 accelerator: bool, given: int | None) -> Activations:
+                 accelerator: bool, given: int | None, loss: str) -> Activations:
     if given is not None:
         return Activations(int(given), int(given), 0, 0)
     projected = {e.name.removesuffix(".weight"): e.compressed[1] for e in found.of("projected")}
     return measure_activations(model, batch_size, seq_len, dtype, projected,
-                               dtype if accelerator else torch.float32)
+                               dtype if accelerator else torch.float32, loss)
 
 
 def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory, parts: DeviceParts,
