@@ -210,6 +210,27 @@ def test_a_tied_weight_takes_the_head_setting_and_is_projected_without_a_warning
     assert not torch.equal(params_of(module)[EMBEDDING], before[EMBEDDING])
 
 
+def test_by_default_a_large_head_is_projected_and_a_small_one_stays_dense(caplog, monkeypatch):
+    # 2**27 elements by default (a 128K vocabulary's head); lowered here to the tiny head's size to see both sides.
+    from lightning_offload.setup import embeddings_head
+
+    head_elements = _module().model.lm_head.weight.numel()
+    monkeypatch.setattr(embeddings_head, "PROJECTED_HEAD_ELEMENTS", head_elements + 1)
+    small = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="random")
+    trainer(small, max_steps=1).fit(_module(), token_data())
+    assert "model.lm_head" not in small.projected_layers
+    monkeypatch.setattr(embeddings_head, "PROJECTED_HEAD_ELEMENTS", head_elements)
+    large = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="random")
+    with caplog.at_level(logging.INFO):
+        trainer(large, max_steps=1).fit(_module(), token_data())
+    assert "model.lm_head" in large.projected_layers
+    assert "it is projected (head=None projects a head of" in caplog.text
+    assert "head='host' keeps it dense" in caplog.text
+    kept = _strategy("sparse", "host")  # the user's word stands
+    trainer(kept, max_steps=1).fit(_module(), token_data())
+    assert "model.lm_head" not in kept.projected_layers
+
+
 def test_zero_offload_takes_the_placements_but_cannot_project_the_head():
     module = _module()
     strategy = ZeroOffloadStrategy(embeddings="sparse", head="device")

@@ -58,6 +58,9 @@ CASES = [
     ("llama", "lsp_offload", {"update": "scaled"}),
     ("llama", "lsp_offload", {"link_dtype": "bf16", "rank": 0.125, "kernels": "native"}),
     ("llama", "lsp_offload", {"embeddings": "host", "head": "projected", "kernels": "native"}),
+    # Speculation's backups (the planner's host_speculation_bytes) as the engine allocates them.
+    ("llama", "lsp_offload", {"speculative": True, "kernels": "native"}),
+    ("llama", "zero_offload", {"speculative": True}),
     ("llama", "lsp_offload", {"embeddings": "device", "head": "frozen", "kernels": "native"}),
     ("gpt2", "lsp_offload", {"kernels": "native"}),
     ("gpt2", "zero_offload", {"link_dtype": "bf16"}),
@@ -78,6 +81,7 @@ def test_host_and_link_bytes_equal_the_engines_telemetry(arch: str, strategy: st
     layers = {"llama": 2 * 7, "gpt2": 2 * 4}[arch] + (settings.get("head") == "projected")
     assert predicted.projected_layers == (0 if strategy == "zero_offload" else layers)
     assert predicted.figures()["plan/offload/host_state_bytes"] == predicted.host_state_bytes
+    assert (predicted.host_speculation_bytes > 0) == bool(settings.get("speculative"))
 
 
 def test_meft_host_rows_are_the_injected_adapters_rows() -> None:
@@ -382,3 +386,38 @@ def test_the_chunked_loss_keeps_no_logits_and_a_projected_head_pays_its_recomput
     assert extra == pytest.approx(2 * 2 * 512 * 65536 * 128 / CPU.matmul_flops)
     with pytest.raises(ValueError, match="loss='whole'"):
         plan(model, "lsp_offload", loss="whole", **common)
+
+
+def _meta(model_class: type, config: object) -> torch.nn.Module:
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def test_today_s_models_fit_today_s_machines_at_the_defaults() -> None:
+    # Llama-3.1-8B and Qwen2.5-7B on a 24 GiB GPU with a 32 GiB host at the defaults (their 525M and 545M heads are
+    # projected by size); Llama-3.2-1B on a 4 GiB laptop GPU with a 16 GiB host by choose(). bf16-true, 4×512 tokens.
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    llama8b = _meta(LlamaForCausalLM, LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                                                  tie_word_embeddings=False))
+    qwen7b = _meta(Qwen2ForCausalLM, Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                                 tie_word_embeddings=False))
+    common = dict(batch_size=4, seq_len=512, precision="bf16-true", gradient_checkpointing=True)
+    for model in (llama8b, qwen7b):
+        found = plan(model, "lsp_offload", device_memory="24GiB", hardware="rtx4090", host_memory="32GiB", **common)
+        assert found.fits_device and found.fits_host, found.table()
+        assert any("lm_head.weight has" in note and "it is projected" in note for note in found.notes)
+        assert 0 < found.host_speculation_bytes < found.host_state_bytes
+        assert "speculation backups" in found.table()
+        dense = plan(model, "lsp_offload", device_memory="24GiB", hardware="rtx4090", host_memory="32GiB",
+                     head="host", **common)
+        assert not dense.fits_host  # the dense head's state and backups are what did not fit
+    llama1b = _meta(LlamaForCausalLM, LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                                  num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                                  tie_word_embeddings=True, head_dim=64))
+    choice = choose(llama1b, seq_len=512, device_memory="4GiB", host_memory="16GiB", precision="bf16-true",
+                    hardware="laptop-4gb", batch_sizes=(4,))
+    assert choice.plan is not None and choice.plan.fits, choice.table()
+    assert "slower" in choice.table() or "within 5%" in choice.table()  # what the next-best would cost, said

@@ -189,9 +189,15 @@ def host_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
         return _row_slot_bytes(entry, link)
     else:
         return 0
-    # engine/step/host_jobs.py: a speculative step backs up the variable and its moments (and step) first.
-    backup = n * (4 + moments) + step if link.speculative and entry.kind in ("dense", "projected") else 0
-    return held + backup
+    return held + speculation_bytes(entry, link, rule)
+
+
+def speculation_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
+    """Host bytes of one slot's speculation backup (part of :func:`host_bytes`): engine/step/host_jobs.py backs up the
+    variable and its moments (and step) before a speculative step."""
+    if not link.speculative or entry.kind not in ("dense", "projected"):
+        return 0
+    return entry.host_numel * (4 + 4 * rule.moments) + rule.step_bytes
 
 
 def _row_slot_bytes(entry: Entry, link: Link) -> int:

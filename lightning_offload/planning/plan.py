@@ -24,7 +24,7 @@ from lightning_offload.planning.activations import Activations, blocks_of, measu
 from lightning_offload.planning.calibration import Hardware, hardware as hardware_of
 from lightning_offload.planning.cost import Workload, device_seconds, host_seconds, step_time
 from lightning_offload.planning.device_bytes import DeviceParts, device_parts
-from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes
+from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes, speculation_bytes
 from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
 from lightning_offload.planning.report import Plan
 from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
@@ -264,6 +264,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
                 gradient_checkpointing=work.checkpointing, device_bytes=device_peak,
                 device_bytes_by_checkpointing=peaks, device_parts=_parts(parts, activations, work.checkpointing),
                 host_bytes=host + meft_host, host_state_bytes=host, host_rows_bytes=meft_host,
+                host_speculation_bytes=sum(speculation_bytes(e, link, rule) for e in found.entries),
                 link_bytes_to_host=to_host, link_bytes_to_device=to_device, device_memory=device_memory,
                 host_memory=host_memory, fits_device=device_peak <= device_memory * (1 - headroom),
                 fits_host=host_memory == 0 or host_needed <= host_memory, step=step, hardware=hw.name,

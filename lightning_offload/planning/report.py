@@ -28,6 +28,8 @@ class Plan:
         host_bytes: host bytes of the optimizer (masters, moments, buffers; MEFT's rows).
         host_state_bytes: the engine's part of it (``offload/host_state_bytes``).
         host_rows_bytes: MEFT's adapter rows (the run summary adds them to ``host_state_bytes``).
+        host_speculation_bytes: the speculative host steps' backups, part of ``host_state_bytes`` (``speculative``
+            is on for a GPU by default; ``speculative=False`` saves them and overlaps less).
         link_bytes_to_host, link_bytes_to_device: bytes over the link per step, each way.
         device_memory, host_memory: what the plan was checked against (0: unknown).
         fits_device, fits_host: whether it fits.
@@ -55,6 +57,7 @@ class Plan:
     host_bytes: int
     host_state_bytes: int
     host_rows_bytes: int
+    host_speculation_bytes: int
     link_bytes_to_host: int
     link_bytes_to_device: int
     device_memory: int
@@ -74,6 +77,8 @@ class Plan:
         """The host memory row: on a CPU device, the device's bytes are in the same memory and counted with it."""
         memory = gib(self.host_memory) if self.host_memory else "?"
         rows = f" (adapter rows {gib(self.host_rows_bytes)})" if self.host_rows_bytes else ""
+        if self.host_speculation_bytes:
+            rows += f" (speculation backups {gib(self.host_speculation_bytes)})"
         if self.device_shares_host_memory:
             return (f"{gib(self.host_bytes)}{rows} + the CPU device's {gib(self.device_bytes)} in the same memory = "
                     f"{gib(self.host_bytes + self.device_bytes)} of {memory}: {verdict}")

@@ -19,7 +19,7 @@ from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.rules.host_rule import host_rule_for
 from lightning_offload.engine.user_optimizer import is_decoupled, validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.setup.embeddings_head import Placement, plan_placement
+from lightning_offload.setup.embeddings_head import HEAD_BY_SIZE, Placement, plan_placement
 from lightning_offload.setup.projection import attach_projections
 from lightning_offload.setup.settings import OffloadSettings
 
@@ -48,8 +48,10 @@ class Placements:
         # gain.
         # Without projection (zero_offload, the ZeRO-Offload baseline) everything stays dense.
         default = "sparse" if settings.projection and sparse_embeddings_by_default else "host"
+        # A large head is projected (memory, and the GPU step's floor); a small one stays dense (quality).
+        head = HEAD_BY_SIZE if settings.projection else "host"
         return cls(settings.embeddings if settings.embeddings is not None else default,
-                   settings.head if settings.head is not None else "host", settings.embeddings is None)
+                   settings.head if settings.head is not None else head, settings.embeddings is None)
 
 
 @dataclass

@@ -86,7 +86,8 @@ class OffloadSettings:
             Default: ``None`` (``"sparse"`` for ``lsp_offload`` on one device, else ``"host"``).
         head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
             like any Linear; not without projection), ``"device"`` or ``"frozen"``. A weight tied to the input
-            embedding takes this setting. Default: ``None`` (``"host"``).
+            embedding takes this setting. Default: ``None`` (with projection, ``"projected"`` for a head of 2**27
+            elements or more, such as a 128K vocabulary's, else ``"host"``; without, ``"host"``).
         update: how a projected weight's host moments become its update. ``"projected"``: LSP's ``c·AᵀUB``, a
             low-rank update from Adam in the compressed space (the device never forms the weight's gradient).
             ``"scaled"``: a full-rank update, the weight's gradient scaled per channel from Adam's moments of a random
