@@ -80,3 +80,35 @@ def test_every_run_logs_its_plan_and_the_prediction_errors(tmp_path: Path, monke
     with metrics_file.open() as f:
         header = next(csv.reader(f))
     assert "plan/offload/host_state_bytes" in header and "plan_error/host_state_bytes" in header
+
+
+def test_a_cpu_step_time_error_is_said_to_be_against_a_lower_bound(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    from dataclasses import replace
+
+    from lightning_offload.cli.plan_run import record_errors
+    from lightning_offload.models.tiny import tiny_llama
+    from lightning_offload.planning.plan import plan
+
+    cpu = plan(tiny_llama(hidden=128, intermediate=256), "lsp_offload", batch_size=2, seq_len=16, device_memory="1GiB",
+               precision="32-true", hardware="h200", device="cpu")
+    summary = {"median_step_seconds": 3 * cpu.step.step, "host_state_bytes": cpu.host_state_bytes}
+    with caplog.at_level(logging.INFO):
+        record_errors(replace(cpu, step_is_lower_bound=True), dict(summary), [], 1)
+        record_errors(replace(cpu, step_is_lower_bound=False), dict(summary), [], 1)
+    bound, plain = [r.getMessage() for r in caplog.records if "Prediction errors" in r.getMessage()]
+    assert "median_step_seconds +200.0% (predicted as a lower bound" in bound
+    assert "lower bound" not in plain
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2", "llama_1b3", "llama_7b", "smollm2_135m"])
+def test_every_model_config_plans(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shapes of random weights are built on the meta device when the run only plans: a 7B config allocates nothing.
+    overrides = [o for o in TINY if not o.startswith("model=")]
+    _, objects = _train([*overrides, f"model={model}", "logger=none", "+plan=true", "main_job.size_to_machine=false"],
+                        tmp_path / "run", monkeypatch, tmp_path)
+    found = objects["plan"]
+    assert found.device_bytes > 0 and found.projected_layers > 0 and found.step.step > 0
+    if model == "llama_7b":
+        assert found.device_parts["weights"] > 12 * 2**30  # bf16 weights of 6.7B parameters, none allocated
+        assert next(objects["module"].parameters()).device.type == "meta"

@@ -105,6 +105,18 @@ def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule 
     return heldout
 
 
+#: Builders of random weights of a shape: a run that only plans builds them on the meta device (a 7B shape allocates
+#: nothing; the planner reads shapes only).
+SHAPE_BUILDERS = ("lightning_offload.models.builders.llama_shape", "lightning_offload.models.builders.tiny_causal_lm")
+
+
+def _language_model(cfg: DictConfig, planning_only: bool) -> LanguageModel:
+    if planning_only and cfg.model.get("_target_") in SHAPE_BUILDERS:
+        with torch.device("meta"):
+            return hydra.utils.instantiate(cfg.model)
+    return hydra.utils.instantiate(cfg.model)
+
+
 def _output_dir(cfg: DictConfig) -> Path:
     path = cfg.paths.get("output_dir") if "paths" in cfg else None
     if path is None:
@@ -127,7 +139,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     run_dir = _output_dir(cfg)
     _say("Run directory: %s", run_dir)
 
-    lm: LanguageModel = hydra.utils.instantiate(cfg.model)
+    mode = plan_mode(cfg)
+    lm = _language_model(cfg, planning_only=mode in ("plan", "choose"))
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data, tokenizer=lm.tokenizer)
     # Tokenise and cache the data now: a missing dataset fails here, before a trainer or a projector fit is built.
     datamodule.prepare_data()
@@ -138,7 +151,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         module.load_state_dict(read_checkpoint(cfg.weights_from)["state_dict"])
         _say("Weights loaded from %s; the optimizer starts afresh at step 0.", cfg.weights_from)
 
-    mode = plan_mode(cfg)
     if mode in ("plan", "choose"):
         metrics, objects = _plan_only(cfg, module, policy, mode, planned_sequence_length(datamodule))
         return metrics, {**objects, "datamodule": datamodule}
