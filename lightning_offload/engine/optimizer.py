@@ -74,19 +74,18 @@ class OffloadOptimizer(Optimizer):
             raises :class:`NonFiniteGradientError`. Either way the host state is untouched. Default: ``"skip"``.
         rounding_seed: seed of the per-tensor generators used for stochastic rounding of low-precision weights.
             Default: ``0``.
-        update_buffers: device buffers compressed updates land in (a ring shared by all layers). Default: ``None``
-            (4 on an accelerator, none on the CPU, where the device is the host and updates are read where the host
-            step wrote them).
+        update_buffers: device buffers compressed updates land in (a ring shared by all layers). Default: ``None`` (4
+            on an accelerator; none on the CPU, where updates are read where the host step wrote them).
         speculative: step each tensor's host Adam during backward, as soon as its gradient has landed
             (:mod:`~lightning_offload.engine.step.host_jobs`; results equal the other path's bit for bit). Costs a host
-            copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU,
-            where host and "device" share the cores; measured: it only adds contention there).
+            copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU).
+        free_sent_gradients: a host-stepped parameter's ``.grad`` is set to ``None`` once its host step is launched
+            (its gradient has crossed). Default: ``False`` (torch's semantics: readable after :meth:`step`).
         keep_on_device: parameters stepped on the device instead of the host (``DeviceOptimizer``): clipped and
             checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross each
             way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
-        frozen: parameters of the user's groups not trained here (the strategy has turned their gradients off).
-            Default: ``()``.
+        frozen: parameters of the user's groups not trained here (their gradients turned off). Default: ``()``.
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
             head): their update is applied inside the step, and the outside use's gradient compressed, without a
             warning. Default: ``()``.
@@ -116,6 +115,7 @@ class OffloadOptimizer(Optimizer):
         rounding_seed: int = 0,
         update_buffers: int | None = None,
         speculative: bool | None = None,
+        free_sent_gradients: bool = False,
         keep_on_device: Sequence[Tensor] = (),
         row_sparse: Sequence[Tensor] = (),
         frozen: Sequence[Tensor] = (),
@@ -156,7 +156,7 @@ class OffloadOptimizer(Optimizer):
                                        self.slots, self.lanes.worker)
         self.orchestrator = StepOrchestrator(
             self.lanes, self.slots, self.device_optimizer, self.host_jobs, self.norms, self.figures, on_nonfinite,
-            pipelined, model, {id(p) for p in tied_projected})
+            pipelined, model, {id(p) for p in tied_projected}, free_sent_gradients)
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
         if update_buffers and self.projected_layers:

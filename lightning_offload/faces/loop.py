@@ -78,7 +78,7 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
         device = next(model.parameters()).device
     setup = build_engine(model, optimizer, settings_value, Placements.of(settings_value), torch.device(device),
                          strategy, log.info, lambda message: warnings.warn(message, stacklevel=3),
-                         optimizer_class=LoopOffloadOptimizer)
+                         optimizer_class=LoopOffloadOptimizer, frees_sent_gradients=False)
     loop_optimizer = setup.optimizer
     assert isinstance(loop_optimizer, LoopOffloadOptimizer)
     loop_optimizer.configure_loop(setup, settings_value, loop, strategy)

@@ -250,7 +250,9 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     meft_rows = meft_part.row_elements if meft_part else 0
     if meft_part is not None:
         to_host, to_device = to_host + meft_part.to_host, to_device + meft_part.to_device
-    peaks = {checkpointing: _device_peak(parts, activations, checkpointing, plain, found)
+    # The Trainer's default (plan() plans what the strategies do): gradients that crossed are dropped at the launch.
+    freed = not plain and settings.free_sent_gradients is not False
+    peaks = {checkpointing: _device_peak(parts, activations, checkpointing, plain, found, freed)
              + (meft_part.device_bytes if meft_part else 0) for checkpointing in (False, True)}
     device_s, forward_s = device_seconds(found, work, hw, plain, settings.density if settings else 0)
     host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
@@ -274,24 +276,26 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
 
 
 def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bool, plain: bool,
-                 found: Inventory) -> int:
+                 found: Inventory, freed: bool) -> int:
     """Peak device bytes, at the start of backward: what persists, the gradients still held in ``.grad`` from the
     previous step, every saved activation and the logits' gradient.
 
     A ``param.grad`` lives from its backward until the next ``zero_grad``, which Lightning's automatic optimization
-    calls after the next forward (before its backward): so a plain run's gradients, and an offload's dense, row and
-    device-placed ones, are there while the forward saves its activations (the native 1.3B run measured on an H200,
-    15.2 GiB, is weights + gradients + moments + activations). The compressed ``S`` leave as they are produced, and
-    the scaled rule's ``G`` (taken out of ``.grad`` at the step) grow while activations are freed: the larger of the
-    two.
+    calls after the next forward (before its backward): so a plain run's gradients, and a device-placed one's, are
+    there while the forward saves its activations (the native 1.3B run measured on an H200, 15.2 GiB, is weights +
+    gradients + moments + activations). An offload's dense and row gradients are too unless they are dropped once they
+    crossed (``free_sent_gradients``, on under the Trainer and Fabric); then they exist only while backward makes
+    them, as activations are freed, like the compressed ``S`` (which leave as they are produced) and the scaled
+    rule's ``G`` (taken out of ``.grad`` at the step): the larger of those and the activations.
     """
     kept = activations.kept(checkpointing) + activations.transient
     persistent = parts.weights + parts.optimizer_state + sum(parts.persistent.values())
     if plain:
         return persistent + parts.gradients + kept
-    held = sum(e.numel * e.itemsize for e in found.of("dense", "rows", "device"))
-    scaled = sum(e.numel * e.itemsize for e in found.of("scaled"))
-    return persistent + held + max(kept, scaled)
+    crossed = sum(e.numel * e.itemsize for e in found.of("dense", "rows"))
+    held = sum(e.numel * e.itemsize for e in found.of("device")) + (0 if freed else crossed)
+    grown = sum(e.numel * e.itemsize for e in found.of("scaled")) + (crossed if freed else 0)
+    return persistent + held + max(kept, grown)
 
 
 def _parts(parts: DeviceParts, activations: Activations, checkpointing: bool) -> dict[str, int]:

@@ -142,10 +142,23 @@ def rows_stepped_densely(optimizer: Optimizer, embeddings_by_default: bool) -> d
     return reasons
 
 
+def _scaled_layers_message(name: str, layers: list[Any]) -> str:
+    """What ``update="scaled"`` does to ``layers``, for the log."""
+    sizes = sorted({f"{layer.channels}×{layer.projected_side}→{layer.channels}×{layer.rank}" for layer in layers})
+    whole = sum(layer.rank == 1 for layer in layers)
+    return (f"{name}: update='scaled': {len(layers)} layers get full-rank updates scaled per channel from host moments "
+            f"of their gradients' projections ({', '.join(sizes[:4])}{', …' if len(sizes) > 4 else ''}); their full "
+            f"gradients stay on the device until the step's scales return."
+            + (f" {whole} of them project each channel to 1 number and take one scale per weight instead (per "
+               f"channel, 1/|R_j| of a single projection is unbounded); a larger rank keeps them per channel."
+               if whole else ""))
+
+
 def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadSettings, placements: Placements,
                  device: torch.device, name: str, say: Callable[[str], None], warn: Callable[[str], None],
                  rank_shards: RankShards | None = None,
-                 optimizer_class: type[OffloadOptimizer] = OffloadOptimizer) -> EngineSetup:
+                 optimizer_class: type[OffloadOptimizer] = OffloadOptimizer,
+                 frees_sent_gradients: bool = True) -> EngineSetup:
     """Put the engine in place of ``user_optimizer`` for ``model`` (on ``device`` already).
 
     Args:
@@ -159,6 +172,9 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
         warn: where warnings go.
         rank_shards: the ranks the engine shares its work with. Default: ``None`` (one process).
         optimizer_class: the engine's class (a face's subclass of it). Default: ``OffloadOptimizer``.
+        frees_sent_gradients: the face's default for ``settings.free_sent_gradients`` (``None``): ``True`` where the
+            loop zeroes gradients before the next backward anyway (the Trainer, Fabric), ``False`` for a loop of
+            one's own (torch's semantics). Default: ``True``.
 
     Raises:
         ValueError: for an optimizer or a setting the engine cannot take (each names the value and the fix).
@@ -174,14 +190,7 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
         say(f"{name}: {message}")
     layers = attach_projections(model, user_optimizer, settings, placement, device) if settings.projection else []
     if settings.update == "scaled" and layers:
-        sizes = sorted({f"{layer.channels}×{layer.projected_side}→{layer.channels}×{layer.rank}" for layer in layers})
-        whole = sum(layer.rank == 1 for layer in layers)
-        say(f"{name}: update='scaled': {len(layers)} layers get full-rank updates scaled per channel from host moments "
-            f"of their gradients' projections ({', '.join(sizes[:4])}{', …' if len(sizes) > 4 else ''}); their full "
-            f"gradients stay on the device until the step's scales return."
-            + (f" {whole} of them project each channel to 1 number and take one scale per weight instead (per "
-               f"channel, 1/|R_j| of a single projection is unbounded); a larger rank keeps them per channel."
-               if whole else ""))
+        say(_scaled_layers_message(name, layers))
     if settings.projection and not layers:
         warn(f"strategy {name!r} found no layer to project: no trainable Linear/Conv1D has both dims ≥ "
              f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "
@@ -198,6 +207,8 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
             rounding_seed=settings.seed,
             update_buffers=settings.update_buffers,
             speculative=settings.speculative,
+            free_sent_gradients=settings.free_sent_gradients if settings.free_sent_gradients is not None
+            else frees_sent_gradients,
             keep_on_device=placement.device,
             row_sparse=placement.row_sparse,
             frozen=placement.frozen,

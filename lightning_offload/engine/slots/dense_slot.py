@@ -20,6 +20,7 @@ class DenseSlot(HostStepSlot):
 
     keeps_master = True
     gradient_is_param_grad = True
+    crosses_param_grad = True
     holds_value_back = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,

@@ -32,6 +32,7 @@ class RowSlot(Slot):
 
     keeps_master = True
     gradient_is_param_grad = True
+    crosses_param_grad = True
     steps_rows = True
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool) -> None:

@@ -126,6 +126,9 @@ class Slot:
     routed = True
     #: Whether its gradient is its parameter's ``.grad`` (which a user's own clipping call can edit in place).
     gradient_is_param_grad = False
+    #: Whether the whole of ``param.grad`` crosses to the host and nothing on the device needs it after the launch (a
+    #: dense parameter's, a row-sparse embedding's): the orchestrator may drop it then (``free_sent_gradients``).
+    crosses_param_grad = False
     #: Whether its host state is the scaled rule's, and whether it is a row Adam's (what a checkpoint must match).
     steps_scaled = False
     steps_rows = False

@@ -49,7 +49,8 @@ class StepOrchestrator:
 
     def __init__(self, lanes: Lanes, slots: list[Slot], device_optimizer: DeviceOptimizer | None, host_jobs: HostJobs,
                  norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
-                 model: torch.nn.Module | None = None, tied: AbstractSet[int] = frozenset()) -> None:
+                 model: torch.nn.Module | None = None, tied: AbstractSet[int] = frozenset(),
+                 free_sent_gradients: bool = False) -> None:
         self.lanes = lanes
         self.slots = slots
         self.device_optimizer = device_optimizer
@@ -58,6 +59,9 @@ class StepOrchestrator:
         self.figures = figures
         self.on_nonfinite = on_nonfinite
         self.pipelined = pipelined
+        # Whether a host-stepped parameter's .grad is dropped once its step is launched (the faces whose loop zeroes
+        # gradients before the next backward anyway): the device then holds none of them into the next forward.
+        self.free_sent_gradients = free_sent_gradients
         self.round = 0  # counts launched steps: tells gradients sent for this step from stale ones
         self.last_step_skipped = False
         self.warned_resent = False  # said once: gradients edited after they crossed cross again
@@ -234,6 +238,10 @@ class StepOrchestrator:
             slot.job = jobs.submit(slot, clip, compute_done, step, settings, redo)
         slot.pending = True
         slot.release_gradient()
+        if self.free_sent_gradients and slot.crosses_param_grad:
+            # Its copy to the host was issued from this tensor; the link recorded the copy's stream on it, so its
+            # memory is not reused before the copy has read it.
+            slot.param.grad = None
 
     def finish(self, slot: Slot) -> None:
         """Main thread: wait for a slot's update and apply it on the device."""

@@ -74,13 +74,14 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
                  accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, seed: int = 0, on_nonfinite: NonFinitePolicy = "skip",
                  log_telemetry: bool = True, pipelined: bool = True, link_dtype: str = "fp32",
-                 speculative: bool | None = None, embeddings: str | None = None, head: str | None = None,
-                 **unknown: Any) -> None:
+                 speculative: bool | None = None, free_sent_gradients: bool | None = None,
+                 embeddings: str | None = None, head: str | None = None, **unknown: Any) -> None:
         # A projection setting given at all (whatever its value) does not apply; a misspelt one is named.
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
         settings = OffloadSettings(projection=False, seed=seed, on_nonfinite=on_nonfinite,
                                    log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
-                                   speculative=speculative, embeddings=embeddings, head=head)
+                                   speculative=speculative, free_sent_gradients=free_sent_gradients,
+                                   embeddings=embeddings, head=head)
         super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._configure_offload(settings)
