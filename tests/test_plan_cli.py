@@ -101,11 +101,16 @@ def test_a_cpu_step_time_error_is_said_to_be_against_a_lower_bound(caplog: pytes
     assert "lower bound" not in plain
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2", "llama_1b3", "llama_7b", "smollm2_135m"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2", "llama_1b3", "llama_7b", "smollm2_135m", "hf"])
 def test_every_model_config_plans(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The shapes of random weights are built on the meta device when the run only plans: a 7B config allocates nothing.
-    overrides = [o for o in TINY if not o.startswith("model=")]
-    _, objects = _train([*overrides, f"model={model}", "logger=none", "+plan=true", "main_job.size_to_machine=false"],
+    overrides = [o for o in TINY if not o.startswith("model=")] + [f"model={model}"]
+    if model == "hf":  # a local Hugging Face directory: SmolLM2 as the package converts it
+        from lightning_offload.models.smollm2 import load_smollm2
+
+        load_smollm2(cache_dir=tmp_path / "smollm2")
+        overrides.append(f"model.name_or_path={tmp_path / 'smollm2'}")
+    _, objects = _train([*overrides, "logger=none", "+plan=true", "main_job.size_to_machine=false"],
                         tmp_path / "run", monkeypatch, tmp_path)
     found = objects["plan"]
     assert found.device_bytes > 0 and found.projected_layers > 0 and found.step.step > 0
