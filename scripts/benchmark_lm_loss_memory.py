@@ -1,6 +1,6 @@
 """Peak memory one training step adds on a 128K-vocabulary model: the chunked loss against the model's own (CPU).
 
-A LLaMA with Llama-3's vocabulary (128256 tokens, tied embeddings) and tiny otherwise (hidden 64, 2 layers) trains
+A LLaMA with Llama-3's vocabulary (128256 tokens, tied) and tiny otherwise (hidden 64, 2 layers) trains
 under the package's causal-LM task, bf16-true, at 4×512 tokens. On a CPU the device is the process, so a step's
 transient memory is the process's: each configuration runs in a fresh subprocess, and around its second step
 (the first builds the engine's and the optimizer's state) the kernel's peak resident set is reset
@@ -10,6 +10,8 @@ start: what the step itself adds (logits, activations, gradients, their transfer
 
     python scripts/benchmark_lm_loss_memory.py
     python scripts/benchmark_lm_loss_memory.py --configs "lsp_offload, chunked loss" --tokens 4x512
+    python scripts/benchmark_lm_loss_memory.py --hidden 512 --untied --configs "zero_offload, chunked loss" \
+        "zero_offload keeping gradients, chunked loss"     # free_sent_gradients: 0.5 GiB of bf16 gradients
 
 Configurations: plain Lightning (AdamW) and ``lsp_offload`` (the head stepped on the host, or projected), each with
 ``loss="model"`` (Hugging Face's loss over the full logits) and ``loss="chunked"`` (lightning_offload.causal_lm_loss).
@@ -28,7 +30,9 @@ from harness import add_standard_arguments, begin_run, markdown_table, write_jso
 
 CONFIGS = ["plain Lightning, model's loss", "plain Lightning, chunked loss", "lsp_offload, model's loss",
            "lsp_offload, chunked loss", "lsp_offload head=projected, model's loss",
-           "lsp_offload head=projected, chunked loss"]
+           "lsp_offload head=projected, chunked loss",
+           # free_sent_gradients (the Trainer's default) against keeping the crossed gradients into the next step.
+           "zero_offload, chunked loss", "zero_offload keeping gradients, chunked loss"]
 GIB = 2**30
 
 
@@ -39,13 +43,13 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _one(config: str, rows: int, length: int, vocab: int) -> dict[str, Any]:
+def _one(config: str, rows: int, length: int, vocab: int, hidden: int, tied: bool) -> dict[str, Any]:
     """Run ``config`` for two steps in this process; the second step's added peak, in bytes."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
 
-    from lightning_offload import LSPOffloadStrategy, plan
+    from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, plan
     from lightning_offload.models.tiny import tiny_llama
     from lightning_offload.tasks.causal_lm import CausalLMModule
 
@@ -63,25 +67,32 @@ def _one(config: str, rows: int, length: int, vocab: int) -> dict[str, Any]:
                 self.peak = _status_kib("VmHWM")
 
     torch.manual_seed(0)
-    model = tiny_llama(vocab_size=vocab, hidden=64, layers=2, heads=4, intermediate=128, max_positions=length)
+    model = tiny_llama(vocab_size=vocab, hidden=hidden, layers=2, heads=4, intermediate=2 * hidden,
+                       max_positions=length, tie_word_embeddings=tied)
     ids = torch.randint(0, vocab, (2 * rows, length))
     rows_of = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
     batches = DataLoader(rows_of, batch_size=rows)
     head = "projected" if "head=projected" in config else "host"
-    strategy = LSPOffloadStrategy(projectors="random", head=head) if config.startswith("lsp_offload") else "auto"
+    strategy = LSPOffloadStrategy(projectors="random", head=head) if config.startswith("lsp_offload") else \
+        ZeroOffloadStrategy(free_sent_gradients="keeping gradients" not in config) \
+        if config.startswith("zero_offload") else "auto"
     module = CausalLMModule(model, lr=1e-4, loss="chunked" if config.endswith("chunked loss") else "model")
     probe = PeakOfSecondStep()
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[probe])
     # The planner's figure for the same parts (kept activations and the loss's transient), for the same model.
-    planned = plan(tiny_llama(vocab_size=vocab, hidden=64, layers=2, heads=4, intermediate=128, max_positions=length),
-                   "auto" if strategy == "auto" else "lsp_offload", batch_size=rows, seq_len=length,
+    planned = plan(tiny_llama(vocab_size=vocab, hidden=hidden, layers=2, heads=4, intermediate=2 * hidden,
+                              max_positions=length, tie_word_embeddings=tied),
+                   config.split(" ")[0].rstrip(",") if strategy != "auto" else "auto", batch_size=rows,
+                   seq_len=length,
                    device_memory="64GiB", precision="bf16-true", hardware="h200", device="cpu",
                    loss="chunked" if config.endswith("chunked loss") else "model",
-                   **({} if strategy == "auto" else {"projectors": "random", "head": head}))
+                   **({} if strategy == "auto" else {"free_sent_gradients": "keeping gradients" not in config}
+                      if config.startswith("zero") else {"projectors": "random", "head": head}))
     trainer.fit(module, train_dataloaders=batches)
-    return {"config": config, "added_peak_bytes": (probe.peak - probe.start) * 1024,
+    return {"config": config, "added_peak_bytes": (probe.peak - probe.start) * 1024, "peak_bytes": probe.peak * 1024,
+            "planned_peak_bytes": planned.device_bytes,
             "planned_bytes": planned.device_parts["activations"] + planned.device_parts["activations_transient"],
             "logits_bf16_bytes": rows * length * vocab * 2}
 
@@ -91,26 +102,30 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     parser.add_argument("--tokens", default="4x512", help="rows x length of a micro-batch")
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--untied", action="store_true", help="an untied head (its own 128K x hidden gradient)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one configuration here (the subprocess's part)
     add_standard_arguments(parser)
     args = parser.parse_args()
     rows, length = (int(n) for n in args.tokens.split("x"))
     if args.one:
-        print(json.dumps(_one(args.one, rows, length, args.vocab)))
+        print(json.dumps(_one(args.one, rows, length, args.vocab, args.hidden, not args.untied)))
         return
     begin_run(args, __file__)
     results = []
     for config in args.configs:
         # A fresh process each: the peak of one configuration must not hide under another's.
         done = subprocess.run([sys.executable, __file__, "--one", config, "--tokens", args.tokens, "--vocab",
-                               str(args.vocab)], capture_output=True, text=True, check=True)
+                               str(args.vocab), "--hidden", str(args.hidden), *(["--untied"] if args.untied else [])],
+                              capture_output=True, text=True, check=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"{config}: +{results[-1]['added_peak_bytes'] / GIB:.2f} GiB", flush=True)
     print(markdown_table(["configuration", "peak added by one step (GiB)", "planned: activations + transient (GiB)",
-                          "bf16 logits (GiB)"],
+                          "the step's peak (GiB)", "planned device peak (GiB)"],
                          [(r["config"], f"{r['added_peak_bytes'] / GIB:.2f}", f"{r['planned_bytes'] / GIB:.2f}",
-                           f"{r['logits_bf16_bytes'] / GIB:.2f}") for r in results]))
-    write_json(args.json, {"tokens": args.tokens, "vocab": args.vocab, "results": results})
+                           f"{r['peak_bytes'] / GIB:.3f}", f"{r['planned_peak_bytes'] / GIB:.3f}") for r in results]))
+    write_json(args.json, {"tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, "tied": not args.untied,
+                           "results": results})
 
 
 if __name__ == "__main__":

@@ -284,18 +284,21 @@ def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bo
     calls after the next forward (before its backward): so a plain run's gradients, and a device-placed one's, are
     there while the forward saves its activations (the native 1.3B run measured on an H200, 15.2 GiB, is weights +
     gradients + moments + activations). An offload's dense and row gradients are too unless they are dropped once they
-    crossed (``free_sent_gradients``, on under the Trainer and Fabric); then they exist only while backward makes
-    them, as activations are freed, like the compressed ``S`` (which leave as they are produced) and the scaled
-    rule's ``G`` (taken out of ``.grad`` at the step): the larger of those and the activations.
+    crossed (``free_sent_gradients``, on under the Trainer and Fabric); then they exist only from backward on, as
+    activations are freed, like the compressed ``S`` (which leave as they are produced) and the scaled rule's ``G``
+    (taken out of ``.grad`` at the step): the larger of those and the activations with the first gradient made.
     """
     kept = activations.kept(checkpointing) + activations.transient
     persistent = parts.weights + parts.optimizer_state + sum(parts.persistent.values())
     if plain:
         return persistent + parts.gradients + kept
-    crossed = sum(e.numel * e.itemsize for e in found.of("dense", "rows"))
-    held = sum(e.numel * e.itemsize for e in found.of("device")) + (0 if freed else crossed)
-    grown = sum(e.numel * e.itemsize for e in found.of("scaled")) + (crossed if freed else 0)
-    return persistent + held + max(kept, grown)
+    crossed = [e.numel * e.itemsize for e in found.of("dense", "rows")]
+    held = sum(e.numel * e.itemsize for e in found.of("device")) + (0 if freed else sum(crossed))
+    grown = sum(e.numel * e.itemsize for e in found.of("scaled")) + (sum(crossed) if freed else 0)
+    # Dropped gradients still exist from backward on; the first ones made (the head's: by the chunked loss in forward)
+    # exist beside every saved activation: the largest stands for them.
+    first = max(crossed, default=0) if freed else 0
+    return persistent + held + max(kept + first, grown)
 
 
 def _parts(parts: DeviceParts, activations: Activations, checkpointing: bool) -> dict[str, int]:
