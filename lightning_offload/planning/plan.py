@@ -173,10 +173,10 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
                          _csr_kernels(offload, accelerator))
     activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes, loss)
     work = _workload(model, found, batch_size * seq_len, seq_len, offload is None, gradient_checkpointing, loss)
+    run = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=user_optimizer.__name__)
     return _assemble(strategy, offload, found, parts, activations, link, work, hw, memory,
                      parse_bytes(host_memory, "host_memory") if host_memory is not None else hw.host_memory,
-                     meft_part, dict(batch_size=batch_size, seq_len=seq_len, precision=precision,
-                                     optimizer=user_optimizer.__name__), headroom, rule)
+                     meft_part, run, headroom, rule, _head_gradient_bytes(model, found))
 
 
 def _checked_step(precision: str, batch_size: int, seq_len: int, headroom: float) -> str:
@@ -240,7 +240,7 @@ def _activations(model: nn.Module, found: Inventory, batch_size: int, seq_len: i
 def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory, parts: DeviceParts,
               activations: Activations, link: Link, work: Workload, hw: Hardware, device_memory: int,
               host_memory: int, meft_part: MEFTSizes | None, run: dict[str, Any], headroom: float,
-              rule: HostRule) -> Plan:
+              rule: HostRule, head_gradient: int) -> Plan:
     """The plan's figures from its parts."""
     plain = settings is None
     to_host = sum(link_bytes(e, link)[0] for e in found.entries)
@@ -252,7 +252,8 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
         to_host, to_device = to_host + meft_part.to_host, to_device + meft_part.to_device
     # The Trainer's default (plan() plans what the strategies do): gradients that crossed are dropped at the launch.
     freed = not plain and settings.free_sent_gradients is not False
-    peaks = {checkpointing: _device_peak(parts, activations, checkpointing, plain, found, freed)
+    first_freed = head_gradient if freed else None
+    peaks = {checkpointing: _device_peak(parts, activations, checkpointing, plain, found, first_freed)
              + (meft_part.device_bytes if meft_part else 0) for checkpointing in (False, True)}
     device_s, forward_s = device_seconds(found, work, hw, plain, settings.density if settings else 0)
     host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
@@ -276,7 +277,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
 
 
 def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bool, plain: bool,
-                 found: Inventory, freed: bool) -> int:
+                 found: Inventory, first_freed: int | None) -> int:
     """Peak device bytes, at the start of backward: what persists, the gradients still held in ``.grad`` from the
     previous step, every saved activation and the logits' gradient.
 
@@ -286,19 +287,29 @@ def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bo
     gradients + moments + activations). An offload's dense and row gradients are too unless they are dropped once they
     crossed (``free_sent_gradients``, on under the Trainer and Fabric); then they exist only from backward on, as
     activations are freed, like the compressed ``S`` (which leave as they are produced) and the scaled rule's ``G``
-    (taken out of ``.grad`` at the step): the larger of those and the activations with the first gradient made.
+    (taken out of ``.grad`` at the step): the larger of those and the activations with the first gradient made
+    (``first_freed``: the head's, which backward makes first, or the chunked loss in forward; ``None`` when they
+    are kept).
     """
     kept = activations.kept(checkpointing) + activations.transient
     persistent = parts.weights + parts.optimizer_state + sum(parts.persistent.values())
     if plain:
         return persistent + parts.gradients + kept
-    crossed = [e.numel * e.itemsize for e in found.of("dense", "rows")]
-    held = sum(e.numel * e.itemsize for e in found.of("device")) + (0 if freed else sum(crossed))
-    grown = sum(e.numel * e.itemsize for e in found.of("scaled")) + (sum(crossed) if freed else 0)
-    # Dropped gradients still exist from backward on; the first ones made (the head's: by the chunked loss in forward)
-    # exist beside every saved activation: the largest stands for them.
-    first = max(crossed, default=0) if freed else 0
-    return persistent + held + max(kept + first, grown)
+    freed = first_freed is not None
+    crossed = sum(e.numel * e.itemsize for e in found.of("dense", "rows"))
+    held = sum(e.numel * e.itemsize for e in found.of("device")) + (0 if freed else crossed)
+    grown = sum(e.numel * e.itemsize for e in found.of("scaled")) + (crossed if freed else 0)
+    return persistent + held + max(kept + (first_freed or 0), grown)
+
+
+def _head_gradient_bytes(model: nn.Module, found: Inventory) -> int:
+    """Bytes of the output head's gradient where it crosses whole (a dense head's): backward makes it first (the
+    chunked loss, in forward), so it exists beside every saved activation even when crossed gradients are dropped."""
+    head = network_of(model).get_output_embeddings()
+    if head is None:
+        return 0
+    name = next((n for n, p in model.named_parameters() if p is head.weight), None)
+    return sum(e.numel * e.itemsize for e in found.of("dense", "rows") if e.name == name)
 
 
 def _parts(parts: DeviceParts, activations: Activations, checkpointing: bool) -> dict[str, int]:
