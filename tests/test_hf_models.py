@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_offload import LSPOffloadStrategy
-from tiny_modules import TinyCausalLM, params_of, tiny_hf_model, token_data, trainer
+from tiny_modules import TinyCausalLM, check_checkpoint_loads_into_plain, params_of, tiny_hf_model, token_data, trainer
 
 EXPECTED_PROJECTED = {
     "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
@@ -29,15 +29,8 @@ def test_projects_the_blocks_trains_the_rest_and_keeps_state_dict_keys(kind, tmp
     assert sum(module.losses[-5:]) < sum(module.losses[:5])
 
     # The saved weights load into the plain architecture, key for key.
-    path = tmp_path / "model.ckpt"
-    fit.save_checkpoint(path)
-    state = torch.load(path, weights_only=False)["state_dict"]
-    assert list(state) == keys
-    plain = TinyCausalLM(tiny_hf_model(kind, seed=1))
-    plain.load_state_dict(state, strict=True)
-    ids = next(iter(token_data()))[0]
-    plain.eval(), module.eval()  # GPT-2 has dropout
-    torch.testing.assert_close(plain.model(input_ids=ids).logits, module.model(input_ids=ids).logits)
+    check_checkpoint_loads_into_plain(fit, tmp_path / "model.ckpt", keys, TinyCausalLM(tiny_hf_model(kind, seed=1)),
+                                      module.model, next(iter(token_data()))[0])
 
 
 def test_after_fit_modules_are_plain_again():

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_offload import LSPOffloadStrategy, causal_lm_loss, offload, signed_permutation_projector
 from lightning_offload.tasks.causal_lm import CausalLMModule
-from tiny_modules import params_of
+from tiny_modules import check_checkpoint_loads_into_plain, params_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,15 +65,8 @@ def test_trains_under_lsp_offload_and_its_checkpoint_loads_into_the_plain_model(
     with torch.no_grad():
         after = causal_lm_loss(model, batches[0]).item()
     assert after < before  # three steps at 1e-2 on the same batches lower their loss
-    path = tmp_path / "model.ckpt"
-    trainer.save_checkpoint(path)
-    state = torch.load(path, weights_only=False)["state_dict"]
-    assert list(state) == keys
-    plain = CausalLMModule(_zoo_model(name, seed=1))
-    plain.load_state_dict(state, strict=True)
-    ids = batches[0]["input_ids"]
-    with torch.no_grad():
-        torch.testing.assert_close(plain.model(input_ids=ids).logits, model(input_ids=ids).logits)
+    check_checkpoint_loads_into_plain(trainer, tmp_path / "model.ckpt", keys, CausalLMModule(_zoo_model(name, seed=1)),
+                                      model, batches[0]["input_ids"])
 
 
 @pytest.mark.parametrize("name", list(ZOO))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -103,6 +104,19 @@ def lossless_lsp(**kwargs: Any) -> Any:
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().clone() for name, p in module.named_parameters()}
+
+
+def check_checkpoint_loads_into_plain(fit: pl.Trainer, path: Path, keys: list[str], plain: pl.LightningModule,
+                                      trained: nn.Module, ids: torch.Tensor) -> None:
+    """``fit``'s checkpoint, saved to ``path``, holds the module's ``keys`` in order and loads strictly into ``plain``
+    (another module of the plain architecture), whose logits on ``ids`` then equal the ``trained`` network's."""
+    fit.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert list(state) == keys
+    plain.load_state_dict(state, strict=True)
+    plain.eval(), trained.eval()  # GPT-2 has dropout
+    with torch.no_grad():
+        torch.testing.assert_close(plain.model(input_ids=ids).logits, trained(input_ids=ids).logits)
 
 
 class TinyCausalLM(pl.LightningModule):
