@@ -272,3 +272,25 @@ def test_a_peft_wrapped_model_s_loss_and_adapter_gradients_equal_its_own() -> No
     assert got.keys() == want.keys() and any("lora_A" in name for name in got)
     for name in want:
         torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_compiled_whole_model_is_said_to_be_bypassed_and_a_compiled_base_is_used() -> None:
+    model = _model("llama_untied")
+    batch = _batch()
+    want = model(**batch).loss
+    with pytest.warns(UserWarning, match=r"torch.compile around the whole model is bypassed.*model.model.compile\(\)"):
+        got = causal_lm_loss(torch.compile(model, backend="eager"), batch)
+    torch.testing.assert_close(got, want)
+    compiled_calls = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        compiled_calls.append(1)
+        return graph.forward
+
+    model.model.compile(backend=backend)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(causal_lm_loss(model, batch), want)
+    assert compiled_calls  # the compiled base ran

@@ -21,6 +21,7 @@ applied as those models apply them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -104,6 +105,10 @@ def hidden_and_head(model: nn.Module, batch: Mapping[str, Any]) -> tuple[Tensor,
     Raises:
         TypeError: for a model with no separate base model and head.
     """
+    if getattr(model, "_orig_mod", None) is not None or getattr(model, "_compiled_call_impl", None) is not None:
+        warnings.warn("causal_lm_loss() runs the model's base model and its head itself, so torch.compile around the "
+                      "whole model is bypassed (it runs uncompiled). Compile the base model instead, e.g. "
+                      "model.model.compile() (or each block).", stacklevel=3)
     base, head = base_and_head(model)
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
     out = base(**inputs, return_dict=True)
