@@ -24,7 +24,7 @@ from lightning_offload import (
     ProjectorRefit,
     ZeroOffloadDDPStrategy,
 )
-from lightning_offload.engine.step.data_parallel import contiguous_owners
+from lightning_offload.engine.lanes.ranks import contiguous_owners
 from lightning_offload.lsp import norm_probe
 
 RUNS = Path(__file__).parent / "ddp_runs.py"

@@ -112,6 +112,31 @@ def test_the_lightning_check_sees_every_form_of_import(tmp_path: Path) -> None:
     assert _lightning_imports(module) == ["lightning.pytorch", "lightning_fabric"]
 
 
+#: The engine's floors, lowest first: each of its parts imports only its own part and the floors below. The figures
+#: (phases, telemetry, the timeline), the host rules and the checkpoint kinds; the lanes the slots share (the worker,
+#: the link, the update ring, the ranks); the row Adam; the slots; the step; what the optimizer is built from (its late
+#: parameters, the user's optimizer, the engine's state); the optimizer; the projector fitting that drives it.
+ENGINE_FLOORS = {"figures": 0, "rules": 0, "checkpoint_kinds": 0, "lanes": 1, "rows": 2, "slots": 3, "step": 4,
+                 "late_params": 5, "user_optimizer": 5, "engine_state": 5, "optimizer": 6, "fitting": 7}
+
+
+def _engine_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "engine" else None
+
+
+def test_every_engine_module_is_on_a_floor() -> None:
+    loose = sorted(m for m in _graph() if _engine_part(m) is not None and _engine_part(m) not in ENGINE_FLOORS)
+    assert not loose, f"engine modules on no floor of ENGINE_FLOORS: {loose}"
+
+
+def test_no_arrow_runs_back_up_the_engine_s_floors() -> None:
+    upward = [(module, imported) for module, imports in _graph().items() if _engine_part(module) in ENGINE_FLOORS
+              for imported in imports if _engine_part(imported) in ENGINE_FLOORS
+              and ENGINE_FLOORS[_engine_part(imported)] > ENGINE_FLOORS[_engine_part(module)]]
+    assert not upward, f"imports of a higher floor inside engine/: {upward}"
+
+
 def test_no_import_cycles() -> None:
     graph = _graph()
     state: dict[str, int] = {}
@@ -301,7 +326,7 @@ def test_the_step_and_the_checkpoint_know_slots_only_through_their_interface() -
     # checkpoint; a row Adam's or the scaled rule's state) lives in that kind's hooks: the orchestrator, the checkpoint
     # and the state sizes import no kind of slot and read no kind's internals.
     engine = PACKAGE / "engine"
-    readers = [engine / "step" / "orchestrator.py", engine / "engine_state.py", engine / "figures" / "state_sizes.py",
+    readers = [engine / "step" / "orchestrator.py", engine / "engine_state.py", engine / "step" / "sizes.py",
                engine / "step" / "host_jobs.py"]
     kinds = {f"lightning_offload.engine.slots.{kind}" for kind in (
         "projected_slot", "scaled_slot", "dense_slot", "row_slot", "row_blocks_slot", "remote_slot")}

@@ -14,18 +14,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import lightning_offload  # noqa: F401  (registers meft_offload)
 from lightning_offload import BlockRowAdam, MEFTConfig, MEFTOffloadStrategy, inject_meft, meft_adapters
 from lightning_offload.engine import optimizer as engine_optimizer
+from lightning_offload.engine.lanes.worker import HostWorkerError
 from lightning_offload.engine.rows.block_row_adam import RENORMALIZE_BELOW, RowAdamSettings
 from lightning_offload.engine.rows.native_row_adam import LandedRows
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.step.clipping import NonFiniteGradientError
-from lightning_offload.engine.step.pipeline import HostWorkerError
 from lightning_offload.meft.routing import expert_key_scores, route, select_experts, select_neurons
 from lightning_offload.models import tiny_gpt2, tiny_llama
 from lightning_offload.setup.report import facts_of, figures_at_step_end
 from lightning_offload.tasks.causal_lm import CausalLMModule
+import lightning_offload  # noqa: F401  (registers meft_offload)
 
 # Standardisation measured on the first batch alone: tests that compare runs fix it with one forward beforehand
 # (the calibration tests set calibration_batches themselves).

@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
+from lightning_offload.engine.lanes.link import Link
+from lightning_offload.engine.lanes.worker import HostWorker
 from lightning_offload.engine.rows import row_gradients
 from lightning_offload.engine.rows.block_row_adam import RENORMALIZE_BELOW, BlockRowAdam, RowAdamSettings
 from lightning_offload.engine.rows.host_threads import _openmp, one_thread
 from lightning_offload.engine.rows.row_adam_kernel import decayed_scales, new_first_scales
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.rows.row_landing import KeptLayout, RowLanding
-from lightning_offload.engine.step.pipeline import HostWorker, Link
 from lightning_offload.meft.figures import _expert_usage_each, expert_usage
 from scripts_loader import load_script
 

@@ -16,9 +16,9 @@ import torch
 
 from lightning_offload import offload
 from lightning_offload.engine.figures.phases import PHASES, PhaseClock
+from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.worker import HostWorker, HostWorkerError
 from lightning_offload.engine.rules.adam import ADAM
-from lightning_offload.engine.slots.slot import Lanes
-from lightning_offload.engine.step.pipeline import HostWorker, HostWorkerError
 from tiny_modules import params_of, tiny_hf_model, token_data
 
 SMALL = dict(rank=0.5, density=2, min_dim=16, projectors="random")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.engine.step.pipeline import HostWorker, HostWorkerError
+from lightning_offload.engine.lanes.worker import HostWorker, HostWorkerError
 from tiny_modules import (TinyCausalLM, TinyClassifier, classification_data, params_of, tiny_hf_model, token_data,
                           trainer)
 
@@ -170,7 +170,7 @@ def test_timeline_is_logged_and_exports_as_a_chrome_trace(tmp_path):
 
 @pytest.mark.parametrize("cores, expected", [(8, list(range(1, 8))), (2, None)])
 def test_the_worker_leaves_the_main_thread_a_core_on_an_accelerator(monkeypatch, cores, expected):
-    import lightning_offload.engine.step.pipeline as pipeline
+    import lightning_offload.engine.lanes.worker as pipeline
 
     calls = []
     monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)

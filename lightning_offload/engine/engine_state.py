@@ -8,9 +8,9 @@ from typing import Any
 
 from lightning_offload.engine.checkpoint_kinds import WEIGHTS_ONLY, optimizer_state_kind, torch_state_under_offload
 from lightning_offload.engine.figures.telemetry import OffloadTelemetry
+from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.engine.slots.slot import Slot
-from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 
 STATE_FORMAT = 2

@@ -18,8 +18,9 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.slots.dense_slot import DenseSlot
-from lightning_offload.engine.slots.slot import Lanes, Slot
+from lightning_offload.engine.slots.slot import Slot
 
 log = logging.getLogger(__name__)
 

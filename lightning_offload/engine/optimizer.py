@@ -1,7 +1,6 @@
 """The offload engine as a ``torch.optim.Optimizer``: :class:`OffloadOptimizer` takes over a user's Adam/AdamW (or any
-optimizer a host rule steps, :mod:`~lightning_offload.engine.rules`), builds one slot per offloaded tensor and the
-parts they share, and hands each step to the engine's orchestrator
-(:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`).
+optimizer a host rule steps), builds one slot per offloaded tensor and the lanes they share, and hands each step to
+the orchestrator (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`).
 
 :class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
 ``configure_optimizers``. It shares that optimizer's ``param_groups`` dicts, so per-group hyper-parameters are
@@ -9,8 +8,7 @@ honoured and LR schedulers (which write ``param_groups[i]["lr"]``) keep working.
 steps and holds no state. All optimizer state lives on the host, in the slots (:mod:`~lightning_offload.engine.slots`:
 a projected weight's Adam on ``S = A G Bᵀ``, a dense parameter's fp32 master and Adam, an embedding's or MEFT's
 adapter rows, or nothing where another rank steps the tensor). This module holds the set-up, the clipping calls,
-accounting and checkpoints; ``docs/design.md`` ("The engine") describes the step's timeline and each slot kind.
-"""
+accounting and checkpoints; ``docs/design.md`` ("The engine") describes the step and each slot kind."""
 from __future__ import annotations
 
 import math
@@ -23,23 +21,25 @@ from torch.optim import Optimizer
 
 from lightning_offload.engine.engine_state import check_engine_state, engine_state, load_engine_state
 from lightning_offload.engine.figures.phases import PhaseClock
-from lightning_offload.engine.figures.state_sizes import (
-    device_persistent_bytes, device_state_bytes, host_state_bytes, state_tensors)
 from lightning_offload.engine.figures.step_figures import StepFigures
+from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.ranks import RankShards
+from lightning_offload.engine.lanes.update_ring import UpdateRing
+from lightning_offload.engine.lanes.worker import HostWorker
 from lightning_offload.engine.late_params import LateParameters
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.rules.host_rule import MEFT_ROWS, host_rule_for
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
-from lightning_offload.engine.slots.slot import Lanes, Slot
+from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.slots.slot_building import build_slots
 from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
-from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 from lightning_offload.engine.step.host_jobs import HostJobs
 from lightning_offload.engine.step.orchestrator import StepOrchestrator
-from lightning_offload.engine.step.pipeline import HostWorker, UpdateRing
+from lightning_offload.engine.step.sizes import (
+    device_persistent_bytes, device_state_bytes, host_state_bytes, state_tensors)
 from lightning_offload.engine.user_optimizer import (
     LINK_DTYPES, check_engine_arguments, hooked_load_state_dict, hooked_state_dict, is_decoupled, named_parameters_of,
     share_hooks, validate_user_optimizer)
@@ -89,7 +89,7 @@ class OffloadOptimizer(Optimizer):
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
             head): their update is applied inside the step, and the outside use's gradient compressed, without a
             warning. Default: ``()``.
-        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.step.data_parallel`):
+        data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.lanes.ranks`):
             gradients are reduced to each tensor's owner rank, which alone keeps its host state and steps it, and
             updates are broadcast from there. Default: ``None`` (one process).
 

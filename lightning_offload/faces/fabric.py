@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess, ProjectorFitting
-from lightning_offload.engine.step.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
+from lightning_offload.engine.lanes.ranks import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks, row_adam_settings
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.setup.data_parallel import RankAgreement, broadcast_weights, bucket_bytes

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.rules.host_rule import host_rule_for
 from lightning_offload.engine.user_optimizer import is_decoupled, validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from lightning_offload.engine.figures.telemetry import OffloadTelemetry, StepTelemetry
-from lightning_offload.engine.step.pipeline import StepTimeline, TimelineRecorder
+from lightning_offload.engine.figures.timeline import StepTimeline, TimelineRecorder
 
 
 class StepFigures:

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_offload.engine.step.pipeline import LANES
+from lightning_offload.engine.figures.timeline import LANES
 
 
 @dataclass
@@ -33,7 +33,7 @@ class StepTelemetry:
         sparse_rows: rows of row-sparse embeddings (``embeddings="sparse"``) that crossed and were stepped.
         bytes_between_ranks: with data parallelism, the bytes this rank handed to collectives for one step: its
             gradient buckets, the global norm, and the updates it broadcast or received (payload sizes; see
-            :mod:`lightning_offload.engine.step.data_parallel`). 0 for one process.
+            :mod:`lightning_offload.engine.lanes.ranks`). 0 for one process.
     """
 
     bytes_device_to_host: float = 0.0
@@ -71,8 +71,9 @@ class OffloadTelemetry:
             (:mod:`lightning_offload.lsp.kernels.selection`), as chosen so far; logged as
             ``offload/kernel_products/<kernel>``.
         data_parallel: whether the engine trains with other ranks (``bytes_between_ranks`` is logged only then).
-        last_timeline: the latest completed step's :class:`~lightning_offload.engine.step.pipeline.StepTimeline` (busy
-            seconds per lane: device compute, link each way, host Adam, device waiting for updates).
+        last_timeline: the latest completed step's
+            :class:`~lightning_offload.engine.figures.timeline.StepTimeline` (busy seconds per lane: device compute,
+            link each way, host Adam, device waiting for updates).
         completed: ``(optimizer step number, metrics())`` of the latest completed steps (skipped ones included),
             so a reader that looks only now and then misses none: a pipelined step completes during the next one,
             and a skip right after it completes in the same call.

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from lightning_offload.engine.lanes.link import Link
+from lightning_offload.engine.lanes.worker import HostWorker, Job
 from lightning_offload.engine.rows.row_landing import RowLanding
-from lightning_offload.engine.step.pipeline import HostWorker, Job, Link
 
 
 class _PinnedPool:

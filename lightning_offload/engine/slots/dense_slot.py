@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
-from lightning_offload.engine.slots.slot import Lanes, pinned_zeros
+from lightning_offload.engine.slots.slot import pinned_zeros
 from lightning_offload.engine.slots.weight_fingerprint import fingerprint, fingerprint_dtype
 
 

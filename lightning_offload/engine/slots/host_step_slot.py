@@ -12,8 +12,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot, clip_, thread_minor_faults
-from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot, clip_, thread_minor_faults
 from lightning_offload.inner_optimizers import step_unhooked
 
 

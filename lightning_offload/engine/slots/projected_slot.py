@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
-from lightning_offload.engine.slots.slot import JobSettings, Lanes, Slot, pinned_zeros
-from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.engine.slots.slot import JobSettings, Slot, pinned_zeros
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.rotation import coordinate_map, rotate_moments

@@ -11,11 +11,12 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.slots.projected_slot import (
     PROJECTED_UNSEEN, count_projected_buffers, install_projectors, load_projector_checkpoint, projector_bytes,
     projector_checkpoint)
-from lightning_offload.engine.slots.slot import Lanes, Slot
-from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 

@@ -15,13 +15,14 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.engine.rows.host_threads import one_thread, team_size
 from lightning_offload.engine.rows.native_row_adam import native_row_adam, tail_free
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.rows.row_landing import KeptLayout, RowLanding
-from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot
-from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot
 
 log = logging.getLogger("lightning_offload")
 

@@ -11,10 +11,11 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
-from lightning_offload.engine.slots.slot import Clip, JobSettings, Lanes, Slot, clip_, pinned_zeros, thread_minor_faults
+from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot, clip_, pinned_zeros, thread_minor_faults
 from lightning_offload.engine.slots.weight_fingerprint import fingerprint
-from lightning_offload.engine.step.pipeline import StepTimeline
 
 
 #: ``RowSlot.shown_rows`` for "every row may differ from the master" (weights restored from a checkpoint).

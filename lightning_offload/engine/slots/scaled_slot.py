@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
-from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.slot import (
-    Clip, JobSettings, Lanes, clip_, pinned_zeros, thread_minor_faults)
-from lightning_offload.engine.step.pipeline import StepTimeline
+from lightning_offload.engine.slots.slot import Clip, JobSettings, clip_, pinned_zeros, thread_minor_faults
 from lightning_offload.inner_optimizers import step_unhooked
 from lightning_offload.lsp.channel_scales import ScaledWeight, bias_correction, channel_scales
 

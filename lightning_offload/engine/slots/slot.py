@@ -19,12 +19,11 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.checkpoint_kinds import refuse_other_kind
-from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.rules.host_rule import HostRule
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.worker import Job
 from lightning_offload.engine.slots.weight_fingerprint import fingerprint
-from lightning_offload.engine.step.data_parallel import RankShards
-from lightning_offload.engine.step.pipeline import HostWorker, Job, Link, StepTimeline, UpdateRing
 
 #: How a step clips its gradients: ``("norm", coefficient)`` (a 0-dim CPU tensor) or ``("value", bound)``, or None.
 Clip = Optional[tuple[str, Union[Tensor, float]]]
@@ -61,41 +60,6 @@ def thread_minor_faults() -> int:
     if _RUSAGE_THREAD is None:
         return 0
     return resource.getrusage(_RUSAGE_THREAD).ru_minflt
-
-
-class Lanes:
-    """What the slots of one engine share: where the device is, the link and the dtype gradients cross it in, the
-    host worker, the ring of device buffers compressed updates land in, the ranks (data parallelism), and the host
-    rule every slot steps by.
-
-    Args:
-        device: the training device.
-        link_dtype: dtype of gradients crossing to the host and compressed updates crossing back.
-        leave_main_a_core: keep the worker thread off one core (an accelerator's kernel launches never wait).
-        ranks: the ranks this engine trains with, or ``None`` for one process.
-        rule: how the user's optimizer steps a tensor (:mod:`~lightning_offload.engine.rules`).
-        phases: the engine's phase clock (:mod:`~lightning_offload.engine.figures.phases`).
-    """
-
-    def __init__(self, device: torch.device, link_dtype: torch.dtype, leave_main_a_core: bool,
-                 ranks: RankShards | None, rule: HostRule, phases: PhaseClock = DISABLED) -> None:
-        self.device = device
-        self.rule = rule
-        self.link_dtype = link_dtype
-        self.link = Link(device)
-        # With the CPU as the device and one process, host jobs run in the main thread (HostWorker explains why);
-        # with ranks the thread stays: host jobs there wait on collectives in flight, measured only threaded.
-        self.worker = HostWorker(leave_main_a_core=leave_main_a_core, inline=device.type == "cpu" and ranks is None,
-                                 phases=phases)
-        self.phases = phases
-        self.ranks = ranks
-        # Pinned host buffers only pay off with a CUDA device on the other end of the link.
-        self.pin = device.type == "cuda"
-        # Set once the projected slots are known (its buffers fit the largest compressed update).
-        self.ring: UpdateRing | None = None
-        # Starts the next layers' update copies after each apply (slots/projected_slot.py: UpdatePrefetch), set with
-        # the slots.
-        self.prefetch: Any = None
 
 
 class Slot:

@@ -10,9 +10,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.slots.slot import Clip, Slot
-from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
+from lightning_offload.engine.lanes.ranks import RankShards, ReducedTensor
 from lightning_offload.engine.slots.slot import Slot
-from lightning_offload.engine.step.data_parallel import RankShards, ReducedTensor
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 from lightning_offload.engine.step.module_reads import conceal, expose
 from lightning_offload.lsp.model_attachments import EngineHook

@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
+from lightning_offload.engine.figures.timeline import StepTimeline
+from lightning_offload.engine.lanes.worker import HostWorker, Job
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot
-from lightning_offload.engine.step.pipeline import HostWorker, Job, StepTimeline
 
 _Mode = Literal["plain", "speculative", "redo"]
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.slots.slot import Clip, Slot
-from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.lsp.norm_probe import pooled_ratio
 
 

@@ -17,18 +17,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload.engine.step.clipping import (
-    GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
-from lightning_offload.engine.figures.state_sizes import device_persistent_bytes, host_state_bytes
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.slots.slot import Clip, Lanes, Slot
+from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.slots.slot import Clip, Slot
 from lightning_offload.engine.slots.weight_fingerprint import changed_since
+from lightning_offload.engine.step.clipping import (
+    GradientNorms, NonFinitePolicy, NonFiniteStepWarning, launch_clip, nonfinite_error, skipped_step_warning)
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
 from lightning_offload.engine.step.host_jobs import HostJobs
 from lightning_offload.engine.step.norm_probes import measure_norm_ratios
+from lightning_offload.engine.step.sizes import device_persistent_bytes, host_state_bytes
 
 
 class StepOrchestrator:

@@ -3,7 +3,7 @@ for several devices and nodes.
 
 ``Trainer(strategy="lsp_offload_ddp", devices=N, num_nodes=M)`` runs one process per device with Lightning's own
 launcher and process group. The model is not wrapped in ``DistributedDataParallel``: what crosses between ranks is
-decided by the offload optimizer (:mod:`lightning_offload.engine.step.data_parallel`): each projected weight's
+decided by the offload optimizer (:mod:`lightning_offload.engine.lanes.ranks`): each projected weight's
 compressed gradient ``S`` (linear in the gradient, so summing the ranks' ``S`` is exact) and the dense gradients of the
 rest, bucketed and reduced during backward to the rank that owns each tensor's host Adam; the owners' updates are
 broadcast back. The host optimizer is sharded: each rank's host keeps and steps about ``1/(N·M)`` of the state, so ranks
@@ -25,10 +25,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_offload.engine.fitting.projector_fitting import FitAgreement
+from lightning_offload.engine.lanes.ranks import DEFAULT_BUCKET_BYTES, RankShards
 from lightning_offload.engine.slots.scaled_slot import scaled_across_ranks_error
 from lightning_offload.engine.step.clipping import NonFinitePolicy
-from lightning_offload.engine.step.data_parallel import DEFAULT_BUCKET_BYTES, RankShards
-from lightning_offload.engine.fitting.projector_fitting import FitAgreement
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector

@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess
+from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.engine.slots.scaled_slot import ScaledSlot
-from lightning_offload.engine.step.data_parallel import RankShards
 from lightning_offload.faces.trainer.refit import ProjectorRefit
 from lightning_offload.faces.trainer.weight_readers import weight_readers
 from lightning_offload.lsp.kernels.selection import kernel_choices

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from lightning_offload.engine.lanes.update_ring import UpdateRing
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.host_jobs import HostJobs
-from lightning_offload.engine.step.pipeline import UpdateRing
 
 #: The categories of :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`,
 #: each logged (as 0 where a run has none), so runs with different settings log the same keys.
