@@ -24,7 +24,7 @@ from lightning_offload.engine.figures.phases import PhaseClock
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.lanes.ranks import RankShards
-from lightning_offload.engine.lanes.update_ring import UpdateRing
+from lightning_offload.engine.lanes.link import UpdateRing
 from lightning_offload.engine.lanes.worker import HostWorker
 from lightning_offload.engine.late_params import LateParameters
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings

@@ -1,22 +1,17 @@
 """A causal language model's loss without its logits: the output head and the cross-entropy run chunk by chunk of
-tokens, so no ``tokens × vocabulary`` tensor exists in forward or backward.
+tokens, so no ``tokens × vocabulary`` tensor exists in forward or backward (Hugging Face's loss holds several at once:
+the logits, their fp32 copy, the softmax and its gradient; at 4×512 tokens and 128K entries each is 0.5–1 GiB).
 
-At 4×512 tokens a 128K-vocabulary head's bf16 logits are 0.5 GiB, and Hugging Face's loss keeps about six times that
-at once (the logits, their fp32 copy, the softmax and its gradient). Here each chunk's logits exist only while the
-chunk is computed, and are freed before the next one.
+The head's gradient stays what its placement makes it. A plain ``nn.Linear`` head's gradients (input, weight, bias) are
+made in forward, chunk by chunk, by the products the unchunked backward runs, and backward only scales them: one dense
+weight gradient, its hooks called once a step. A head projected by ``lsp_offload`` makes its compressed gradient in its
+own backward: each chunk's logits are computed again there (one more head product a step, where projection saved the
+weight-gradient one) and add into its ``S``; no dense ``vocab × hidden`` gradient exists, and the layer is complete
+(its transfer may start) after the last chunk.
 
-The head's gradient stays what its placement makes it. A plain ``nn.Linear`` head's gradients (of its input, its
-weight and bias) are made in forward, chunk by chunk, by the same products the unchunked loss's backward runs, and
-backward only scales them: its weight gets one dense gradient (its gradient hooks fire once a step, as with the
-unchunked loss). A head projected by ``lsp_offload`` must make its compressed gradient in its own backward: forward
-keeps only the head's input, and each chunk's logits are computed again in backward (one more head product a step,
-where projection saved the weight-gradient one), adding each chunk's share into its ``S``, so its dense
-``vocab × hidden`` gradient never exists; the layer is complete (its transfer may start) after the last chunk.
-
-Results equal Hugging Face's ``ForCausalLMLoss`` (labels shifted left by one, ``-100`` ignored, the mean over target
-tokens or the sum over ``num_items_in_batch``) to the rounding of summing in another order. Soft-capped
-(``final_logit_softcapping``, Gemma-2) and scaled logits (``logit_scale``, Cohere; ``logits_scaling``, Granite) are
-applied as those models apply them.
+Results equal Hugging Face's ``ForCausalLMLoss`` (labels shifted by one, ``-100`` ignored, the mean over target tokens
+or the sum over ``num_items_in_batch``) to the rounding of summing in another order; soft-capped (Gemma-2) and scaled
+(Cohere, Granite) logits are applied as those models apply them.
 """
 
 from __future__ import annotations

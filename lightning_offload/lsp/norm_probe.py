@@ -3,38 +3,22 @@
 Gradient clipping estimates a projected weight's full-gradient norm as ``‖S‖/ρ``
 (:mod:`lightning_offload.lsp.norm_ratio`). A ``ρ`` measured once, at a fit (or taken as 1 for a random draw), goes
 stale: Adam moves the weight only inside the projectors' subspace, which changes how much of each new gradient the
-subspace holds. After 300 steps of the small LLaMA at rank 0.25 the estimate read 0.70× the true global norm with
-learned projectors and 0.94× (lr 1e-3) or 1.17× (lr 1e-4) with random ones (``scripts/benchmark_clip_norm.py
---steps 300``, docs/benchmarks/2026-12-03.md): a ``max_grad_norm`` tuned on AdamW clipped 1.4× too late, or too early.
+subspace holds, so a ``max_grad_norm`` tuned on AdamW would clip too late or too early.
 
-So while clipping is in use the norm of ``G = Δᵀ X`` is measured from every step's backward, without forming ``G``:
-a layer draws ``m`` Rademacher probes ``z`` (``i × m``, ``±1``), forward keeps ``X z`` beside ``B X`` (``m`` numbers
-per token) and backward forms ``G z = Δᵀ (X z)`` (``o × m``). ``E‖G z‖²/m = ‖G‖²`` for any ``G``, since the probes
-are independent of the gradient, which a fixed projector is not. The probes are drawn afresh every step, from a
-generator seeded by the layer's name and its count of measured steps (every rank, and a resumed run, draws the same
-ones), and stay the same for every micro-batch of a step, so ``G z`` accumulates exactly as ``S`` does. Each layer
-averages ``‖S‖²`` and ``‖G z‖²/m`` over its measured steps, a step's weight decaying by ``1 − 1/16`` per later step;
-from the 16th measured step on, ``ρ = √(avg ‖S‖² / avg ‖G z‖²/m)`` replaces the layer's ``ρ`` at every step. New
-projectors (a refit) restart the averages from the ``ρ`` their fit measured.
-
-Why these choices (measured on the small LLaMA, docs/benchmarks/2026-12-03.md):
-
-- **Ratio of averages, not the average of per-step ratios.** One step's ``‖G z‖²/m`` is noisy (relative variance
-  about ``2/(m·r)`` for a gradient of effective rank ``r``): averaging ``‖S‖²/(‖G z‖²/m)`` divides by that noise and
-  made the estimate read 0.90–0.97× where the ratio of averages read 1.02–1.05×.
-- **A short, decaying average.** ``ρ`` keeps moving (by half over 100 steps of a fast run), so lag costs more than
-  noise: windows of 32, 64 and 128 steps read 1.06, 1.08 and 1.14× in the run that drifted most, an average over about
-  16 steps 1.03×. Being first used after 16 measured steps, it leaves runs of four steps (the repository's recorded
-  golden runs) the results of unprobed runs, bit for bit.
-- **Every step while clipping is in use, every 4th otherwise.** The probes run at every step after a step clipped
-  by norm. Without clipping ``ρ`` moves nothing in training, but :meth:`~lightning_offload.engine.optimizer.
-  OffloadOptimizer.grad_norm` is the figure users log and pick ``max_grad_norm`` from: unmeasured, it read 0.955×
-  (random) and 0.708× (learned) the true norm after 300 steps at lr 1e-3. Every :data:`UNCLIPPED_EVERY`-th step is
-  measured then (the averages' span grows to about 64 steps; a quarter of the probes' cost, +2.7% measured): 0.99–1.01×
-  and 0.95–0.96× (docs/benchmarks/2026-12-06.md). Probing changes no result: the probes come from a generator of their
-  own and only ``ρ`` reads them.
-- **Not for exact isometries.** Signed permutations (``rank=1.0, density=1``) keep every norm exactly: ``ρ = 1``
-  and their arithmetic stays plain Adam's.
+So the norm of ``G = Δᵀ X`` is measured from the steps' backward, without forming ``G``: a layer draws ``m``
+Rademacher probes ``z`` (``i × m``, ``±1``), forward keeps ``X z`` beside ``B X`` and backward forms
+``G z = Δᵀ (X z)`` (``o × m``); ``E‖G z‖²/m = ‖G‖²`` for any ``G``, since the probes are independent of the gradient,
+which a fixed projector is not. The probes are drawn afresh every step from a generator seeded by the layer's name and
+its count of measured steps (every rank, and a resumed run, draws the same ones), and stay the same for every
+micro-batch of a step, so ``G z`` accumulates exactly as ``S`` does. Each layer keeps decaying averages of ``‖S‖²``
+and ``‖G z‖²/m`` (a step's weight falls by ``1 − 1/16`` per later step); from the 16th measured step on, their ratio's
+root replaces ``ρ``. A ratio of averages, because one step's ``‖G z‖²/m`` is noisy and dividing by it biases low; a
+short average, because ``ρ`` keeps moving and lag costs more than noise; first used after 16 steps, so the 4-step
+golden runs keep the results of unprobed runs bit for bit. The probes run at every step while clipping by norm is in
+use and at every :data:`UNCLIPPED_EVERY`-th step otherwise (``grad_norm()`` is what users log and pick
+``max_grad_norm`` from). Exact isometries (signed permutations) keep every norm: ``ρ = 1``, nothing is probed.
+Probing changes no result: the probes have a generator of their own and only ``ρ`` reads them. The measurements
+behind each choice: docs/benchmarks/2026-12-03.md and 2026-12-06.md (the clipping norm).
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """``ρ = ‖S‖/‖G‖`` per projected layer, measured on gradients its projectors were not fitted to.
 
 Gradient clipping needs the full gradient's norm, which never exists for a projected weight: the engine estimates
-it as ``‖S‖/ρ`` (:meth:`~lightning_offload.engine.optimizer.OffloadOptimizer.grad_norm`). How well that works rests
-on ``ρ`` alone, and two things spoil a careless measurement of it:
-
-- **Fitting bias.** Learned projectors keep far more of the gradients they were fitted to than of any other (0.5–0.7
-  against 0.35–0.5 on the small LLaMA at rank 0.25), so ``ρ`` measured there makes every later norm read low.
-- **Batch noise.** One batch's ``‖S‖/‖G‖`` moves a lot from batch to batch: at 4×64 tokens the global estimate
-  from one held-out batch's ``ρ`` was 0.85–1.22× the truth over twelve draws, from four pooled batches 0.955–1.05×,
-  from eight 0.99× (``scripts/benchmark_clip_norm.py``, docs/benchmarks/2026-12-02.md).
-
-So ``ρ`` is pooled over several batches none of which the fit used, as ``√(mean_b ‖S_b‖²/‖G_b‖²)``: the ratio
-of sums ``√(Σ‖S‖²/Σ‖G‖²)`` weighs the large-gradient batches up and read 1–3% low against the median step.
-
-Random draws are not measured: their ``ρ = 1`` holds in expectation over draws, and a given draw read 0.998–1.009×
-the true global norm over 64 fresh batches (small LLaMA, h128 and h256, three data orders), closer than a measurement
-on eight batches gets (0.96–1.03×).
-
-Either figure holds for the gradients of the moment only: training changes how much of each gradient the subspace
-holds, so while clipping is in use :mod:`lightning_offload.lsp.norm_probe` re-measures ``ρ`` from every step's own
-backward and replaces this one after 16 steps.
+it as ``‖S‖/ρ`` (:meth:`~lightning_offload.engine.optimizer.OffloadOptimizer.grad_norm`). Two things spoil a careless
+measurement of ``ρ``: learned projectors keep far more of the gradients they were fitted to than of any other
+(fitting bias), and one batch's ``‖S‖/‖G‖`` moves a lot from batch to batch. So ``ρ`` is pooled over several batches
+none of which the fit used, as ``√(mean_b ‖S_b‖²/‖G_b‖²)`` (the ratio of sums weighs large-gradient batches up).
+Random draws are not measured: their ``ρ = 1`` holds in expectation and a given draw is closer to it than a
+measurement on a few batches. Either figure holds for the gradients of the moment only:
+:mod:`lightning_offload.lsp.norm_probe` keeps it true as training goes on. Measurements:
+docs/benchmarks/2026-12-02.md (the clipping norm).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ state a plain run or a device placement keeps, and what the offload machinery ke
 
 Sizes follow the engine's structures: projectors (``lsp/projector.py``: int16/int32 indices, fp32 values, an int32
 permutation and the CSR row pointers; on the CPU also the CSR forms it keeps between products), the update ring
-(``engine/lanes/update_ring.py``: ``update_buffers`` buffers of the largest compressed update), the scaled rule's ``P``
+(``engine/lanes/link.py``: ``update_buffers`` buffers of the largest compressed update), the scaled rule's ``P``
 (``lsp/channel_scales.py``) and the device Adam (``engine/step/device_optimizer.py``: fp32 moments and fp32 masters of
 narrower parameters).
 """

@@ -1,5 +1,4 @@
-"""Who was busy when during a step: the spans of each lane (device, link each way, host, waits) and the
-recorder that keeps the last steps' timelines for a trace viewer."""
+"""Who was busy when during a step: each lane's spans, and the recorder of the last steps' timelines (traces)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The lanes an engine's slots share, one floor under them: the host worker, the link, the ring of update buffers and
-the ranks (data parallelism), with the host rule every slot steps by."""
+"""What an engine's slots share, one floor under them: the host worker, the link and its update ring, the ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import torch
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
 from lightning_offload.engine.lanes.link import Link
 from lightning_offload.engine.lanes.ranks import RankShards
-from lightning_offload.engine.lanes.update_ring import UpdateRing
+from lightning_offload.engine.lanes.link import UpdateRing
 from lightning_offload.engine.lanes.worker import HostWorker
 from lightning_offload.engine.rules.host_rule import HostRule
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from lightning_offload.engine.lanes.update_ring import UpdateRing
+from lightning_offload.engine.lanes.link import UpdateRing
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.host_jobs import HostJobs
