@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_offload.data.bible import Verse, _resolve_books, _save_atomic, _tokenizer_fingerprint, load_genres, \
     load_verses
 from lightning_offload.data.resumable import TrainOrder
+from lightning_offload.lm_loss import IGNORE_INDEX
 from lightning_offload.models.smollm2 import cache_root
 
-IGNORE_INDEX = -100
 # 2: each split stored packed (one flat tensor per key), not as a list of per-example tensors.
 _FORMAT_VERSION = 2
 

@@ -26,18 +26,30 @@ from torch import Tensor, nn
 
 from lightning_offload.lm_loss.chunks import IGNORE_INDEX, ChunkedHeadLoss, HeadChunks, LogitTransform
 
-__all__ = ["IGNORE_INDEX", "LogitTransform", "base_and_head", "causal_lm_loss", "chunk_transient_bytes",
-           "default_chunk_tokens", "head_loss", "head_predictions", "hidden_and_head", "shifted_targets"]
+__all__ = ["IGNORE_INDEX", "LOSS_KINDS", "LogitTransform", "base_and_head", "causal_lm_loss", "check_loss_kind",
+           "chunk_transient_bytes", "default_chunk_tokens", "head_loss", "head_predictions", "hidden_and_head",
+           "shifted_targets"]
 
 
-#: Bytes of fp32 logits one chunk may hold by default: 64 MiB is 131 tokens of a 128K vocabulary, enough for the
+#: Bytes of fp32 logits one chunk may hold by default: 64 MiB is 130 tokens of a 128K vocabulary, enough for the
 #: head's products to run at full speed while the chunk's few logits-sized tensors stay far below the full logits.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 #: The logit-sized tensors one chunk holds at once, in units of fp32 chunk logits (its logits in the compute dtype,
-#: their fp32 copy that becomes the gradient, log-sum-exp's temporary): what the planner counts for the loss's
+#: their fp32 copy, the log-softmax over it that becomes the gradient): what the planner counts for the loss's
 #: transient.
 CHUNK_TENSORS = 3
+
+
+#: How a causal LM's loss is computed: by :func:`causal_lm_loss` (``"chunked"``) or by the model itself (``"model"``).
+LOSS_KINDS = ("chunked", "model")
+
+
+def check_loss_kind(loss: str) -> None:
+    """Raise a ValueError naming ``loss`` and the kinds there are when it is not one of :data:`LOSS_KINDS`."""
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"loss={loss!r} is not 'chunked' (lightning_offload.causal_lm_loss: the head and the loss by "
+                         f"chunks of tokens) or 'model' (the model's own loss over all the logits).")
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -152,12 +164,8 @@ def head_loss(hidden: Tensor, head: nn.Module, labels: Tensor, *, transform: Log
     flat = hidden.reshape(-1, hidden.shape[-1])
     chunk = _chunk_tokens(chunk_tokens, head.weight.shape[0])
     divisor = (targets != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-    spec = HeadChunks(head, transform, chunk)
-    params = spec.dense_parameters()
-    wanted = (flat.requires_grad, *(p.requires_grad for p in params))
-    if spec.plain_linear and torch.is_grad_enabled() and any(wanted):
-        spec.eager = wanted
-    return ChunkedHeadLoss.apply(flat, targets, divisor, spec, *params)
+    spec = HeadChunks(head, transform, chunk, hidden_requires_grad=flat.requires_grad)
+    return ChunkedHeadLoss.apply(flat, targets, divisor, spec, *spec.dense_parameters())
 
 
 def _chunk_tokens(chunk_tokens: int | None, vocab_size: int) -> int:

@@ -3,7 +3,6 @@ a chunk of tokens at a time, and the arithmetic of one chunk."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,8 @@ class LogitTransform:
 class HeadChunks:
     """How the chunks of one loss call run their head: the module, the logit transform, the chunk length."""
 
-    def __init__(self, head: nn.Module, transform: LogitTransform, chunk: int) -> None:
+    def __init__(self, head: nn.Module, transform: LogitTransform, chunk: int,
+                 hidden_requires_grad: bool = False) -> None:
         self.head = head
         self.transform = transform
         self.chunk = chunk
@@ -57,7 +57,8 @@ class HeadChunks:
         self.projected = getattr(head, "_lsp_state", None)
         self.plain_linear = self.projected is None and type(head) is nn.Linear
         #: For a plain Linear whose gradients are wanted: which (hidden states, weight, bias) forward makes them for.
-        self.eager: tuple[bool, ...] | None = None
+        wanted = (hidden_requires_grad, *(p.requires_grad for p in self.dense_parameters()))
+        self.eager = wanted if self.plain_linear and torch.is_grad_enabled() and any(wanted) else None
 
     def dense_parameters(self) -> list[Tensor]:
         """The head's parameters whose gradient this loss returns (all but a projected weight)."""
@@ -113,7 +114,12 @@ class ChunkedHeadLoss(torch.autograd.Function):
         param_grads: list[Tensor | None] = [torch.zeros_like(p) if want else None for p, want in zip(params, wanted)]
         scale = grad.float() / ctx.divisor
         parts = list(spec.slices(hidden.shape[0]))
-        with _autocast_as(ctx.autocast, hidden.device.type), _complete_after(spec.projected, len(parts)):
+        if spec.projected is not None and spec.projected.weight.requires_grad:
+            # Each chunk's backward counts as one of the projected head's: its gradient is complete (its transfer
+            # starts) once, after the last chunk has added into its S.
+            spec.projected.expect_backwards(len(parts))
+        enabled, dtype = ctx.autocast  # Lightning's mixed precision wraps the step, not backward: recompute under it
+        with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):
             for part in parts:
                 chunk_grads = _chunk_backward(spec, hidden[part], targets[part], scale, params, wanted)
                 if grad_hidden is not None:
@@ -211,20 +217,3 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     if not torch.amp.is_autocast_available(device_type):  # the meta device (the planner's measurement)
         return False, torch.float32
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-
-
-@contextlib.contextmanager
-def _autocast_as(state: tuple[bool, torch.dtype], device_type: str) -> Iterator[None]:
-    """Recompute under the autocast state forward ran in (Lightning's mixed precision wraps the step, not backward)."""
-    enabled, dtype = state
-    with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-        yield
-
-
-@contextlib.contextmanager
-def _complete_after(projected: Any, chunks: int) -> Iterator[None]:
-    """Hold a projected head's gradient incomplete until the last of ``chunks`` backwards has added into its ``S``
-    (each chunk's backward counts as one of the head's), so its transfer starts once, with the whole gradient."""
-    if projected is not None and projected.weight.requires_grad:
-        projected.expect_backwards(chunks)
-    yield

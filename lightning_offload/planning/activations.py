@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_offload.lm_loss import LogitTransform, base_and_head, chunk_transient_bytes, head_loss
+from lightning_offload.lm_loss import LogitTransform, base_and_head, check_loss_kind, chunk_transient_bytes, head_loss
 from lightning_offload.lsp.linear import is_hf_conv1d
 
 
@@ -183,9 +183,7 @@ def measure_activations(model: nn.Module, batch_size: int, seq_len: int, dtype: 
             logits kept, one chunk of them at a time in backward) or ``"model"`` (the model's own loss over the full
             logits).
     """
-    if loss not in ("chunked", "model"):
-        raise ValueError(f"loss={loss!r} is not 'chunked' (lightning_offload.causal_lm_loss) or 'model' (the model's "
-                         f"own loss over all the logits).")
+    check_loss_kind(loss)
     network = network_of(model)
     if not _has_lm_head(network):
         loss = "model"  # a base network (a classifier's decoder): no vocabulary head, no LM loss to chunk

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_offload.engine.rules.host_rule import MEFT_ROWS, HostRule, host_rule_of, optimizer_class
+from lightning_offload.lm_loss import check_loss_kind
 from lightning_offload.lsp.linear import is_hf_conv1d
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.planning.activations import Activations, blocks_of, measure_activations, network_of
@@ -81,7 +82,10 @@ class _Shape:
     hidden: int
     blocks: int
     matmul: dict[str, nn.Module]
-    head: str | None  # the output head's weight, by name in the model (None without one)
+    # The output head's weight (None without one): by its module's name (as projected entries are named) and by the
+    # parameter's own name (as dense entries are; a tied head's is the embedding's).
+    head: str | None
+    head_parameter: str | None
     head_elements: int
 
 
@@ -92,8 +96,9 @@ def _shape(model: nn.Module) -> _Shape:
     matmul = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)}
     head = network.get_output_embeddings()
     head_name = next((f"{name}.weight" for name, m in model.named_modules() if m is head), None) if head else None
+    parameter = next((n for n, p in model.named_parameters() if p is head.weight), None) if head else None
     return _Shape(int(getattr(config, "hidden_size", getattr(config, "n_embd", 0))),
-                  len(blocks) if blocks is not None else 0, matmul, head_name,
+                  len(blocks) if blocks is not None else 0, matmul, head_name, parameter,
                   head.weight.numel() if head is not None else 0)
 
 
@@ -156,7 +161,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     if strategy == "meft_offload":
         rule.refuse_rows(*MEFT_ROWS)  # as the engine refuses it at set-up
     memory = parse_bytes(device_memory, "device_memory")
-    precision = _checked_step(precision, batch_size, seq_len, headroom)
+    precision = _checked_step(precision, batch_size, seq_len, headroom, loss)
     param_dtype, compute_dtype = PRECISIONS[precision]
     hw = hardware_of(hardware, device, compute_dtype)
     # What the engine allocates follows the device the run trains on (pinned buffers, speculation, the CPU's caches);
@@ -172,20 +177,21 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
                          offload.update_buffers if offload else None, link.itemsize, rule,
                          _csr_kernels(offload, accelerator))
     activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes, loss)
-    work = _workload(model, found, batch_size * seq_len, seq_len, offload is None, gradient_checkpointing, loss)
+    work, shape = _workload(model, found, batch_size * seq_len, seq_len, offload is None, gradient_checkpointing, loss)
     run = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=user_optimizer.__name__)
     return _assemble(strategy, offload, found, parts, activations, link, work, hw, memory,
                      parse_bytes(host_memory, "host_memory") if host_memory is not None else hw.host_memory,
-                     meft_part, run, headroom, rule, _head_gradient_bytes(model, found))
+                     meft_part, run, headroom, rule, _head_gradient_bytes(shape, found))
 
 
-def _checked_step(precision: str, batch_size: int, seq_len: int, headroom: float) -> str:
+def _checked_step(precision: str, batch_size: int, seq_len: int, headroom: float, loss: str) -> str:
     """The precision's full name, once the step's arguments are checked.
 
     Raises:
-        ValueError: naming a precision no plan knows, a batch size or length that is not a positive int, or a headroom
-            outside ``[0, 1)``.
+        ValueError: naming a precision no plan knows, a batch size or length that is not a positive int, a headroom
+            outside ``[0, 1)``, or a loss that is not one of :data:`~lightning_offload.lm_loss.LOSS_KINDS`.
     """
+    check_loss_kind(loss)
     precision = PRECISION_ALIASES.get(str(precision), str(precision))
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one a plan knows; use one of {sorted(PRECISIONS)}.")
@@ -215,10 +221,12 @@ def _formed_elements(found: Inventory, shape: _Shape, plain: bool) -> int:
 
 
 def _workload(model: nn.Module, found: Inventory, tokens: int, seq_len: int, plain: bool, checkpointing: bool,
-              loss: str) -> Workload:
+              loss: str) -> tuple[Workload, _Shape]:
+    """The step's device work, and the model's shape it was read from."""
     shape = _shape(model)
-    return Workload(tokens, seq_len, shape.hidden, shape.blocks, sum(m.weight.numel() for m in shape.matmul.values()),
+    work = Workload(tokens, seq_len, shape.hidden, shape.blocks, sum(m.weight.numel() for m in shape.matmul.values()),
                     _formed_elements(found, shape, plain), checkpointing, _recomputed_elements(found, shape, loss))
+    return work, shape
 
 
 def _recomputed_elements(found: Inventory, shape: _Shape, loss: str) -> int:
@@ -302,14 +310,10 @@ def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bo
     return persistent + held + max(kept + (first_freed or 0), grown)
 
 
-def _head_gradient_bytes(model: nn.Module, found: Inventory) -> int:
+def _head_gradient_bytes(shape: _Shape, found: Inventory) -> int:
     """Bytes of the output head's gradient where it crosses whole (a dense head's): backward makes it first (the
     chunked loss, in forward), so it exists beside every saved activation even when crossed gradients are dropped."""
-    head = network_of(model).get_output_embeddings()
-    if head is None:
-        return 0
-    name = next((n for n, p in model.named_parameters() if p is head.weight), None)
-    return sum(e.numel * e.itemsize for e in found.of("dense", "rows") if e.name == name)
+    return sum(e.numel * e.itemsize for e in found.of("dense", "rows") if e.name == shape.head_parameter)
 
 
 def _parts(parts: DeviceParts, activations: Activations, checkpointing: bool) -> dict[str, int]:

@@ -12,10 +12,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lightning_offload.lm_loss import (
-    LogitTransform, base_and_head, causal_lm_loss, head_predictions, hidden_and_head)
+    IGNORE_INDEX, LogitTransform, base_and_head, causal_lm_loss, check_loss_kind, head_predictions, hidden_and_head)
 from lightning_offload.tasks.schedule import LinearWarmup, OptimSettings  # noqa: F401  (LinearWarmup: public here too)
-
-IGNORE_INDEX = -100  # HF causal LMs skip labels equal to this in the loss.
 
 
 def count_target_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -116,9 +114,7 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         if optimizer not in ("adamw", "adam"):
             raise ValueError(f"optimizer must be 'adamw' or 'adam', got {optimizer!r}")
-        if loss not in ("chunked", "model"):
-            raise ValueError(f"loss must be 'chunked' (the head and loss by token chunks) or 'model' (the model's own "
-                             f"loss), got {loss!r}")
+        check_loss_kind(loss)
         if loss == "chunked":
             try:
                 base_and_head(model)
@@ -158,17 +154,16 @@ class CausalLMModule(L.LightningModule):
             hidden, head = hidden_and_head(self.model, inputs)
             transform = LogitTransform.of(self.model.config)
             losses, right = head_predictions(hidden, head, batch["labels"], transform=transform)
-            targets = targets.to(losses.device)
-            count = count_target_tokens(batch).to(losses.device)
-            loss = losses.sum() / count
-            correct = right[:, :-1] & (targets != IGNORE_INDEX)
+            targets, predicted = targets.to(losses.device), right[:, :-1]
         else:
             out = self.model(**inputs)
-            loss = out.loss.detach()
             targets = targets.to(out.logits.device)
-            correct = (out.logits[:, :-1].argmax(-1) == targets) & (targets != IGNORE_INDEX)
+            predicted = out.logits[:, :-1].argmax(-1) == targets
         is_target = targets != IGNORE_INDEX
-        self.val_loss.update(loss.float(), weight=count_target_tokens(batch).to(loss.device, torch.float32))
+        correct = predicted & is_target
+        count = is_target.sum()
+        loss = losses.sum() / count if self.hparams.loss == "chunked" else out.loss.detach()
+        self.val_loss.update(loss.float(), weight=count.float())
         if is_target.any():
             self.val_token_acc.update(correct.sum() / is_target.sum(), weight=is_target.sum().float())
         if self.hparams.exact_match:
