@@ -243,6 +243,7 @@ def test_zero_offload_takes_the_placements_but_cannot_project_the_head():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(embeddings="rows"), r"embeddings='rows' is not one of \('host', 'sparse', 'device', 'frozen'\)"),
     (dict(head="lora"), r"head='lora' is not one of \('host', 'projected', 'device', 'frozen'\)"),
+    (dict(head="by size"), r"head='by size' is not one of"),  # the default's own marker is not a user's value
 ])
 def test_bad_placements_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -40,7 +40,7 @@ def validate_placements(embeddings: str, head: str) -> None:
     if embeddings not in EMBEDDING_PLACEMENTS:
         raise ValueError(f"embeddings={embeddings!r} is not one of {EMBEDDING_PLACEMENTS}: 'host' steps them densely "
                          f"on the host (exact), 'sparse' only the batch's rows.")
-    if head not in HEAD_PLACEMENTS and head != HEAD_BY_SIZE:
+    if head not in HEAD_PLACEMENTS:
         raise ValueError(f"head={head!r} is not one of {HEAD_PLACEMENTS}: 'host' steps it densely on the host "
                          f"(exact), 'projected' compresses it like any Linear.")
 
@@ -80,7 +80,7 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
             with the reason said in the log (the row step cannot follow their param group's settings).
     """
     dense_reasons = dense_reasons or {}
-    validate_placements(embeddings, head)
+    validate_placements(embeddings, "host" if head == HEAD_BY_SIZE else head)  # the default is no user's value
     plan = Placement()
     names = {id(module): name for name, module in model.named_modules()}
     heads: dict[int, tuple[str, nn.Module]] = {}
