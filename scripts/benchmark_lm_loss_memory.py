@@ -28,11 +28,19 @@ from typing import Any
 
 from harness import add_standard_arguments, begin_run, markdown_table, write_json
 
-CONFIGS = ["plain Lightning, model's loss", "plain Lightning, chunked loss", "lsp_offload, model's loss",
-           "lsp_offload, chunked loss", "lsp_offload head=projected, model's loss",
-           "lsp_offload head=projected, chunked loss",
-           # free_sent_gradients (the Trainer's default) against keeping the crossed gradients into the next step.
-           "zero_offload, chunked loss", "zero_offload keeping gradients, chunked loss"]
+#: Each configuration: the strategy ("auto": plain Lightning), its settings, and the loss.
+CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "plain Lightning, model's loss": ("auto", {}, "model"),
+    "plain Lightning, chunked loss": ("auto", {}, "chunked"),
+    "lsp_offload, model's loss": ("lsp_offload", {"projectors": "random", "head": "host"}, "model"),
+    "lsp_offload, chunked loss": ("lsp_offload", {"projectors": "random", "head": "host"}, "chunked"),
+    "lsp_offload head=projected, model's loss": ("lsp_offload", {"projectors": "random", "head": "projected"}, "model"),
+    "lsp_offload head=projected, chunked loss": ("lsp_offload", {"projectors": "random", "head": "projected"},
+                                                 "chunked"),
+    # free_sent_gradients (the Trainer's default) against keeping the crossed gradients into the next step.
+    "zero_offload, chunked loss": ("zero_offload", {"free_sent_gradients": True}, "chunked"),
+    "zero_offload keeping gradients, chunked loss": ("zero_offload", {"free_sent_gradients": False}, "chunked"),
+}
 GIB = 2**30
 
 
@@ -66,30 +74,26 @@ def _one(config: str, rows: int, length: int, vocab: int, hidden: int, tied: boo
             if index == 1:
                 self.peak = _status_kib("VmHWM")
 
+    def build() -> torch.nn.Module:
+        return tiny_llama(vocab_size=vocab, hidden=hidden, layers=2, heads=4, intermediate=2 * hidden,
+                          max_positions=length, tie_word_embeddings=tied)
+
+    name, settings, loss = CONFIGS[config]
     torch.manual_seed(0)
-    model = tiny_llama(vocab_size=vocab, hidden=hidden, layers=2, heads=4, intermediate=2 * hidden,
-                       max_positions=length, tie_word_embeddings=tied)
+    model = build()
     ids = torch.randint(0, vocab, (2 * rows, length))
     rows_of = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
     batches = DataLoader(rows_of, batch_size=rows)
-    head = "projected" if "head=projected" in config else "host"
-    strategy = LSPOffloadStrategy(projectors="random", head=head) if config.startswith("lsp_offload") else \
-        ZeroOffloadStrategy(free_sent_gradients="keeping gradients" not in config) \
-        if config.startswith("zero_offload") else "auto"
-    module = CausalLMModule(model, lr=1e-4, loss="chunked" if config.endswith("chunked loss") else "model")
+    strategy = {"auto": lambda: "auto", "lsp_offload": lambda: LSPOffloadStrategy(**settings),
+                "zero_offload": lambda: ZeroOffloadStrategy(**settings)}[name]()
+    module = CausalLMModule(model, lr=1e-4, loss=loss)
     probe = PeakOfSecondStep()
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[probe])
     # The planner's figure for the same parts (kept activations and the loss's transient), for the same model.
-    planned = plan(tiny_llama(vocab_size=vocab, hidden=hidden, layers=2, heads=4, intermediate=2 * hidden,
-                              max_positions=length, tie_word_embeddings=tied),
-                   config.split(" ")[0].rstrip(",") if strategy != "auto" else "auto", batch_size=rows,
-                   seq_len=length,
-                   device_memory="64GiB", precision="bf16-true", hardware="h200", device="cpu",
-                   loss="chunked" if config.endswith("chunked loss") else "model",
-                   **({} if strategy == "auto" else {"free_sent_gradients": "keeping gradients" not in config}
-                      if config.startswith("zero") else {"projectors": "random", "head": head}))
+    planned = plan(build(), name, batch_size=rows, seq_len=length, device_memory="64GiB", precision="bf16-true",
+                   hardware="h200", device="cpu", loss=loss, **settings)
     trainer.fit(module, train_dataloaders=batches)
     return {"config": config, "added_peak_bytes": (probe.peak - probe.start) * 1024, "peak_bytes": probe.peak * 1024,
             "planned_peak_bytes": planned.device_bytes,
@@ -99,7 +103,7 @@ def _one(config: str, rows: int, length: int, vocab: int, hidden: int, tied: boo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--tokens", default="4x512", help="rows x length of a micro-batch")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--hidden", type=int, default=64)
