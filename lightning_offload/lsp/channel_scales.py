@@ -17,11 +17,9 @@ The rank means what it means for ``update="projected"``: the same host elements 
 A weight whose channels are projected to ``r = 1`` number takes one scale for the whole weight instead,
 ``s = ‖R̃‖_F / ‖R‖_F`` (APOLLO-Mini's tensor-wise rule): a channel's ``‖R_j‖`` is then one projection ``|⟨G_j, p⟩|``,
 near zero for some channels at every step, and ``1/|⟨G_j, p⟩|`` makes their updates arbitrarily large (and turns
-rounding into O(1) changes of them). Measured at the user's learning rate (docs/benchmarks/2026-12-04.md): at ``r = 1``
-the tensor-wise scale kept 89% of AdamW's gain on a LLaMA shape and 115% on a GPT-2 shape from scratch, 51% in
-continued training, against 77%, 76% and 42% per channel (lower loss on 11 of 12 seeds; and fine-tuning SmolLM2 at rank
-0.0625, whose key/value projections get ``r = 1``, 109% against 105%); at ``r = 2`` per channel stayed ahead (104%
-against 89% on the LLaMA shape).
+rounding into O(1) changes of them). At the user's learning rate the tensor-wise scale kept more of AdamW's gain than
+per channel at ``r = 1`` in every regime measured, while at ``r = 2`` per channel stayed ahead
+(docs/benchmarks/2026-12-04.md).
 
 This module holds the device's arithmetic (projection, application) and the host's (scales, limiter); the engine's
 :class:`~lightning_offload.engine.slots.scaled_slot.ScaledSlot` moves them between the two.

@@ -13,8 +13,8 @@ Adam on the values, with the indices fixed; the gradient with respect to the val
 
 Memory: a fit step holds, besides the sampled gradient ``G`` itself, ``A G`` (``d_o × i``) and ``G Bᵀ``-sized
 intermediates with their gradients, and the ``d × d`` Gram matrices: at most
-``8·max(d_o·i, o·d_i) + 4·(d_o² + d_i²)`` floats (measured: 1.2–1.5× one layer's gradient at ``rank=0.25``;
-``tests/test_projector_fit.py`` checks the bound). Nothing scales with the model: layers are fitted one at a time.
+``8·max(d_o·i, o·d_i) + 4·(d_o² + d_i²)`` floats (``tests/test_projector_fit.py`` checks the bound; measured:
+docs/benchmarks/2026-11-30.md). Nothing scales with the model: layers are fitted one at a time.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ class LayerFit:
         self.samples_seen = 0
         self.converged = False
         # ‖A G Bᵀ‖/‖G‖ on a gradient the fit had not used (the latest sample, before fitting to it) once there are two
-        # samples: on a gradient it was fitted to, the fit keeps more than on any other. One batch's figure, ±20%:
-        # the refit uses it only when no batch is left to pool over (lsp/norm_ratio.py).
+        # samples: on a gradient it was fitted to, the fit keeps more than on any other. One batch's figure, noisy
+        # (docs/benchmarks/2026-12-02.md): the refit uses it only when no batch is left to pool over (norm_ratio.py).
         self.norm_ratio = 1.0
 
     def fit(self, grad: Tensor, iterations: int) -> tuple[float, float]:

@@ -4,9 +4,9 @@ A projector ``P`` maps a dimension of size ``n`` to a compressed dimension of si
 Column ``j`` of ``P`` holds ``r`` nonzeros at the distinct rows ``indices[j, :]`` (ascending) with weights
 ``values[j, :]``. It is never densified: :meth:`SparseProjector.compress_rows` (``M ↦ P M``) and
 :meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) are sparse CSR products, ``O(n · r)`` work per column of ``M``.
-On this project's 2-core CPU they beat per-slot scatter/gather kernels along the last dimension by 5–20× (row
-layouts are contiguous; MKL's sparse kernels are multi-threaded), and they equal a dense product up to
-summation order.
+On the CPU they beat per-slot scatter/gather kernels along the last dimension (row layouts are contiguous; MKL's
+sparse kernels are multi-threaded; docs/benchmarks/2026-11-30.md), and they equal a dense product up to summation
+order.
 
 Storage (device bytes per nonzero): the indices in the smallest integer type that holds ``d`` (int16 below 32768
 rows, 2 bytes), the values in fp32 (4), and one int32 permutation (4) from ``P``'s row-major order to the
@@ -14,8 +14,8 @@ rows, 2 bytes), the values in fp32 (4), and one int32 permutation (4) from ``P``
 indices and values in place; ``P`` in CSR reads the values through the permutation. On an accelerator nothing else
 is kept: ``P``'s column numbers and ordered values are formed per product and freed with it. On the CPU, where the
 "device" memory is the host's, they are kept between products (8 more bytes per nonzero), and so is ``Pᵀ``'s CSR
-form per row range expanded (8 more): forming them costs ~40% of a small layer's product there, ~70% of an
-expansion.
+form per row range expanded (8 more): forming them per call was a large share of a small layer's product and most
+of its expansion there (docs/benchmarks/2026-12-01.md, 2026-12-03.md).
 
 Products run in fp32 on the CPU (its sparse kernels have no bf16 path) and in the input's own dtype on CUDA
 (cuSPARSE accumulates in fp32), with fp32 as the fallback if a dtype is refused there.
@@ -214,7 +214,7 @@ class SparseProjector:
     def _matrix(self, dtype: torch.dtype) -> Tensor:
         """``P`` in CSR for a product in ``dtype``. On an accelerator it is formed per product (device memory holds
         only indices, values and the permutation). On the CPU, where that memory is the host's and forming it costs
-        ~40% of a small layer's product, it is kept until the values or indices change."""
+        a large share of a small layer's product, it is kept until the values or indices change."""
         values = self.values.detach()
         if values.device.type != "cpu":
             return self.pattern().matrix(values.to(dtype))
@@ -236,7 +236,7 @@ class SparseProjector:
 
     def _transposed(self, dtype: torch.dtype, rows: slice | None) -> Tensor:
         """``Pᵀ`` (or its ``rows``) in CSR for a product in ``dtype``: formed per product on an accelerator; on the CPU
-        kept per row range until the values or indices change, as :meth:`_matrix` (forming it took 70% of a small
+        kept per row range until the values or indices change, as :meth:`_matrix` (forming it was most of a small
         layer's expansion there: its row pointers and int32 columns are rebuilt each time)."""
         values = self.values.detach()
         if values.device.type != "cpu":

@@ -47,12 +47,12 @@ def rotate_moments(state: dict[str, Any], map_out: Tensor, map_in: Tensor, first
     ``exp_avg_sq`` and AMSGrad's ``max_exp_avg_sq``); other entries (step counts) are kept.
 
     The step counter is kept, so Adam's bias correction treats the moments as warm. That holds for the second moment
-    only if it keeps its size: between two unrelated subspaces (redrawn indices) the element-squared maps keep only
-    ~10% of ``v``'s mass, and with the bias correction no longer compensating, the update would run 2–3× too large
-    until ``v`` refills (``1/(1 − β₂)`` steps). So ``v`` (and AMSGrad's maximum) is rescaled to its total before
-    the map, times ``second_moment_scale``: ``(‖S_new‖/‖S_old‖)²`` when the caller measured how much more of the
-    gradient the new projectors keep (a fresh fit keeps more than stale ones). ``m`` is mapped as it is: the part
-    of the old direction the new subspace cannot express is lost, and ``m`` refills within ``1/(1 − β₁)`` steps.
+    only if it keeps its size: between two unrelated subspaces (redrawn indices) the element-squared maps keep little
+    of ``v``'s mass, and with the bias correction no longer compensating, the update would run too large until ``v``
+    refills (``1/(1 − β₂)`` steps; docs/benchmarks/2026-11-30.md). So ``v`` (and AMSGrad's maximum) is rescaled to its
+    total before the map, times ``second_moment_scale``: ``(‖S_new‖/‖S_old‖)²`` when the caller measured how much more
+    of the gradient the new projectors keep (a fresh fit keeps more than stale ones). ``m`` is mapped as it is: the
+    part of the old direction the new subspace cannot express is lost, and ``m`` refills within ``1/(1 − β₁)`` steps.
 
     Args:
         state: the optimizer's per-parameter state (``torch.optim.Adam``'s: ``exp_avg``, ``exp_avg_sq``, optional

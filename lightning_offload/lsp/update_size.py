@@ -46,8 +46,8 @@ def match_element_rms_(half: Tensor, row_projector: SparseProjector, update: Ten
 
     Lion steps every element of a dense weight by exactly ``lr``. Expanding its compressed step ``U`` (entries
     ``±lr``) sums several of them per element through the projectors, which keep the norm only on average over
-    independent signs; the signs of one step are not independent (they follow the gradient), and the expanded step's
-    RMS read 1.12–1.15× ``lr`` with random projectors. The RMS is measured on :data:`RMS_SAMPLE_ROWS` evenly spaced
+    independent signs; the signs of one step are not independent (they follow the gradient), so the expanded step's
+    RMS runs above ``lr`` (docs/benchmarks/2026-12-06.md). The RMS is measured on :data:`RMS_SAMPLE_ROWS` evenly spaced
     rows of ``W`` (``r`` rows of ``half`` gathered per row: a few percent of the apply's own work), without a read
     back to the host.
 

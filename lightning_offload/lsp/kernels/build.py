@@ -25,7 +25,7 @@ from lightning_offload.cache import cache_root
 Kernel = TypeVar("Kernel")
 
 #: For this CPU's instructions; on x86, vectors as wide as it has (gcc's tuning for some AVX-512 CPUs prefers 256 bits:
-#: 512 made the row Adam's step 15-25% faster on this project's EPYC, the same bits).
+#: 512 made the row Adam's step faster, the same bits; docs/benchmarks/2026-12-04.md, sitting E).
 NATIVE_FLAGS = ["-march=native"] + (["-mprefer-vector-width=512"] if platform.machine().lower() in (
     "x86_64", "amd64") else [])
 

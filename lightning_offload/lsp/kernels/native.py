@@ -29,9 +29,9 @@ SOURCE = Path(__file__).parent / "native" / "projection.c"
 # torch's sparse kernels' only in order).
 _FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
 #: Threads a product runs on unless told. One: inside a training step torch's own OpenMP threads hold the other
-#: cores (they wait spinning after each of torch's parallel regions), so threads started here contend with them. On the
-#: project's 2-core EPYC, at hidden 256, two threads made the forward's projections take 22.4 ms a step against 12.2
-#: ms with one, although alone two threads were faster (docs/benchmarks/2026-12-04.md).
+#: cores (they wait spinning after each of torch's parallel regions), so threads started here contend with them: on a
+#: 2-core CPU two threads made a step's projections slower than one, though alone they were faster (measured:
+#: docs/benchmarks/2026-12-04.md, "The kernels forced").
 DEFAULT_THREADS = 1
 
 

@@ -1,7 +1,7 @@
 """Which kernel runs each product: measured on the user's own device, once per distinct product, and kept.
 
 A projected layer's three products (:mod:`.candidates`) have several kernels whose speeds depend on the device, the
-shape and the layout: on a 2-core CPU torch's CSR product beat the C kernel at 256 features and lost 4× at 2816. So
+shape and the layout (on one 2-core CPU the fastest changed with the width: docs/benchmarks/2026-12-04.md). So
 the kernel of each distinct product — (which product, its sizes, the input's dtype, the device) — is chosen by
 timing every kernel that applies on the first call, on that call's own operands (a copy of the weight for the
 in-place update, and a generator of its own, so that timing changes neither the weight nor the layer's rounding).
