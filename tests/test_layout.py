@@ -257,6 +257,53 @@ def test_the_construction_check_sees_bare_and_dotted_calls(tmp_path: Path) -> No
     assert _constructs(module, {"HostWorker", "Thread"}) == ["line 2: HostWorker", "line 3: threading.Thread"]
 
 
+#: The engine's inside: the step and the slot kinds. What the rest of the package needs of them lives at a lower floor
+#: (the rules' refusals, the rows an owner hands the engine) or in setup/ (the settings' types).
+ENGINE_INSIDE = ("lightning_offload.engine.slots", "lightning_offload.engine.step")
+#: Modules outside engine/ that import its inside anyway, each with its reason.
+ENGINE_INSIDE_READERS = {
+    # The public face: users catch lightning_offload.NonFiniteGradientError and filter NonFiniteStepWarning, which the
+    # step raises and issues; the package only re-exports the two names (on first use), it reads nothing of the step.
+    "lightning_offload": {"lightning_offload.engine.step.clipping"},
+}
+
+
+def _inside_engine(module: str) -> bool:
+    return any(module == part or module.startswith(f"{part}.") for part in ENGINE_INSIDE)
+
+
+def test_only_the_engine_imports_its_step_and_slots() -> None:
+    # The step and the slots can be reorganised (issue 57) without a face, the set-up, the planner or MEFT noticing.
+    found = {module: sorted(m for m in imports if _inside_engine(m)) for module, imports in _graph().items()
+             if not module.startswith("lightning_offload.engine")}
+    found = {module: names for module, names in found.items() if names}
+    assert {module: set(names) for module, names in found.items()} == ENGINE_INSIDE_READERS, \
+        f"imports of the engine's step or slots from outside engine/ (not among ENGINE_INSIDE_READERS): {found}"
+
+
+def _names(path: Path) -> set[str]:
+    """Every name ``path`` uses: bare names, attributes, and the names it imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= {alias.name.rsplit(".", 1)[-1] for alias in node.names}
+    return found
+
+
+def test_meft_names_no_slot_kind() -> None:
+    # MEFT's adapters hand the engine their rows (HostRowBlocks) and use its stepping of them through the owner's side
+    # (RowBlocksStepping): which slot kind steps them is the engine's own business.
+    kinds = {node.name for path in (PACKAGE / "engine" / "slots").glob("*.py")
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    assert {"Slot", "RowBlocksSlot"} <= kinds
+    named = {str(p.relative_to(PACKAGE)): sorted(_names(p) & kinds) for p in (PACKAGE / "meft").rglob("*.py")}
+    assert not {path: names for path, names in named.items() if names}, f"slot kinds named under meft/: {named}"
+
+
 def _fused_kernel_calls(path: Path) -> list[str]:
     """Calls of torch's fused Adam kernels (``torch._fused_adam_``/``torch._fused_adamw_``) in ``path``."""
     return [f"line {node.lineno}" for node in ast.walk(ast.parse(path.read_text()))

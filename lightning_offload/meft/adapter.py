@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_offload.engine.rows.host_row_blocks import HostRowBlocks, RowBlocksStepping
 from lightning_offload.engine.rows.row_gradients import RowGradients
-from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.meft.host_rows import HostRows, fetch_pool
 from lightning_offload.meft.routing import Routing, expert_key_scores, select_experts, select_neurons
@@ -94,7 +94,7 @@ class MEFTAdapter(nn.Module):
         # Set by meft_offload: gradients land through the offload engine's worker, and the forward waits for this
         # adapter's row step there (its slot). Without them (plain backward) gradients are added right in the hook.
         self.row_pipeline: RowGradients | None = None
-        self.rows_slot: RowBlocksSlot | None = None
+        self.rows_slot: RowBlocksStepping | None = None
         # The engine's rows per block, and the routing copy's and host keys' blocks as views (refreshing the routing
         # copy of a step's blocks then slices nothing): the tensors they view, then the views.
         self._row_block: int | None = None
@@ -228,7 +228,7 @@ class MEFTAdapter(nn.Module):
     def wait_for_update(self, reading: bool | None = None) -> None:
         """Block until the host has finished this adapter's pending row update (no-op when none is pending); then,
         under ``meft_offload``, the rows training reads (``reading=False``), or AdamW's, with the decay idle blocks
-        owe shown (``True``: a read, an evaluation; :meth:`RowBlocksSlot.settle`)."""
+        owe shown (``True``: a read, an evaluation; :meth:`RowBlocksStepping.ready`)."""
         if self.rows_slot is not None and reading is None:
             self.rows_slot.wait()
         elif self.rows_slot is not None:

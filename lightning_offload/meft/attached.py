@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from lightning_offload.engine.optimizer import OffloadOptimizer
+from lightning_offload.engine.rows.host_row_blocks import RowBlocksStepping
 from lightning_offload.engine.rows.row_adam_kernel import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
-from lightning_offload.engine.slots.row_blocks_slot import RowBlocksSlot
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.figures import row_figures
 from lightning_offload.meft.injection import meft_adapters
@@ -61,7 +61,7 @@ class AttachedAdapters:
         slots: their row slots, in the same order.
     """
 
-    def __init__(self, adapters: list[MEFTAdapter], slots: list[RowBlocksSlot]) -> None:
+    def __init__(self, adapters: list[MEFTAdapter], slots: list[RowBlocksStepping]) -> None:
         self.adapters = adapters
         self.slots = slots
         self.gradients: RowGradients | None = slots[0].gradients

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_offload.engine.slots.row_blocks_slot import RowBlocksSlot
+from lightning_offload.engine.rows.host_row_blocks import RowBlocksStepping
 from lightning_offload.meft.adapter import MEFTAdapter
 
 
-def row_figures(adapters: Sequence[MEFTAdapter], slots: Sequence[RowBlocksSlot], host_seconds: float,
+def row_figures(adapters: Sequence[MEFTAdapter], slots: Sequence[RowBlocksStepping], host_seconds: float,
                 skipped_steps: int, device: torch.device) -> dict[str, float]:
     """The rows' figures of the step just taken (and the traffic counters read, so the next step counts its own).
 

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of
-from lightning_offload.engine.slots.scaled_slot import refuse_rule_without_scales
+from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of, refuse_rule_without_scales
 from lightning_offload.lsp.channel_scales import scaled_projection_size
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.setup.embeddings_head import plan_placement

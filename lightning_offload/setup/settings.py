@@ -12,7 +12,7 @@ import difflib
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from lightning_offload.engine.user_optimizer import LINK_DTYPES
 from lightning_offload.lsp.kernels.selection import validate_policy
@@ -21,7 +21,9 @@ from lightning_offload.setup.embeddings_head import validate_placements
 
 PROJECTOR_KINDS = ("learned", "random")
 UPDATE_RULES = ("projected", "scaled")
-NON_FINITE_POLICIES = ("skip", "raise")
+#: What a step with inf/nan gradients does: the faces' and the settings' ``on_nonfinite`` (handed to the engine's).
+NonFinitePolicy = Literal["skip", "raise"]
+NON_FINITE_POLICIES = get_args(NonFinitePolicy)
 #: The settings that only mean something when weights are projected.
 PROJECTION_SETTINGS = ("rank", "density", "min_dim", "target_modules", "exclude_modules", "projectors",
                        "projector_factory", "update_buffers", "update", "redraw_every", "norm_growth_limit", "kernels")
@@ -130,7 +132,7 @@ class OffloadSettings:
     projectors: str = "random"
     projector_factory: ProjectorFactory = random_projector
     seed: int = 0
-    on_nonfinite: Literal["skip", "raise"] = "skip"
+    on_nonfinite: NonFinitePolicy = "skip"
     log_telemetry: bool = True
     pipelined: bool = True
     link_dtype: str = "fp32"

@@ -7,8 +7,9 @@ hyper-parameters ``rule.hparams_of(group)`` copied in before each step; a refit 
 subspace by ``rule.first_moments`` (mapped linearly) and ``rule.second_moments`` (mapped element-squared); a
 checkpoint records ``rule.name``. Kinds whose arithmetic is the engine's own (row-sparse embeddings and MEFT's rows,
 the row Adam; the scaled rule, whose channel scales read Adam's direction) say whether a rule has them
-(``rows``, ``scaled``). A new host optimizer is one module that builds its :class:`HostRule` and calls
-:func:`register_host_rule` (as :mod:`~lightning_offload.engine.rules.lion` does).
+(``rows``, ``scaled``); the scaled rule's refusals are here too, where the engine, the faces and a plan check them. A
+new host optimizer is one module that builds its :class:`HostRule` and calls :func:`register_host_rule` (as
+:mod:`~lightning_offload.engine.rules.lion` does).
 """
 
 from __future__ import annotations
@@ -85,6 +86,25 @@ class HostRule:
 
 #: What ``meft_offload`` steps by rows, and what to train with instead (for :meth:`HostRule.refuse_rows`).
 MEFT_ROWS = ("meft_offload's adapter rows", "lsp_offload or zero_offload")
+
+
+def scaled_across_ranks_error() -> ValueError:
+    """The refusal of the scaled rule under data parallelism."""
+    return ValueError("update='scaled' trains on one process: its projected gradients are not reduced between ranks "
+                      "yet. Use update='projected' with data parallelism (lsp_offload_ddp), or train on one device.")
+
+
+def refuse_rule_without_scales(rule: HostRule) -> None:
+    """Refuse the scaled rule under a host rule whose direction it cannot scale (wherever it is checked: the engine's
+    set-up, a plan).
+
+    Raises:
+        ValueError: naming the user's optimizer and what to use instead, unless the rule has the scaled form.
+    """
+    if not rule.scaled:
+        raise ValueError(f"update='scaled' takes its direction and scales from Adam's moments; the user's optimizer "
+                         f"steps by {rule.name}. Use update='projected' (the default), or Adam/AdamW.")
+
 
 _RULES: list[HostRule] = []
 

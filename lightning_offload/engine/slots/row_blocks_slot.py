@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
+from lightning_offload.engine.rows.host_row_blocks import HostRowBlocks
 from lightning_offload.engine.rows.host_threads import one_thread, team_size
 from lightning_offload.engine.rows.native_row_adam import native_row_adam, tail_free
 from lightning_offload.engine.rows.row_gradients import RowGradients
@@ -25,35 +25,6 @@ from lightning_offload.engine.rows.row_landing import KeptLayout, RowLanding
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot
 
 log = logging.getLogger("lightning_offload")
-
-
-@dataclass
-class HostRowBlocks:
-    """Host matrices an owner (a MEFT adapter) hands the engine to step.
-
-    Attributes:
-        name: what the slot is called (in checkpoints and errors).
-        matrices: fp32 host matrices ``[N, h]`` sharing their row layout, stepped in place.
-        accumulators: one per matrix: this step's summed row gradients (valid where ``written``).
-        written: one bool ``[N]`` per matrix: the rows of its accumulator holding this step's sum.
-        touched: bool ``[N]``: rows that received a gradient since the last step.
-        block_rows: rows per block, the unit of stepping.
-        lr_scales: per matrix, a factor on the learning rate.
-        on_stepped: called on the worker with the ``[start, end)`` row ranges a step changed (a device copy of
-            them to refresh), unless the native kernel rewrote ``mirror`` as it stepped them.
-        mirror: returns the owner's bf16 host copy of ``matrices[0]`` (``[N, h]``, contiguous), for the native
-            kernel to rewrite the stepped rows of in its pass, or ``None`` (the copy is elsewhere, or there is none).
-    """
-
-    name: str
-    matrices: list[Tensor]
-    accumulators: list[Tensor]
-    written: list[Tensor]
-    touched: Tensor
-    block_rows: int
-    lr_scales: list[float]
-    on_stepped: Callable[[list[tuple[int, int]]], None]
-    mirror: Callable[[], Tensor | None] = lambda: None
 
 
 class RowBlocksSlot(Slot):

@@ -20,29 +20,10 @@ from torch import Tensor
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
-from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import Clip, JobSettings, clip_, pinned_zeros, thread_minor_faults
 from lightning_offload.inner_optimizers import step_unhooked
 from lightning_offload.lsp.channel_scales import ScaledWeight, bias_correction, channel_scales
-
-
-def scaled_across_ranks_error() -> ValueError:
-    """The refusal of the scaled rule under data parallelism."""
-    return ValueError("update='scaled' trains on one process: its projected gradients are not reduced between ranks "
-                      "yet. Use update='projected' with data parallelism (lsp_offload_ddp), or train on one device.")
-
-
-def refuse_rule_without_scales(rule: HostRule) -> None:
-    """Refuse the scaled rule under a host rule whose direction it cannot scale (wherever it is checked: the engine's
-    set-up, a plan).
-
-    Raises:
-        ValueError: naming the user's optimizer and what to use instead, unless the rule has the scaled form.
-    """
-    if not rule.scaled:
-        raise ValueError(f"update='scaled' takes its direction and scales from Adam's moments; the user's optimizer "
-                         f"steps by {rule.name}. Use update='projected' (the default), or Adam/AdamW.")
 
 
 def coupled_decay_error(name: str) -> ValueError:

@@ -11,11 +11,12 @@ from torch import Tensor
 
 from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.lanes.ranks import contiguous_owners
+from lightning_offload.engine.rules.host_rule import refuse_rule_without_scales, scaled_across_ranks_error
 from lightning_offload.engine.slots.dense_slot import DenseSlot
 from lightning_offload.engine.slots.projected_slot import ProjectedSlot, UpdatePrefetch
 from lightning_offload.engine.slots.remote_slot import RemoteSlot
 from lightning_offload.engine.slots.row_slot import RowSlot
-from lightning_offload.engine.slots.scaled_slot import ScaledSlot, refuse_rule_without_scales, scaled_across_ranks_error
+from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.lsp.channel_scales import ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight

@@ -27,14 +27,13 @@ from typing_extensions import override
 
 from lightning_offload.engine.fitting.projector_fitting import FitAgreement
 from lightning_offload.engine.lanes.ranks import DEFAULT_BUCKET_BYTES, RankShards
-from lightning_offload.engine.slots.scaled_slot import scaled_across_ranks_error
-from lightning_offload.engine.step.clipping import NonFinitePolicy
+from lightning_offload.engine.rules.host_rule import scaled_across_ranks_error
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.setup.data_parallel import RankAgreement, broadcast_weights, bucket_bytes
 from lightning_offload.setup.settings import (
-    SCALED_ONLY_SETTINGS, OffloadSettings, keyword_settings, refuse_unknown_settings)
+    SCALED_ONLY_SETTINGS, NonFinitePolicy, OffloadSettings, keyword_settings, refuse_unknown_settings)
 from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 

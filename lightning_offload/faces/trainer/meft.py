@@ -18,14 +18,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
-from lightning_offload.engine.step.clipping import NonFinitePolicy
 from lightning_offload.engine.user_optimizer import row_adam_settings
 from lightning_offload.faces.trainer.offload import SingleDeviceOffload
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters
 from lightning_offload.setup.report import OffloadFacts
-from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.settings import (
+    NonFinitePolicy, OffloadSettings, keyword_settings, refuse_unknown_settings)
 from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 

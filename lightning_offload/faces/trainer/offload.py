@@ -22,10 +22,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_offload.engine.step.clipping import NonFinitePolicy
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
 from lightning_offload.lsp.projector import ProjectorFactory, random_projector
-from lightning_offload.setup.settings import OffloadSettings, keyword_settings, refuse_unknown_settings
+from lightning_offload.setup.settings import (
+    NonFinitePolicy, OffloadSettings, keyword_settings, refuse_unknown_settings)
 from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 

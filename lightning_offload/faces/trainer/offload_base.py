@@ -20,7 +20,6 @@ from typing_extensions import override
 from lightning_offload.engine.fitting.projector_fitting import FitAgreement, OneProcess
 from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.optimizer import OffloadOptimizer
-from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.faces.trainer.refit import ProjectorRefit
 from lightning_offload.faces.trainer.weight_readers import weight_readers
 from lightning_offload.lsp.kernels.selection import kernel_choices
@@ -245,7 +244,7 @@ class OffloadMixin:
     def offload_facts(self) -> OffloadFacts:
         """What a run's summary needs of this strategy beyond its logged figures
         (see lightning_offload/setup/report.py)."""
-        scaled = sum(isinstance(slot, ScaledSlot) for slot in self.offload_optimizer.slots) \
+        scaled = sum(slot.steps_scaled for slot in self.offload_optimizer.slots) \
             if self.offload_optimizer is not None else 0
         return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
                             projected_layers=len(self.projected_layers) + scaled,
