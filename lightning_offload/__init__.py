@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.lm_loss import causal_lm_loss
     from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
     from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
-    from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy, register_strategies
+    from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy
     from lightning_offload.faces.trainer.plain_checkpoint import PlainConversion, to_plain_adamw_checkpoint
     from lightning_offload.faces.trainer.refit import ProjectorRefit
     from lightning_offload.lsp.fit import FitSettings, reconstruction_error
@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_offload.planning.plan import plan
     from lightning_offload.planning.report import Plan
     from lightning_offload.setup.settings import OffloadSettings
+    from lightning_offload.registries import register_strategies
 
 #: Each public name and the module that defines it (the modules of Lightning-bound names import Lightning).
 _SOURCES: dict[str, str] = {
@@ -102,7 +103,7 @@ _SOURCES: dict[str, str] = {
     "hardware_precision": "lightning_offload.setup.hardware_precision",
     "LSPOffloadStrategy": "lightning_offload.faces.trainer.offload",
     "ZeroOffloadStrategy": "lightning_offload.faces.trainer.offload",
-    "register_strategies": "lightning_offload.faces.trainer.offload",
+    "register_strategies": "lightning_offload.registries",
     "PlainConversion": "lightning_offload.faces.trainer.plain_checkpoint",
     "to_plain_adamw_checkpoint": "lightning_offload.faces.trainer.plain_checkpoint",
     "ProjectorRefit": "lightning_offload.faces.trainer.refit",

@@ -10,8 +10,10 @@ finder that watches for it. A plain loop or Hugging Face's ``Trainer`` thus neve
 because a strategy module of ours that imports Lightning first (``lightning_offload.FabricOffload`` read before any
 Lightning import) is half initialized when Lightning's import ends, and filling the registries needs it whole.
 
-Each registry is filled exactly once (the strategies' own ``register_strategies`` also skip names already there), and
-the finder leaves ``sys.meta_path`` once both are. A failure is a :class:`StrategyRegistrationError` raised from the
+Each registry gets one table of names (:func:`trainer_names`, :func:`fabric_names`): each name a strategy class with
+its explicit keyword list, and the keyword arguments the name presets, put in by :func:`register` as Lightning's own
+presets are. Each registry is filled exactly once (:func:`register` also skips names already there), and the finder
+leaves ``sys.meta_path`` once both are. A failure is a :class:`StrategyRegistrationError` raised from the
 import that triggered it, naming the cause. The standalone ``pytorch_lightning`` and ``lightning_fabric`` packages
 have registries of their own that these strategies (subclasses of ``lightning.pytorch``'s) cannot go in.
 """
@@ -23,6 +25,7 @@ import importlib.machinery
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -38,29 +41,81 @@ class StrategyRegistrationError(ImportError):
     """The strategy names could not be put in a Lightning registry (raised from the import whose end filled it)."""
 
 
-def register_trainer_strategies() -> None:
-    """Register ``lsp_offload``, ``zero_offload``, ``meft_offload``, ``lsp_offload_ddp`` and ``zero_offload_ddp``
-    with the Trainer's ``StrategyRegistry`` (imports Lightning; idempotent)."""
-    from lightning.pytorch.strategies import StrategyRegistry
+@dataclass(frozen=True)
+class StrategyName:
+    """One of the package's names in a Lightning strategy registry.
 
+    Attributes:
+        name: what ``strategy=`` takes.
+        cls: the strategy class the name builds.
+        preset: the keyword arguments the name passes to ``cls`` (Lightning's ``init_params``, as its
+            ``deepspeed_stage_2`` sets ``stage=2``); a strategy built by the user sets its own.
+    """
+
+    name: str
+    cls: type
+    preset: dict[str, Any] = field(default_factory=dict)
+
+
+def trainer_names() -> tuple[StrategyName, ...]:
+    """The Trainer's names, each a class with its explicit keyword list (imports Lightning)."""
     from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
     from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
-    from lightning_offload.faces.trainer.offload import register_strategies
+    from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy
 
-    register_strategies()
-    for strategy in (MEFTOffloadStrategy, LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy):
-        strategy.register_strategies(StrategyRegistry)
+    return (StrategyName("lsp_offload", LSPOffloadStrategy), StrategyName("zero_offload", ZeroOffloadStrategy),
+            StrategyName("meft_offload", MEFTOffloadStrategy),
+            StrategyName("lsp_offload_ddp", LSPOffloadDDPStrategy),
+            StrategyName("zero_offload_ddp", ZeroOffloadDDPStrategy))
 
 
-def register_fabric_strategies() -> None:
-    """Register the same five names with Fabric's ``STRATEGY_REGISTRY`` (imports Lightning; idempotent)."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
+def fabric_names() -> tuple[StrategyName, ...]:
+    """Fabric's names, the same five (imports Lightning)."""
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
 
-    for strategy in (FabricOffload, FabricZeroOffload, FabricMEFTOffload, FabricOffloadDDP, FabricZeroOffloadDDP):
-        strategy.register_strategies(STRATEGY_REGISTRY)
+    return (StrategyName("lsp_offload", FabricOffload), StrategyName("zero_offload", FabricZeroOffload),
+            StrategyName("meft_offload", FabricMEFTOffload), StrategyName("lsp_offload_ddp", FabricOffloadDDP),
+            StrategyName("zero_offload_ddp", FabricZeroOffloadDDP))
+
+
+def register(registry: Any, name: str, cls: type, description: str | None = None, **preset: Any) -> None:
+    """Put ``name`` in a Lightning strategy registry (the Trainer's ``StrategyRegistry`` or Fabric's
+    ``STRATEGY_REGISTRY``): ``strategy=name`` then builds ``cls(**preset)``. A name already there is left as it is
+    (the package imported again, or the user's own registration first).
+
+    Args:
+        registry: the registry.
+        name: the name.
+        cls: the strategy class it builds.
+        description: what the registry says of it. Default: ``None`` (the first line of ``cls``'s docstring).
+        preset: the keyword arguments the name passes to ``cls``.
+    """
+    if name not in registry:
+        registry.register(name, cls, description=description or cls.__doc__.splitlines()[0], **preset)
+
+
+def register_trainer_strategies() -> None:
+    """Put :func:`trainer_names` in the Trainer's ``StrategyRegistry`` (imports Lightning; idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for entry in trainer_names():
+        register(StrategyRegistry, entry.name, entry.cls, **entry.preset)
+
+
+def register_fabric_strategies() -> None:
+    """Put :func:`fabric_names` in Fabric's ``STRATEGY_REGISTRY`` (imports Lightning; idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    for entry in fabric_names():
+        register(STRATEGY_REGISTRY, entry.name, entry.cls, **entry.preset)
+
+
+def register_strategies() -> None:
+    """Put the package's names in the Trainer's and Fabric's registries now (imports Lightning; idempotent): what
+    ``import lightning_offload`` does by itself when Lightning is imported."""
+    register_trainer_strategies()
+    register_fabric_strategies()
 
 
 #: Each registry: the Lightning module that holds it, and what fills it.

@@ -179,7 +179,7 @@ def test_docstring_has_a_short_example_that_parses(obj: Any) -> None:
 
 @pytest.mark.parametrize("obj", STRATEGIES, ids=lambda obj: obj.__name__)
 def test_strategy_registry_description_is_the_first_line(obj: Any) -> None:
-    # register_strategies uses the docstring's first line as the registry description.
+    # The registries describe each name by its class's first docstring line (registries.register).
     assert obj.__doc__.splitlines()[0].strip()
 
 

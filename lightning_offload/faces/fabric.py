@@ -150,13 +150,6 @@ class FabricOffloadMixin:
             self.offload_optimizer = None
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
 
 class FabricSingleDevice(FabricOffloadMixin, SingleDeviceStrategy):
     """The offload machinery on Fabric's single-device strategy: what Fabric's ``lsp_offload``, ``zero_offload`` and

@@ -1,7 +1,7 @@
 """The single-device offload strategies: ``lsp_offload`` (:class:`LSPOffloadStrategy`) and ``zero_offload``
 (:class:`ZeroOffloadStrategy`), the shared offload machinery
-(:class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin`) on Lightning's single-device strategy, and their
-registration under those names.
+(:class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin`) on Lightning's single-device strategy. The
+names are registered by :mod:`lightning_offload.registries`.
 
 ``Trainer(strategy="lsp_offload")`` trains any LightningModule with LSP-Offload: at set-up the strategy rebinds the
 forward of every selected Linear/Conv1D so its backward yields a compressed gradient, and it replaces the Adam/AdamW
@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
@@ -222,9 +222,3 @@ class ZeroOffloadStrategy(SingleDeviceOffload):
         super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._configure_offload(settings)
-
-
-def register_strategies() -> None:
-    """Register ``lsp_offload`` and ``zero_offload`` with Lightning (idempotent)."""
-    for strategy in (LSPOffloadStrategy, ZeroOffloadStrategy):
-        strategy.register_strategies(StrategyRegistry)

@@ -295,9 +295,3 @@ class OffloadMixin:
             self._engine.release()
             self._engine = None  # what it changed on the model is undone: nothing is placed any more
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
