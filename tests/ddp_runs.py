@@ -32,7 +32,7 @@ from lightning_offload import (  # noqa: E402
     ZeroOffloadDDPStrategy,
     signed_permutation_projector,
 )
-from lightning_offload.engine.step.host_jobs import HostJobs  # noqa: E402
+from lightning_offload.engine.step.commit import CommitAfterNorm  # noqa: E402
 from lightning_offload.lsp import norm_probe  # noqa: E402
 
 #: Batch per rank; the single-process runs they are compared with use twice this.
@@ -196,18 +196,18 @@ def run_scenario(out: Path, scenario: str) -> None:
     elif scenario.startswith("fail_on_rank_"):
         failing_rank = int(scenario.removeprefix("fail_on_rank_"))
         if int(os.environ.get("LOCAL_RANK", "0")) == failing_rank:
-            planted = HostJobs._host_job
+            planted = CommitAfterNorm._host_job  # the CPU's policy (no speculation)
             steps: list[Any] = []  # the figures object of each step whose host jobs ran here
 
-            def failing(self: HostJobs, slot: Any, clip: Any, compute_done: Any, step: Any, *args: Any,
+            def failing(self: CommitAfterNorm, record: Any, clip: Any, compute_done: Any, step: Any, *args: Any,
                         **kwargs: Any) -> None:
                 if all(step is not seen for seen in steps):
                     steps.append(step)
                 if len(steps) >= 2:  # the second step's first host job
                     raise RuntimeError(f"planted failure on rank {failing_rank}")
-                planted(self, slot, clip, compute_done, step, *args, **kwargs)
+                planted(self, record, clip, compute_done, step, *args, **kwargs)
 
-            HostJobs._host_job = failing  # type: ignore[method-assign]
+            CommitAfterNorm._host_job = failing  # type: ignore[method-assign]
         fit(out, "fail", "lossless", TinyClassifier(), 6)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")

@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.commit import CommitAfterNorm
+from lightning_offload.engine.step.speculation import SpeculativeCommit
 from tiny_modules import TinyCausalLM, tiny_hf_model, token_data, trainer
 
 
@@ -65,15 +66,18 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
     make, precision = CASES[case]
     # Per optimizer step (its telemetry object, held here so that no later step's object can reuse its id), in order.
     jobs: dict[int, tuple[object, list[list[str]]]] = {}
-    run_job = HostJobs._host_job
+    def recording(policy):
+        run_job = policy._host_job
 
-    def recorded(self, slot, clip, compute_done, step, *args, **kwargs):
-        mode = _Ops()
-        with mode:
-            run_job(self, slot, clip, compute_done, step, *args, **kwargs)
-        jobs.setdefault(id(step), (step, []))[1].append(mode.ops)
+        def recorded(self, record, clip, compute_done, step, *args, **kwargs):
+            mode = _Ops()
+            with mode:
+                run_job(self, record, clip, compute_done, step, *args, **kwargs)
+            jobs.setdefault(id(step), (step, []))[1].append(mode.ops)
+        return recorded
 
-    monkeypatch.setattr(HostJobs, "_host_job", recorded)
+    for policy in (CommitAfterNorm, SpeculativeCommit):  # each commit policy's host job
+        monkeypatch.setattr(policy, "_host_job", recording(policy))
     module = (_CoupledL2LM if "l2" in case else TinyCausalLM)(tiny_hf_model("llama"))
     if precision == "bf16-true":
         module = module.to(torch.bfloat16)

@@ -332,8 +332,9 @@ def test_every_face_sets_up_through_one_function_and_builds_no_engine_part() -> 
     faces = [PACKAGE / "faces" / "trainer" / "offload_base.py", PACKAGE / "faces" / "fabric.py",
              PACKAGE / "faces" / "loop.py"]
     assert all("build_engine" in _calls(path) for path in faces)
-    parts = {"OffloadOptimizer", "StepOrchestrator", "HostWorker", "GradientNorms", "GradientRouting", "HostJobs",
-             "LayerFit", "build_slots", "attach_projections", "plan_placement"}
+    parts = {"OffloadOptimizer", "StepOrchestrator", "HostWorker", "GradientNorms", "GradientRouting",
+             "CommitAfterNorm", "SpeculativeCommit", "commit_policy", "LayerFit", "build_slots", "attach_projections",
+             "plan_placement"}
     built = {str(p.relative_to(PACKAGE)): sorted(_calls(p) & parts)
              for p in (PACKAGE / "faces").rglob("*.py")}
     assert not {path: names for path, names in built.items() if names}
@@ -374,7 +375,8 @@ def test_the_step_and_the_checkpoint_know_slots_only_through_their_interface() -
     # and the state sizes import no kind of slot and read no kind's internals.
     engine = PACKAGE / "engine"
     readers = [engine / "step" / "orchestrator.py", engine / "engine_state.py", engine / "step" / "sizes.py",
-               engine / "step" / "host_jobs.py"]
+               engine / "step" / "commit.py", engine / "step" / "speculation.py", engine / "step" / "slot_step.py",
+               engine / "step" / "update_prefetch.py", engine / "step" / "commit_policies.py"]
     kinds = {f"lightning_offload.engine.slots.{kind}" for kind in (
         "projected_slot", "scaled_slot", "dense_slot", "row_slot", "row_blocks_slot", "remote_slot")}
     internals = {"layer", "projected_layers", "prefetch", "proj_out", "proj_in", "grad_buffer", "generator", "adam",

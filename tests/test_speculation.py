@@ -1,6 +1,6 @@
 """Host Adam started during backward (speculation) gives the same bits as starting it after the norm is known.
 
-HostJobs is on by default only on a GPU; these tests turn it on explicitly on the CPU.
+Speculation (engine/step/speculation.py) is on by default only on a GPU; these tests turn it on explicitly on the CPU.
 
 Each tensor's host step starts as soon as its gradient has landed, assuming the step is not clipped by norm, not
 skipped, and clipped by value as the step before was. The runs below break every assumption on some steps and keep

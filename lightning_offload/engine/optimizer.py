@@ -36,7 +36,7 @@ from lightning_offload.engine.slots.slot_building import build_slots
 from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import GradientEdits
-from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.commit_policies import commit_policy
 from lightning_offload.engine.step.orchestrator import StepOrchestrator
 from lightning_offload.engine.step.sizes import (
     device_persistent_bytes, device_state_bytes, host_state_bytes, state_tensors)
@@ -77,8 +77,8 @@ class OffloadOptimizer(Optimizer):
         update_buffers: device buffers compressed updates land in (a ring shared by all layers). Default: ``None`` (4
             on an accelerator; none on the CPU, where updates are read where the host step wrote them).
         speculative: step each tensor's host Adam during backward, as soon as its gradient has landed
-            (:mod:`~lightning_offload.engine.step.host_jobs`; results equal the other path's bit for bit). Costs a host
-            copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU).
+            (:mod:`~lightning_offload.engine.step.speculation`; results equal the other path's bit for bit). Costs a
+            host copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU).
         free_sent_gradients: a host-stepped parameter's ``.grad`` is set to ``None`` once its host step is launched
             (its gradient has crossed). Default: ``False`` (torch's semantics: readable after :meth:`step`).
         keep_on_device: parameters stepped on the device instead of the host (``DeviceOptimizer``): clipped and
@@ -152,10 +152,10 @@ class OffloadOptimizer(Optimizer):
             self.norms.edits = GradientEdits(self.slots)
         # On the CPU the "device" and the host share the cores: host work started during backward only competes
         # with it (and the state copies cost extra), so speculation is for accelerators.
-        self.host_jobs = HostJobs(speculative if speculative is not None else self.device.type != "cpu",
-                                       self.slots, self.lanes.worker)
+        self.commit = commit_policy(speculative if speculative is not None else self.device.type != "cpu",
+                                    self.lanes.worker)
         self.orchestrator = StepOrchestrator(
-            self.lanes, self.slots, self.device_optimizer, self.host_jobs, self.norms, self.figures, on_nonfinite,
+            self.lanes, self.slots, self.device_optimizer, self.commit, self.norms, self.figures, on_nonfinite,
             pipelined, model, {id(p) for p in tied_projected}, free_sent_gradients)
         if update_buffers is None:
             update_buffers = 4 if self.device.type != "cpu" else 0
@@ -328,7 +328,7 @@ class OffloadOptimizer(Optimizer):
         self.lanes.rule.refuse_rows(*MEFT_ROWS)
         gradients = RowGradients(self.lanes.worker, self.lanes.link)
         slots = [RowBlocksSlot(rows, settings, gradients, self.lanes) for rows in blocks]
-        self.slots += slots  # after every other slot: their jobs queue last, as the forward needs them last
+        self.orchestrator.take_on(slots)  # after every other slot: their jobs queue last, the forward reads them last
         self.norms.rows = gradients
         return slots
 
@@ -355,7 +355,7 @@ class OffloadOptimizer(Optimizer):
     # ----------------------------------------------------------------------------------------------- accounting
     def host_state_bytes(self) -> int:
         """Bytes of optimizer state on the host: Adam moments, fp32 masters, ``Z`` and landing/staging buffers."""
-        return host_state_bytes(self.slots, self.host_jobs)
+        return host_state_bytes(self.slots, self.commit)
 
     def device_persistent_bytes(self) -> dict[str, int]:
         """Device bytes the offload machinery keeps between steps, by category (any device, ``meta`` too)."""
@@ -363,11 +363,11 @@ class OffloadOptimizer(Optimizer):
 
     def device_state_bytes(self) -> int:
         """Bytes of optimizer state found on a non-CPU device (the placement check: expected 0 on a GPU)."""
-        return device_state_bytes(self.slots, self.host_jobs)
+        return device_state_bytes(self.slots, self.commit)
 
     def state_tensors(self) -> list[Tensor]:
         """Every tensor of optimizer state this optimizer keeps (host moments, masters, staging buffers, backups)."""
-        return state_tensors(self.slots, self.host_jobs)
+        return state_tensors(self.slots, self.commit)
 
     # ----------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -245,7 +245,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         before.
         """
         loop = self.loop
-        if not loop.warned_unsettled_save and any(slot.pending for slot in self.slots):
+        if not loop.warned_unsettled_save and any(self.orchestrator.pending(slot) for slot in self.slots):
             loop.warned_unsettled_save = True
             warnings.warn(f"{loop.name}: state_dict() was called with the latest step's updates still pending (they "
                           f"are applied before each module's next forward, or when the weights are read through the "

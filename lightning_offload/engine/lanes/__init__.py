@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
@@ -44,6 +42,3 @@ class Lanes:
         self.pin = device.type == "cuda"
         # Set once the projected slots are known (its buffers fit the largest compressed update).
         self.ring: UpdateRing | None = None
-        # Starts the next layers' update copies after each apply (slots/projected_slot.py: UpdatePrefetch), set with
-        # the slots.
-        self.prefetch: Any = None

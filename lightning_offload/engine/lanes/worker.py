@@ -57,6 +57,8 @@ class HostWorker:
         self.inline = inline
         self.phases = phases  # the engine's phase clock: charges the jobs to host_adam
         self._closed = False
+        # The latest job submitted for each key (a slot): what wait_for waits on.
+        self._latest: dict[int, Job] = {}
         self.cpus: list[int] | None = None  # the cores this worker (and the threads its kernels start) may use
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         if inline:
@@ -99,10 +101,12 @@ class HostWorker:
                 self._error = error
         job.done.set()
 
-    def submit(self, fn: Callable[[], None], label: str = "") -> Job:
-        """Queue ``fn`` (or, inline, run it now); returns its job."""
+    def submit(self, fn: Callable[[], None], label: str = "", key: object = None) -> Job:
+        """Queue ``fn`` (or, inline, run it now); returns its job (the latest of ``key``'s, where one is given)."""
         self.check()
         job = Job(fn, label)
+        if key is not None:
+            self._latest[id(key)] = job
         if self.inline:
             self._execute(job)  # a failure is raised by the next wait or check, as from the thread
         else:
@@ -121,6 +125,12 @@ class HostWorker:
             if not self._thread.is_alive():
                 raise HostWorkerError("The host optimizer worker stopped while a job was pending.")
         self.check()
+
+    def wait_for(self, key: object) -> None:
+        """Block until the latest job submitted for ``key`` ran (at once when there is none, or it ran already)."""
+        job = self._latest.get(id(key))
+        if job is not None and not job.done.is_set():
+            self.wait(job)
 
     @property
     def running(self) -> bool:

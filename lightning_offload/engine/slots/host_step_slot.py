@@ -51,7 +51,7 @@ class HostStepSlot(Slot):
         # as it arrived, in case the step is redone (allocated at the first such step).
         self.host_grad_work: Tensor | None = None
 
-    def send(self, round_: int, timeline: StepTimeline) -> None:
+    def send(self, timeline: StepTimeline) -> None:
         start = time.perf_counter()
         grad = self.gradient()
         if grad.dtype != self.lanes.link_dtype:
@@ -59,7 +59,6 @@ class HostStepSlot(Slot):
         # No reference is kept: the link marks the source as in use by its copy stream, so its memory is not reused
         # before the copy has read it (a projected weight's S is freed as soon as the layer releases it, in step).
         self.to_host_event = self.lanes.link.to_host(grad, self.host_grad)
-        self.sent_round = round_
         timeline.add("link_to_host", self.name, start, time.perf_counter())
 
     def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,

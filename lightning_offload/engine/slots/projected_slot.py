@@ -1,6 +1,6 @@
 """A projected weight's slot: host Adam on the compressed gradient ``S = A G Bᵀ`` (variable ``Z``, moments
 ``d_o × d_i``), the update ``U`` crossing back through the update ring and expanded on the device, and the
-prefetch that starts the next layers' update copies ahead of their forwards."""
+copy of a finished update that the step may start ahead of its layer's forward (engine/step/update_prefetch.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
-from lightning_offload.engine.slots.slot import JobSettings, Slot, pinned_zeros
+from lightning_offload.engine.slots.slot import JobSettings, pinned_zeros
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.projector import SparseProjector
 from lightning_offload.lsp.rotation import coordinate_map, rotate_moments
@@ -89,6 +89,8 @@ class ProjectedSlot(HostStepSlot):
         generator: the stochastic-rounding generator of low-precision weights (seeded per slot).
     """
 
+    fetches_update = True
+
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  layer: ProjectedWeight, generator: torch.Generator, owner: int = 0) -> None:
         shape = layer.compressed_shape
@@ -123,12 +125,12 @@ class ProjectedSlot(HostStepSlot):
     def gradient_numel(self) -> int:
         return math.prod(self.layer.compressed_shape)
 
-    def send(self, round_: int, timeline: StepTimeline) -> None:
-        super().send(round_, timeline)
+    def send(self, timeline: StepTimeline) -> None:
+        super().send(timeline)
         self.sent_version = self.layer.grad_version  # a later accumulation into S makes this copy stale
 
-    def is_sent(self, round_: int) -> bool:
-        return self.sent_round == round_ and self.sent_version == self.layer.grad_version
+    def unchanged_since_sent(self) -> bool:
+        return self.sent_version == self.layer.grad_version
 
     def release_gradient(self) -> None:
         # S is released, not cleared: its copy may still be reading it, and the link keeps its memory from being
@@ -192,8 +194,6 @@ class ProjectedSlot(HostStepSlot):
             # Queued, not run: the event tells the next copy into this buffer when the apply has read it.
             lanes.ring.release(self.ring_index, lanes.link.compute_event())
         self.update_on_device, self.ring_index = None, None
-        if lanes.prefetch is not None:
-            lanes.prefetch.after(self)  # the next layers' updates start crossing while this layer computes
 
     # ------------------------------------------------------------------------------------------------ state
     def checkpoint_part(self) -> dict[str, Any]:
@@ -241,35 +241,6 @@ class ProjectedSlot(HostStepSlot):
         self.update_on_device, self.ring_index = destination, index
         self.timeline.add("link_to_device", self.name, start, time.perf_counter())
 
-    def ready_to_fetch(self) -> bool:
-        """Whether its update is computed on the host and not yet on its way to the device."""
-        return self.pending and self.update_on_device is None and self.job is not None and self.job.done.is_set()
+    def fetch_started(self) -> bool:
+        return self.update_on_device is not None
 
-
-class UpdatePrefetch:
-    """Starts the copies of the next finished updates in forward order, as far as the ring has free buffers, so the
-    next layers' updates are on the device before their forwards ask for them.
-
-    Args:
-        slots: every slot of the engine, in forward order (only projected ones are prefetched).
-        lanes: the engine's lanes (the ring and the worker).
-    """
-
-    def __init__(self, slots: list[Slot], lanes: Lanes) -> None:
-        self.lanes = lanes
-        self.projected = [slot for slot in slots if slot.layer is not None]
-        self.position = {id(slot): i for i, slot in enumerate(self.projected)}
-
-    def after(self, slot: Slot) -> None:
-        """``slot``'s update was just applied: start fetching the ones after it."""
-        ring = self.lanes.ring
-        if ring is None or id(slot) not in self.position:
-            return
-        position = self.position[id(slot)]
-        for later in self.projected[position + 1: position + 1 + len(ring.buffers)]:
-            if not ring.free:
-                return
-            if isinstance(later, ProjectedSlot) and later.ready_to_fetch():
-                self.lanes.worker.check()
-                later.start_fetch()
-                ring.prefetched += 1

@@ -91,7 +91,6 @@ class RemoteSlot(Slot):
             self.decay = self.decoupled_decay()
             self.layer.zero_grad()
         self.timeline = timeline
-        self.pending = True
 
     def finish(self, start: float) -> None:
         lanes = self.lanes

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
-from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.engine.rows.host_row_blocks import HostRowBlocks
@@ -39,6 +38,8 @@ class RowBlocksSlot(Slot):
 
     #: Its gradients arrive through its owner's hooks, and its owner's forward waits for its update.
     routed = False
+    #: They crossed during backward, row by row, through :class:`RowGradients`: the step never sends them.
+    crosses_by_itself = True
 
     def __init__(self, rows: HostRowBlocks, settings: Callable[[], RowAdamSettings], gradients: RowGradients,
                  lanes: Lanes) -> None:
@@ -71,14 +72,9 @@ class RowBlocksSlot(Slot):
     def has_grad(self) -> bool:
         return True  # every step taken steps it: its step count advances even when no row was touched
 
-    def send(self, round_: int, timeline: StepTimeline) -> None:
-        self.sent_round = round_  # its gradients crossed during backward, row by row
-
     def gradient_unseen_by_edits(self) -> str | None:
         return "the MEFT adapters' host rows"  # summed on the host, never a param.grad
 
-    def is_sent(self, round_: int) -> bool:
-        return True
 
     def touched_blocks(self) -> Tensor:
         """Main thread, once per step: the touched blocks, each with its gradient per matrix (a block is stepped
@@ -176,8 +172,7 @@ class RowBlocksSlot(Slot):
 
     def wait(self) -> None:
         """Block until this slot's pending step has run on the host (its owner's forward is about to read the rows)."""
-        if self.pending and self.job is not None:
-            self.lanes.worker.wait(self.job)
+        self.lanes.worker.wait_for(self)
 
     def abandon_gradient(self) -> None:
         blocks = self.gradients.take(self)

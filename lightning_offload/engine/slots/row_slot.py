@@ -64,7 +64,7 @@ class RowSlot(Slot):
         self.row_values: Tensor | None = None
         self.update_on_device: Tensor | None = None
 
-    def send(self, round_: int, timeline: StepTimeline) -> None:
+    def send(self, timeline: StepTimeline) -> None:
         """Send the rows of the gradient that are nonzero (the rows of the batch's tokens)."""
         start = time.perf_counter()
         grad = self.param.grad
@@ -79,7 +79,6 @@ class RowSlot(Slot):
         self.lanes.link.to_host(rows, self.host_rows[:count])
         self.to_host_event = self.lanes.link.to_host(values, self.host_grad[:count])
         self.row_count, self.rows_on_device = count, rows
-        self.sent_round = round_
         timeline.add("link_to_host", self.name, start, time.perf_counter())
 
     def prepare(self, step: StepTelemetry) -> None:

@@ -80,18 +80,17 @@ class ScaledSlot(HostStepSlot):
         return {**lanes.rule.hparams_of(group), "lr": 1.0, "weight_decay": 0.0, "maximize": False}
 
     # ------------------------------------------------------------------------------------------------ backward
-    def send(self, round_: int, timeline: StepTimeline) -> None:
+    def send(self, timeline: StepTimeline) -> None:
         start = time.perf_counter()
         projected, squares = self.weight.project(self.param.grad)
         self.to_host_event = self.lanes.link.to_host(projected.to(self.lanes.link_dtype), self.host_grad)
         self.squares_event = self.lanes.link.to_host(squares, self.host_squares)
-        self.sent_round = round_
         timeline.add("link_to_host", self.name, start, time.perf_counter())
 
-    def clamp_on_device(self, bound: float) -> None:
+    def clamp_on_device(self, bound: float) -> bool:
         # Exact: the full gradient the update scales is clamped, and the projection of the clamped one crosses again.
         self.param.grad.clamp_(-bound, bound)
-        self.sent_round = -1
+        return True
 
     def abandon_gradient(self) -> None:
         super().abandon_gradient()

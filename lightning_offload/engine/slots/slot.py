@@ -22,7 +22,6 @@ from lightning_offload.engine.checkpoint_kinds import refuse_other_kind
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
-from lightning_offload.engine.lanes.worker import Job
 from lightning_offload.engine.slots.weight_fingerprint import fingerprint
 
 #: How a step clips its gradients: ``("norm", coefficient)`` (a 0-dim CPU tensor) or ``("value", bound)``, or None.
@@ -75,15 +74,21 @@ class Slot:
         param: the model's parameter.
         group: the user's param group (shared dict: LR schedulers write it).
         owner: the rank that steps it (0 for one process); ``owned`` says whether that is this rank.
-        pending: an update was launched and not yet applied.
-        job: the host job of the step in flight.
         timeline: the step whose spans this slot's work records into.
+
+    Where its step stands (sent, pending, the job, a speculation's backup) is the orchestrator's record of it
+    (:class:`~lightning_offload.engine.step.slot_step.SlotStep`), not the slot's.
     """
 
     #: A projected weight's layer (kinds without one: ``None``).
     layer = None
-    #: Whether a host step may start during backward (:mod:`~lightning_offload.engine.step.host_jobs`).
+    #: Whether a host step may start during backward (:mod:`~lightning_offload.engine.step.speculation`).
     speculates = False
+    #: Whether its gradient crosses during backward by its owner's own means, never through :meth:`send`.
+    crosses_by_itself = False
+    #: Whether its update crosses back when its module's forward nears (a projected weight's): the step may start that
+    #: copy earlier (:mod:`~lightning_offload.engine.step.update_prefetch`).
+    fetches_update = False
     #: Whether ``host_param`` is an fp32 master of the parameter (dense and row kinds).
     keeps_master = False
     #: Whether the engine's hooks route its gradient and apply its update (else its owner's own hooks do).
@@ -106,13 +111,10 @@ class Slot:
         self.decoupled = decoupled
         self.owner = owner
         self.owned = owned
-        self.pending = False
-        self.job: Job | None = None
         self.timeline: StepTimeline | None = None
         # Events of the copies in flight: the gradient landing on the host, the update (or value) leaving it.
         self.to_host_event: Any = None
         self.to_device_event: Any = None
-        self.sent_round = -1
 
     # ------------------------------------------------------------------------------------------------ backward
     def gradient(self) -> Tensor | None:
@@ -132,18 +134,27 @@ class Slot:
         """Whether backward produced a gradient for it this step."""
         return self.gradient() is not None
 
-    def send(self, round_: int, timeline: StepTimeline) -> None:
+    def send(self, timeline: StepTimeline) -> None:
         """Start copying the final gradient to the host (main thread, usually during backward)."""
         raise NotImplementedError
 
-    def is_sent(self, round_: int) -> bool:
-        """Whether this step's final gradient is already on its way (sent in ``round_``, not changed since)."""
-        return self.sent_round == round_
+    def unchanged_since_sent(self) -> bool:
+        """Whether the gradient last sent is still the one the step uses (most kinds: a sent gradient is final)."""
+        return True
 
-    def clamp_on_device(self, bound: float) -> None:
-        """Clip by value, at the step: clamp the device gradient itself and send it again, where the host cannot
-        clamp what crosses (the scaled rule: its projection crosses, its full gradient is applied). Most kinds: nothing
-        here, the host clamps the gradient as it lands."""
+    def clamp_on_device(self, bound: float) -> bool:
+        """Clip by value, at the step: clamp the device gradient itself where the host cannot clamp what crosses (the
+        scaled rule: its projection crosses, its full gradient is applied); returns whether what crossed changed, so
+        it must cross again. Most kinds: nothing here, the host clamps the gradient as it lands."""
+        return False
+
+    def fetch_started(self) -> bool:
+        """Whether its computed update is on its way to the device (kinds that fetch their update)."""
+        return True
+
+    def start_fetch(self) -> None:
+        """Issue the host→device copy of its computed update (kinds that fetch their update)."""
+        raise NotImplementedError
 
     def release_gradient(self) -> None:
         """Drop what the device holds of a gradient once it is on its way (a projected weight's ``S``)."""

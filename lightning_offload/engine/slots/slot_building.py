@@ -13,7 +13,7 @@ from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.lanes.ranks import contiguous_owners
 from lightning_offload.engine.rules.host_rule import refuse_rule_without_scales, scaled_across_ranks_error
 from lightning_offload.engine.slots.dense_slot import DenseSlot
-from lightning_offload.engine.slots.projected_slot import ProjectedSlot, UpdatePrefetch
+from lightning_offload.engine.slots.projected_slot import ProjectedSlot
 from lightning_offload.engine.slots.remote_slot import RemoteSlot
 from lightning_offload.engine.slots.row_slot import RowSlot
 from lightning_offload.engine.slots.scaled_slot import ScaledSlot
@@ -79,7 +79,6 @@ def build_slots(
         # Host jobs run in slot order: registration order approximates forward order, so the update the next
         # forward needs first is computed first (param-group order would put every norm after every weight).
         slots.sort(key=lambda slot: order.get(id(slot.param), len(order)))
-    lanes.prefetch = UpdatePrefetch(slots, lanes)  # in forward order: the updates the next forwards need first
     return slots
 
 

@@ -39,18 +39,20 @@ class GradientRouting:
         tied: ids of projected weights also used outside their module: their updates are applied inside the step.
         send: called with a slot whose final gradient should cross now.
         finish: called with a slot whose update a module's forward is about to need.
+        pending: whether a slot's launched update is not applied yet (the orchestrator's records say).
         edits: told of every gradient backward leaves in a ``param.grad`` (``None``: nothing watches them).
         phases: the engine's phase clock (its hooks are charged to ``hooks``).
     """
 
     def __init__(self, slots: Sequence[Slot], model: torch.nn.Module | None, ranks: RankShards | None,
                  device_params: Sequence[Tensor], tied: set[int], send: Callable[[Slot], None],
-                 finish: Callable[[Slot], None], edits: GradientEdits | None = None,
+                 finish: Callable[[Slot], None], pending: Callable[[Slot], bool], edits: GradientEdits | None = None,
                  phases: PhaseClock = DISABLED) -> None:
         self.ranks = ranks
         self._phases = phases
         self._send = send
         self._finish = finish
+        self._pending = pending
         self._edits = edits
         # On during the closure's backward (the last micro-batch's): gradients are final and may be sent at once.
         self.collecting = False
@@ -128,7 +130,7 @@ class GradientRouting:
         owed = conceal(module)  # its own dict back first: applying the update reads the weights through it
         training = torch.is_grad_enabled()
         for slot in self._slots_by_module.get(id(module), ()):
-            if slot.pending:
+            if self._pending(slot):
                 self._finish(slot)
             if training:
                 slot.unsettle()  # training sees the weights as if nothing had read them (their next step pays decay)
@@ -140,7 +142,7 @@ class GradientRouting:
         (:mod:`~lightning_offload.engine.step.module_reads`); a module that owes nothing has its plain dict (a compiled
         forward finds the same type every step, and nothing to trace). Nothing once the model was handed back."""
         for module in self._modules if self._hooks else ():
-            if any(slot.pending or slot.owes_settle() for slot in self._slots_by_module[id(module)]):
+            if any(self._pending(slot) or slot.owes_settle() for slot in self._slots_by_module[id(module)]):
                 expose(module, self._settle_module)
             else:
                 conceal(module)
@@ -148,7 +150,7 @@ class GradientRouting:
     def _settle_module(self, module: torch.nn.Module) -> None:
         """Apply what ``module``'s weights owe: its pending updates, and the decay its idle rows owe."""
         for slot in self._slots_by_module[id(module)]:
-            if slot.pending:
+            if self._pending(slot):
                 self._finish(slot)
             slot.settle()
 

@@ -1,6 +1,8 @@
 """The engine's step over its slots, which it knows only through :class:`~lightning_offload.engine.slots.slot.Slot`: the
 backward that sends each gradient as it is final, one global norm and one clip or skip decision, each slot's host job,
-and each update applied before the module that owns it runs again (``docs/design.md``, "The engine").
+and each update applied before the module that owns it runs again (``docs/design.md``, "The engine"). Where each
+slot's step stands is one record (:class:`~lightning_offload.engine.step.slot_step.SlotStep`) it owns; when a host step
+runs and commits is its commit policy's (:mod:`~lightning_offload.engine.step.commit`).
 
 :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` is its face as a ``torch.optim.Optimizer``: it builds
 the slots and their shared parts, and hands every step to :class:`StepOrchestrator`.
@@ -27,9 +29,11 @@ from lightning_offload.engine.step.clipping import (
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import edited_gradients_error, resent_warning
 from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
-from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.commit import CommitAfterNorm
 from lightning_offload.engine.step.norm_probes import measure_norm_ratios
 from lightning_offload.engine.step.sizes import device_persistent_bytes, host_state_bytes
+from lightning_offload.engine.step.slot_step import SlotStep
+from lightning_offload.engine.step.update_prefetch import UpdatePrefetch
 
 
 class StepOrchestrator:
@@ -39,7 +43,7 @@ class StepOrchestrator:
         lanes: what the slots share (link, worker, update ring, ranks).
         slots: every offloaded tensor's slot, in the order their host jobs run (forward order).
         device_optimizer: the parameters stepped on the device, clipped and checked with the rest (or ``None``).
-        host_jobs: submits each host job, and speculates where that is on.
+        commit: when each slot's host step runs and commits (after the norm, or speculated during backward).
         norms: the step's global norm and the clipping asked for.
         figures: the steps' timelines and figures.
         on_nonfinite: ``"skip"`` or ``"raise"`` for a step whose gradients hold inf/nan.
@@ -48,14 +52,18 @@ class StepOrchestrator:
         tied: ids of projected weights tied to another parameter (their gradient arrives in two parts).
     """
 
-    def __init__(self, lanes: Lanes, slots: list[Slot], device_optimizer: DeviceOptimizer | None, host_jobs: HostJobs,
+    def __init__(self, lanes: Lanes, slots: list[Slot], device_optimizer: DeviceOptimizer | None,
+                 commit: CommitAfterNorm,
                  norms: GradientNorms, figures: StepFigures, on_nonfinite: NonFinitePolicy, pipelined: bool,
                  model: torch.nn.Module | None = None, tied: AbstractSet[int] = frozenset(),
                  free_sent_gradients: bool = False) -> None:
         self.lanes = lanes
         self.slots = slots
         self.device_optimizer = device_optimizer
-        self.host_jobs = host_jobs
+        self.commit = commit
+        self.records = {id(slot): SlotStep(slot) for slot in slots}  # where each slot's step stands
+        commit.adopt(self.records.values())
+        self.update_prefetch = UpdatePrefetch([self.records[id(slot)] for slot in slots], lanes)
         self.norms = norms
         self.figures = figures
         self.on_nonfinite = on_nonfinite
@@ -70,12 +78,20 @@ class StepOrchestrator:
         # The hooks on the model: they say whether the closure's backward is running, route each final gradient to
         # send_gradient, and have each module's next forward finish its pending update.
         self.routing = GradientRouting(slots, model, lanes.ranks, self.device_params, tied, self.send_gradient,
-                                       self.finish, norms.edits, lanes.phases)
+                                       self.finish, self.pending, norms.edits, lanes.phases)
 
     @property
     def device_params(self) -> list[Tensor]:
         """The parameters the device Adam steps."""
         return self.device_optimizer.params if self.device_optimizer is not None else []
+
+    def pending(self, slot: Slot) -> bool:
+        """Whether ``slot``'s launched update is not applied yet."""
+        return self.records[id(slot)].pending
+
+    def is_sent(self, slot: Slot) -> bool:
+        """Whether this step's final gradient of ``slot`` is on its way (sent in this round, not changed since)."""
+        return slot.crosses_by_itself or self.records[id(slot)].is_sent(self.round)
 
     def grad_norm(self) -> Tensor:
         """The step's global 2-norm over every slot and the device-stepped parameters
@@ -86,7 +102,7 @@ class StepOrchestrator:
         """Host state bytes, device persistent bytes by category and update-ring fallbacks, as a step's figures
         take them when they complete."""
         ring = self.lanes.ring
-        return (host_state_bytes(self.slots, self.host_jobs),
+        return (host_state_bytes(self.slots, self.commit),
                 device_persistent_bytes(self.slots, ring, self.device_optimizer),
                 ring.fallbacks if ring is not None else 0)
 
@@ -114,17 +130,26 @@ class StepOrchestrator:
             RuntimeError: when it was sent as final already in this step (it changed after it crossed: a loop of one's
                 own told the engine a micro-batch was the last when more followed).
         """
-        if slot.is_sent(self.round):
+        if self.is_sent(slot):
             raise final_twice_error(slot.name)
+        record = self.records[id(slot)]
         with self.lanes.phases.phase("send"):
-            slot.send(self.round, self.figures.timeline)
-            if self.routing.collecting and self.host_jobs.speculative:
-                self.host_jobs.start(slot, self.round, self.figures.timeline)
+            slot.send(self.figures.timeline)
+            record.sent_round = self.round
+            if self.routing.collecting and self.commit.speculative:
+                self.commit.sent(record, self.round, self.figures.timeline)
+
+    def take_on(self, slots: list[Slot]) -> None:
+        """Step ``slots`` too from the next step on, after every other slot (their host steps run after the norm:
+        no backup was made for them)."""
+        for slot in slots:
+            self.slots.append(slot)
+            self.records[id(slot)] = SlotStep(slot)
 
     def adopt(self, slots: list[Slot]) -> None:
         """Step slots that joined after set-up (late_params.py) from this step on, their gradients as they are now."""
+        self.take_on(slots)
         for slot in slots:
-            self.slots.append(slot)
             self.routing.add_late(slot)
             if self.norms.edits is not None:
                 self.norms.edits.watch(slot)
@@ -151,7 +176,7 @@ class StepOrchestrator:
         if edited:
             self._take_edits(edited)
         measure_norm_ratios(self.slots, self.lanes.ranks, clip)  # ρ kept true for the norm's readers
-        step = self.host_jobs.take_step()
+        step = self.commit.take_step()
         for slot in self.slots:
             slot.count_device_buffers(step)
         clip = launch_clip(clip)
@@ -162,7 +187,7 @@ class StepOrchestrator:
         if self.device_optimizer is not None:
             # Queued on the device after backward, like a native optimizer step: nothing waits for it.
             self.device_optimizer.step(clip)
-        self.host_jobs.launched(clip)
+        self.commit.launched(clip)
         if self.lanes.ranks is not None:
             # This step's reductions and norm, and the broadcasts of the previous step's updates.
             step.bytes_between_ranks = float(self.lanes.ranks.bytes_this_step)
@@ -189,9 +214,9 @@ class StepOrchestrator:
             raise edited_gradients_error(edited, " and ".join(unseen))
         # Every gradient of the step is a param.grad: the edit saw the true global norm. Those that crossed already
         # cross again at their launch.
-        resent = [slot for slot in edited if slot.is_sent(self.round)]
+        resent = [slot for slot in edited if self.is_sent(slot)]
         for slot in resent:
-            slot.sent_round = -1
+            self.records[id(slot)].sent_round = -1
         if resent and not self.warned_resent:
             self.warned_resent = True
             warnings.warn(resent_warning(resent), stacklevel=4)
@@ -207,37 +232,26 @@ class StepOrchestrator:
         """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner
         (``written``: its parameter was written through ``.data`` since the engine's last write)."""
         ranks = self.lanes.ranks
+        record = self.records[id(slot)]
         has_grad = slot.has_grad() if ranks is None else self.norms.present.get(id(slot), False)
         if not slot.owned:
             if has_grad:
                 slot.expect_update(self.figures.timeline)
+                record.pending = True
             return
-        jobs = self.host_jobs
         if not has_grad:
-            jobs.undo(slot, self.round)  # its gradient was dropped after it was sent (never in Lightning)
+            self.commit.undo(record, self.round)  # its gradient was dropped after it was sent (never in Lightning)
             return
         if written or slot.weights_written():  # loaded weights, a clamp: the master steps from them, as torch would
-            jobs.undo(slot, self.round)  # a step begun during backward stepped the master it held
+            self.commit.undo(record, self.round)  # a step begun during backward stepped the master it held
             slot.adopt_written_weights()
-        if clip is not None and clip[0] == "value":
-            slot.clamp_on_device(clip[1])  # where the host cannot clamp what crosses (the scaled rule)
-        settings = slot.settings()
-        confirmed = jobs.holds(slot, self.round, clip, settings)
-        if not slot.is_sent(self.round):
+        if clip is not None and clip[0] == "value" and slot.clamp_on_device(clip[1]):
+            record.sent_round = -1  # clamped on the device (the scaled rule): what crossed must cross again
+        resent = not self.is_sent(slot)
+        if resent:
             self.send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
-        slot.prepare(step)
-        if confirmed:
-            step.speculative_steps += 1
-            jobs.confirm(slot, compute_done)
-        else:
-            redo = jobs.speculated(slot, self.round)
-            if redo:
-                step.rolled_back_steps += 1  # the redo job first restores what the speculative one changed
-            else:
-                slot.prepare_l2(step)
-                slot.timeline = self.figures.timeline
-            slot.job = jobs.submit(slot, clip, compute_done, step, settings, redo)
-        slot.pending = True
+        self.commit.launch(record, self.round, clip, compute_done, step, slot.settings(), self.figures.timeline, resent)
+        record.pending = True
         slot.release_gradient()
         if self.free_sent_gradients and slot.crosses_param_grad:
             # Its copy to the host was issued from this tensor; the link recorded the copy's stream on it, so its
@@ -246,7 +260,8 @@ class StepOrchestrator:
 
     def finish(self, slot: Slot) -> None:
         """Main thread: wait for a slot's update and apply it on the device."""
-        if not slot.pending or id(slot) in self._finishing:
+        record = self.records[id(slot)]
+        if not record.pending or id(slot) in self._finishing:
             return  # nothing pending, or being applied (applying it read the weights through the module: no twice)
         self._finishing.add(id(slot))
         phases = self.lanes.phases
@@ -254,11 +269,11 @@ class StepOrchestrator:
             start = time.perf_counter()
             if slot.owned:
                 with phases.phase("waits"):
-                    self.lanes.worker.wait(slot.job)
+                    self.lanes.worker.wait(record.job)
             with phases.phase("apply_update"):
                 slot.finish(start)
-            slot.pending = False
-            slot.job = None
+                self.update_prefetch.after(slot)  # the next layers' updates start crossing while this layer computes
+            record.pending, record.job = False, None
         finally:
             self._finishing.discard(id(slot))
 
@@ -273,7 +288,7 @@ class StepOrchestrator:
 
     def abandon(self) -> None:
         """Forget a step that will not be taken: its speculative host steps and its reductions."""
-        self.host_jobs.roll_back(self.slots, self.round)
+        self.commit.roll_back(self.records.values(), self.round)
         if self.lanes.ranks is not None:
             self.lanes.ranks.reset()
 

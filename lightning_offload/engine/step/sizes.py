@@ -11,27 +11,28 @@ from torch import Tensor
 from lightning_offload.engine.lanes.link import UpdateRing
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
-from lightning_offload.engine.step.host_jobs import HostJobs
+from lightning_offload.engine.step.commit import CommitAfterNorm
 
 #: The categories of :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`,
 #: each logged (as 0 where a run has none), so runs with different settings log the same keys.
 PERSISTENT_CATEGORIES = ("projectors", "update_ring", "scaled_projections", "device_optimizer")
 
 
-def state_tensors(slots: Sequence[Slot], host_jobs: HostJobs) -> list[Tensor]:
-    """Every tensor of optimizer state the engine keeps: each slot's, and the speculative steps' backups."""
-    return [t for slot in slots for t in slot.state_tensors()] + host_jobs.state_tensors()
+def state_tensors(slots: Sequence[Slot], commit: CommitAfterNorm) -> list[Tensor]:
+    """Every tensor of optimizer state the engine keeps: each slot's, and the commit policy's (speculation's
+    backups)."""
+    return [t for slot in slots for t in slot.state_tensors()] + commit.state_tensors()
 
 
-def host_state_bytes(slots: Sequence[Slot], host_jobs: HostJobs) -> int:
+def host_state_bytes(slots: Sequence[Slot], commit: CommitAfterNorm) -> int:
     """Bytes of optimizer state on the host: moments, fp32 masters, ``Z``, landing and staging buffers, and the
     speculative steps' backups."""
-    return sum(t.numel() * t.element_size() for t in state_tensors(slots, host_jobs) if t.device.type == "cpu")
+    return sum(t.numel() * t.element_size() for t in state_tensors(slots, commit) if t.device.type == "cpu")
 
 
-def device_state_bytes(slots: Sequence[Slot], host_jobs: HostJobs) -> int:
+def device_state_bytes(slots: Sequence[Slot], commit: CommitAfterNorm) -> int:
     """Bytes of the slots' optimizer state found on a non-CPU device (expected 0 on a GPU)."""
-    return sum(t.numel() * t.element_size() for t in state_tensors(slots, host_jobs) if t.device.type != "cpu")
+    return sum(t.numel() * t.element_size() for t in state_tensors(slots, commit) if t.device.type != "cpu")
 
 
 def device_persistent_bytes(slots: Sequence[Slot], ring: UpdateRing | None,
