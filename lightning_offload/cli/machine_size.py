@@ -1,12 +1,9 @@
 """The main job sized to the machine: a shorter run where the config's would not finish within 8 minutes.
 
-The main job (the config's defaults: 40 steps of 4×128 tokens, evaluations on 64 held-out blocks) takes 10 minutes
-on a 2-core x86 CPU without AVX-512, where a step costs twice what it does with AVX-512 (docs/benchmarks.md, "The
-main job"). On such a machine the run trains fewer steps on shorter blocks and evaluates on fewer blocks. The rule
-reads the device, torch's CPU capability and the core count, never a timing, so one machine always gets the same
-run (and every rank of a multi-process run the same one). What the user sets wins: a key named on the command line
-keeps its value, a preset that sets its own length (``experiment``, ``debug``, ``hparams_search``) is not sized, and
-``main_job.size_to_machine=false`` turns the sizing off.
+On a slow CPU (:attr:`Machine.runs_full_main_job`) the run trains fewer steps on shorter blocks and evaluates on fewer.
+The rule reads the device, torch's CPU capability and the core count, never a timing, so a machine (and every rank)
+always gets the same run. What the user sets wins: a key named on the command line keeps its value, a preset of
+:data:`OWN_LENGTH_GROUPS` is not sized, and ``main_job.size_to_machine=false`` turns sizing off.
 """
 
 from __future__ import annotations
@@ -26,14 +23,10 @@ from lightning_offload.setup.hardware_precision import uses_cuda
 
 log = logging.getLogger(__name__)
 
-#: What a CPU that is too slow for the config's run trains instead, by config key: about 5.6 minutes estimated on the
-#: 2-core AVX2 CPU where the config's took 10 (docs/benchmarks.md). Steps cost the most, and a step of 4×64 tokens
-#: still takes ~0.8× one of 4×128 (the projections and updates do not shrink with the tokens), so the run is cut
-#: mostly in steps; the evaluations shrink with their tokens (32 blocks of 64: a quarter).
+#: What a CPU too slow for the config's run trains instead, by key: fewer steps (their cost barely shrinks with tokens).
 SMALL_CPU_RUN: Mapping[str, int] = {"trainer.max_steps": 30, "data.block_size": 64, "data.max_val_blocks": 32}
 
-#: A CPU with at least this many cores runs the config's run whatever its vector width: 4× the cores of the 2-core
-#: AVX2 CPU that took 10 minutes (not measured).
+#: A CPU with at least this many cores runs the config's run whatever its vector width.
 FULL_RUN_MIN_CORES = 8
 
 #: Config groups whose options set the run's length themselves.
@@ -46,8 +39,7 @@ class Machine:
 
     Attributes:
         cuda: the run trains on a CUDA device.
-        cpu_capability: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``: ``"AVX512"``,
-            ``"AVX2"``, ``"DEFAULT"``, ...).
+        cpu_capability: torch's CPU capability (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...).
         cores: the cores this process may run on.
     """
 
@@ -58,8 +50,7 @@ class Machine:
     @classmethod
     def this(cls, accelerator: str) -> Machine:
         """This machine, for a Trainer with ``accelerator``."""
-        # The cores the process may use, not torch's thread count: Lightning changes that in the ranks it launches,
-        # and every rank must size its run as the first one did.
+        # Not torch's thread count, which Lightning changes in the ranks it launches: every rank must size alike.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return cls(uses_cuda(accelerator), torch.backends.cpu.get_cpu_capability(), cores)
 
@@ -77,9 +68,8 @@ class Machine:
 
     @property
     def runs_full_main_job(self) -> bool:
-        """The rule: a CUDA device, a CPU with AVX-512 and 2 cores or more, or any CPU with
-        :data:`FULL_RUN_MIN_CORES` cores finishes the config's run within 8 minutes; other CPUs get
-        :data:`SMALL_CPU_RUN`."""
+        """The rule: a CUDA device, a CPU with AVX-512 and 2 cores or more, or any CPU with :data:`FULL_RUN_MIN_CORES`
+        cores finishes the config's run within 8 minutes; other CPUs get :data:`SMALL_CPU_RUN`."""
         return self.cuda or (self.has_avx512 and self.cores >= 2) or self.cores >= FULL_RUN_MIN_CORES
 
 
@@ -119,8 +109,7 @@ def choose_size(cfg: DictConfig, machine: Machine, overrides: Sequence[str] = ()
     Args:
         cfg: the composed config (``main_job.size_to_machine`` and the keys of :data:`SMALL_CPU_RUN` are read).
         machine: the machine the run trains on.
-        overrides: the command line's Hydra overrides (``["trainer.max_steps=100"]``): the keys they name keep
-            their values.
+        overrides: the command line's Hydra overrides (``["trainer.max_steps=100"]``), whose keys keep their values.
         choices: the config groups' chosen options (Hydra's ``runtime.choices``); a run with an option of
             :data:`OWN_LENGTH_GROUPS` is not sized.
 

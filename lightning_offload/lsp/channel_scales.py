@@ -1,27 +1,19 @@
 """The full-rank update rule ``update="scaled"``: Adam's moments kept for a random projection of the gradient, one
 learning-rate scale per channel of the full gradient (APOLLO's channel-wise rule, arXiv 2412.05270), offloaded.
 
-For a weight ``W`` (``o × i``) with gradient ``G``, let ``n = min(o, i)`` be the smaller side and the channels the
-rows or columns along the larger one. ``P`` (``r × n``, entries ``N(0, 1/r)``) projects each channel of ``G`` to
-``r`` numbers, ``R = G·Pᵀ`` (``channels × r``). The host keeps Adam's moments of ``R`` only and returns, per channel,
+For a weight ``W`` (``o × i``) with gradient ``G``, ``n = min(o, i)`` is the smaller side and the channels are the rows
+or columns along the larger one. ``P`` (``r × n``, entries ``N(0, 1/r)``) projects each channel of ``G`` to ``r``
+numbers, ``R = G·Pᵀ`` (``channels × r``). The host keeps Adam's moments of ``R`` only and returns, per channel,
 ``s_j = ‖R̃_j‖ / ‖R_j‖`` with ``R̃ = m̂ / (√v̂ + ε)``; the device applies the full-rank update
-``W ← W·(1 − lr·λ) − lr·α·diag(s)·G`` with ``α = √(n / r)``. A norm-growth limiter keeps ``‖diag(s)·G‖`` from
-growing more than ``γ``-fold per step (against the last applied norm), as APOLLO's code has it: on the scales of the
-moments without their bias correction, which then joins the step size (so the limiter does not hold back the
-correction's own growth over the first steps). ``P`` is redrawn every ``redraw_every`` steps; the moments are kept
-across a redraw.
+``W ← W·(1 − lr·λ) − lr·α·diag(s)·G`` with ``α = √(n / r)``. A norm-growth limiter keeps ``‖diag(s)·G‖`` from growing
+more than ``γ``-fold per step (:func:`channel_scales`). ``P`` is redrawn every ``redraw_every`` steps, the moments kept.
+``rank`` gives the host elements of ``update="projected"``: ``rank=0.25`` projects each channel to ``n/16`` numbers.
 
-The rank means what it means for ``update="projected"``: the same host elements per layer, so ``rank=0.25``
-(``(o/4)·(i/4)`` moments) projects each channel to ``n/16`` numbers.
+Where ``r = 1`` the weight takes one scale, ``s = ‖R̃‖_F / ‖R‖_F`` (APOLLO-Mini's tensor-wise rule): a channel's
+``‖R_j‖`` is then one projection ``|⟨G_j, p⟩|``, near zero for some channels at every step, and its inverse would make
+their updates arbitrarily large.
 
-A weight whose channels are projected to ``r = 1`` number takes one scale for the whole weight instead,
-``s = ‖R̃‖_F / ‖R‖_F`` (APOLLO-Mini's tensor-wise rule): a channel's ``‖R_j‖`` is then one projection ``|⟨G_j, p⟩|``,
-near zero for some channels at every step, and ``1/|⟨G_j, p⟩|`` makes their updates arbitrarily large (and turns
-rounding into O(1) changes of them). At the user's learning rate the tensor-wise scale kept more of AdamW's gain than
-per channel at ``r = 1`` in every regime measured, while at ``r = 2`` per channel stayed ahead
-(docs/benchmarks/2026-12-04.md).
-
-This module holds the device's arithmetic (projection, application) and the host's (scales, limiter); the engine's
+This module holds the device's arithmetic (projection, application) and the host's (scales, limiter);
 :class:`~lightning_offload.engine.slots.scaled_slot.ScaledSlot` moves them between the two.
 """
 
@@ -37,8 +29,7 @@ from lightning_offload.lsp.linear import is_hf_conv1d
 from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 from lightning_offload.lsp.targets import compressed_size
 
-# Elements of one block of a low-precision weight's fp32 temporary while the update is applied (as
-# lsp/linear.py's projected update: 1 MiB on the CPU, 16 MiB on an accelerator).
+# Elements per block of a low-precision weight's fp32 temporary while the update is applied (as lsp/linear.py's).
 _BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 22}
 
 
@@ -63,9 +54,8 @@ class ScaledRule:
 
 
 class ScaledWeight:
-    """One weight trained by the scaled rule: its module, its channel layout and its projection ``P``.
-
-    The module is left as it is (its own forward and backward: the full gradient fills ``weight.grad``).
+    """One weight trained by the scaled rule: its module (left as it is: the full gradient fills ``weight.grad``), its
+    channel layout and its projection ``P``.
 
     Args:
         name: the module's qualified name.
@@ -131,11 +121,9 @@ class ScaledWeight:
     @torch.no_grad()
     def apply(self, grad: Tensor, scales: Tensor, step_size: float, decay: float,
               generator: torch.Generator | None) -> None:
-        """``W ← W·decay − step_size·diag(s)·G`` along the channels, in place on the device (``step_size = ±lr·α``).
-
-        fp32 weights in two passes without a temporary; low-precision ones block by block in fp32, rounded
-        stochastically (round-to-nearest would drop updates below half an ulp of the weight).
-        """
+        """``W ← W·decay − step_size·diag(s)·G`` along the channels, in place on the device (``step_size = ±lr·α``):
+        fp32 weights in two passes without a temporary, low-precision ones block by block in fp32, rounded
+        stochastically (round-to-nearest would drop updates below half an ulp)."""
         weight = self.weight.data
         scales = scales.to(weight.device, torch.float32)
         if weight.dtype == torch.float32:
@@ -165,12 +153,12 @@ def channel_scales(direction: Tensor, gradient_norms: Tensor, channel_squares: T
                    limit: float | None, correction: float = 1.0) -> tuple[Tensor, float]:
     """Host: each channel's scale (one for them all where ``r = 1``) and the update's norm after the limiter.
 
-    The limiter acts as APOLLO's code has it (``apollo-torch``'s ``APOLLOAdamW``): on ``diag(s)·G`` built from the
-    moments without their bias correction, ``s / correction``; the correction is applied after it, as a step size.
+    The limiter acts as APOLLO's code (``apollo-torch``'s ``APOLLOAdamW``): on ``diag(s)·G`` built from the moments
+    without their bias correction, ``s / correction``; the correction is applied after it, as a step size, so the
+    limiter does not hold back the correction's own growth over the first steps.
 
     Args:
-        direction: Adam's bias-corrected direction ``±R̃`` (``channels × r``; the sign does not matter, only row norms
-            are read).
+        direction: Adam's bias-corrected direction ``±R̃`` (``channels × r``; only its row norms are read).
         gradient_norms: ``‖R_j‖`` of the unclipped projected gradient (the device's ``G`` is unclipped too, so
             clipping reaches the update only through the moments, exactly as for a clipped ``G``).
         channel_squares: ``‖G_j‖²`` of the device's unclipped gradient.

@@ -1,20 +1,17 @@
 """Learning projector values from sampled gradients, without ever densifying a projector.
 
-For one layer with gradient ``G`` (``o × i``) and projectors ``A`` (``d_o × o``), ``B`` (``d_i × i``) the quality of
-the subspace is ``err(G) = ‖AᵀA G BᵀB − G‖_F / ‖G‖_F``. With ``S = A G Bᵀ`` and the small Gram matrices
-``K_A = A Aᵀ``, ``K_B = B Bᵀ`` it expands to
+For a layer's gradient ``G`` (``o × i``) and projectors ``A`` (``d_o × o``), ``B`` (``d_i × i``), with ``S = A G Bᵀ``,
+``K_A = A Aᵀ`` and ``K_B = B Bᵀ``, the subspace's error ``err(G) = ‖AᵀA G BᵀB − G‖_F / ‖G‖_F`` expands as
 
     err(G)² = (⟨K_A S K_B, S⟩ − 2‖S‖² + ‖G‖²) / ‖G‖²
 
 so one evaluation costs two sparse products (``O((o + d_o)·i·r)``) plus ``d_o × d_i``-sized dense products: the
-reconstruction ``AᵀA G BᵀB`` (``o × i``) is never formed. The fit minimises ``err²`` plus a small L2 on the values by
-Adam on the values, with the indices fixed; the gradient with respect to the values is a sampled dense-dense product
-(SDDMM) on the projector's own sparsity pattern.
+reconstruction ``AᵀA G BᵀB`` (``o × i``) is never formed. Adam minimises ``err²`` plus a small L2 over the values, the
+indices fixed; the values' gradient is a sampled dense-dense product (SDDMM) on the projector's own sparsity pattern.
 
-Memory: a fit step holds, besides the sampled gradient ``G`` itself, ``A G`` (``d_o × i``) and ``G Bᵀ``-sized
-intermediates with their gradients, and the ``d × d`` Gram matrices: at most
-``8·max(d_o·i, o·d_i) + 4·(d_o² + d_i²)`` floats (``tests/test_projector_fit.py`` checks the bound; measured:
-docs/benchmarks/2026-11-30.md). Nothing scales with the model: layers are fitted one at a time.
+Memory: besides ``G``, a fit step holds ``A G`` (``d_o × i``) and ``G Bᵀ``-sized intermediates with their gradients and
+the Gram matrices, at most ``8·max(d_o·i, o·d_i) + 4·(d_o² + d_i²)`` floats (``tests/test_projector_fit.py`` checks
+it); layers are fitted one at a time, so nothing scales with the model.
 """
 
 from __future__ import annotations
@@ -32,10 +29,8 @@ from lightning_offload.lsp.projector import SparseProjector, SparsityPattern
 
 @dataclass(frozen=True)
 class FitSettings:
-    """How projector values are fitted.
-
-    :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` builds one from its own arguments (whose
-    ``max_iters`` default is 32); build one yourself to fit a layer by hand with :class:`LayerFit`.
+    """How projector values are fitted (built by :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`, or by
+    hand for a :class:`LayerFit`).
 
     Attributes:
         max_iters: Adam iterations per layer per fit, spread evenly over the sampled gradients. Default: ``24``.
@@ -103,17 +98,13 @@ def gram(
     values: Tensor, indices: Tensor, dim_out: int,
     values_r: Tensor | None = None, indices_r: Tensor | None = None, dim_out_r: int | None = None,
 ) -> Tensor:
-    """``P Pᵀ`` (or ``P Qᵀ``) from the ``r²`` products inside each column: ``O(n·r²)`` work, differentiable.
-
-    The products are summed into their entries in a fixed order, so the result is bit-identical from run to run for
-    any thread count: ``index_add`` on the CPU (``index_put(accumulate=True)`` there adds with atomics from several
-    threads, in whatever order they arrive, which made identical fits differ), ``index_put(accumulate=True)`` on
-    CUDA (where it sorts first, and ``index_add`` would use atomics).
-    """
+    """``P Pᵀ`` (or ``P Qᵀ``) from the ``r²`` products inside each column: ``O(n·r²)`` work, differentiable, summed in a
+    fixed order so the result is bit-identical for any thread count: ``index_add`` on the CPU (where
+    ``index_put(accumulate=True)`` adds with atomics in arrival order), ``index_put(accumulate=True)`` on CUDA (where it
+    sorts first, and ``index_add`` would use atomics)."""
     if values_r is None:
         values_r, indices_r, dim_out_r = values, indices, dim_out
     n, r = indices.shape
-    r_r = indices_r.shape[1]
     # int64: the stored indices are narrow (int16), and the flat entry numbers go up to d_L·d_R.
     keys = (indices.long().unsqueeze(2) * dim_out_r + indices_r.long().unsqueeze(1)).reshape(-1)
     products = (values.unsqueeze(2) * values_r.unsqueeze(1)).reshape(-1)
@@ -147,10 +138,8 @@ def _squared_norm(matrix: Tensor) -> Tensor:
 
 
 def reconstruction_error(proj_out: SparseProjector, proj_in: SparseProjector, grad: Tensor) -> float:
-    """``err(G) = ‖AᵀA G BᵀB − G‖_F / ‖G‖_F`` for a gradient ``G`` (``o × i``), without forming ``AᵀA G BᵀB``.
-
-    Returns ``nan`` for a zero or non-finite gradient.
-    """
+    """``err(G) = ‖AᵀA G BᵀB − G‖_F / ‖G‖_F`` for a gradient ``G`` (``o × i``), without forming ``AᵀA G BᵀB``; ``nan``
+    for a zero or non-finite gradient."""
     with torch.no_grad():
         grad = grad.float()
         grad_sq = _squared_norm(grad)
@@ -164,18 +153,15 @@ def reconstruction_error(proj_out: SparseProjector, proj_in: SparseProjector, gr
 
 
 def fit_initial_values(projector: SparseProjector) -> SparseProjector:
-    """Rescale a random projector to ``±√(d / (n·r))`` before a fit: then ``AᵀA`` is close to an orthogonal
-    projector onto a random ``d``-dimensional subspace (error ≈ 1 on any gradient instead of ≈ 5 for the
-    norm-preserving ``±1/√r``), a far better start for the few iterations a fit can afford."""
+    """Rescale a random projector to ``±√(d / (n·r))`` before a fit: then ``AᵀA`` is close to an orthogonal projector
+    onto a random ``d``-dimensional subspace, a far better start than the norm-preserving ``±1/√r``."""
     scale = (projector.dim_out / projector.dim_in) ** 0.5
     return SparseProjector(projector.indices, projector.values * scale, projector.dim_out)
 
 
 class LayerFit:
-    """The fit of one layer's two projectors, fed one sampled gradient at a time.
-
-    Holds trainable copies of the values (the indices are fixed) and their Adam state, so a fit can continue over
-    several gradients that are never held at once: each sample is computed, used and freed before the next.
+    """The fit of one layer's two projectors, fed one sampled gradient at a time: trainable copies of the values (the
+    indices fixed) and their Adam state, so a fit continues over gradients never held at once.
 
     Args:
         proj_out: ``A``; its indices are kept, its values are the starting point.
@@ -195,23 +181,19 @@ class LayerFit:
         self.iterations = 0
         self.samples_seen = 0
         self.converged = False
-        # ‖A G Bᵀ‖/‖G‖ on a gradient the fit had not used (the latest sample, before fitting to it) once there are two
-        # samples: on a gradient it was fitted to, the fit keeps more than on any other. One batch's figure, noisy
-        # (docs/benchmarks/2026-12-02.md): the refit uses it only when no batch is left to pool over (norm_ratio.py).
+        # ‖A G Bᵀ‖/‖G‖ on a sample not yet fitted to (a fitted one overstates it); noisy, so pooled where possible.
         self.norm_ratio = 1.0
 
     def fit(self, grad: Tensor, iterations: int) -> tuple[float, float]:
         """Run up to ``iterations`` Adam steps on one gradient, stopping once ``err ≤ target_error``.
 
         Returns:
-            ``(error before, error after)`` on this gradient; ``nan`` for a zero or non-finite gradient, which is
-            skipped.
+            ``(error before, error after)`` on this gradient; ``nan`` for a skipped zero or non-finite gradient.
         """
         grad = grad.float()
         grad_sq = _squared_norm(grad)
         if not bool(torch.isfinite(grad_sq)) or float(grad_sq) == 0.0:
-            # A zero or non-finite gradient (an overflowing batch) carries no subspace: fitting on it would only
-            # destroy the values. It is skipped, as the training step on such a gradient would be.
+            # No subspace in it (an overflowing batch): fitting would destroy the values; skipped, as the step is.
             return math.nan, math.nan
         self.samples_seen += 1
         self.to(grad.device)
@@ -244,10 +226,8 @@ class LayerFit:
         return self.a.device
 
     def to(self, device: torch.device | str) -> None:
-        """Move the values, their Adam state and the indices to ``device`` (in place; the same tensors stay
-        registered with the fit's Adam). A fit over many layers parks each layer's state on the host between its
-        samples, so the device holds one layer's fit state at a time. The CSR structures are dropped when moving and
-        rebuilt where the next sample is."""
+        """Move the values, their Adam state and the indices to ``device`` in place (the fit's Adam keeps its tensors),
+        so a fit over many layers parks each on the host between samples; the CSR structures are rebuilt on use."""
         device = torch.device(device)
         if device == self.device:
             return

@@ -69,44 +69,33 @@ class ProjectedWeight(CopiedAsAbsent):
         self.proj_in = proj_in
         self.kernels = kernels if kernels is not None else KernelSelector("auto")
         self.update_scale = update_scale(proj_out, proj_in)
-        # ‖S‖/‖G‖ of these projectors as measured on sampled full gradients (a fit sets it); gradient clipping
-        # divides each layer's ‖S‖ by it to estimate the full gradient's norm. 1 for random draws, whose
-        # projection keeps norms in expectation. While clipping is in use the probes below keep it true as training
-        # changes how much of each gradient the subspace holds (lsp/norm_probe.py).
+        # ‖S‖/‖G‖ of these projectors (a fit sets it; random draws keep norms in expectation): clipping divides ‖S‖ by
+        # it to estimate the full gradient's norm, and the probes below keep it true as training goes on.
         self.norm_ratio = 1.0
         self.norm_probe = NormProbe(name)
         #: Whether both projectors are signed permutations, which keep every norm exactly (nothing to measure).
         self.keeps_norms = is_isometry(proj_out) and is_isometry(proj_in)
         self.norm_probe.measured = not self.keeps_norms
-        # S in fp32, or None: the first backward's S is kept as it is (no buffer is held between steps), later
-        # micro-batches add into it; projection is linear, so accumulating S equals compressing the accumulated
-        # gradient exactly. Released by zero_grad once the optimizer has sent it (see OffloadOptimizer.step).
+        # S in fp32, or None between steps; micro-batches add into it, which projection's linearity makes exact.
         self.grad_buffer: Tensor | None = None
         self.has_grad = False
-        # Called once this layer's gradient of the current backward is complete (all its uses in forward have
-        # had their backward): the pipeline starts the device→host copy right then, overlapping the rest of backward.
+        # Called once this layer's gradient is complete, so its device→host copy overlaps the rest of backward.
         self.on_grad_ready: Callable[[ProjectedWeight], None] | None = None
-        # Forward calls (with autograd recording, outside backward) whose backward has not run yet. Not reset by
-        # zero_grad, which Lightning calls between training_step and backward; see reset_forward_count.
+        # Forwards whose backward has not run yet; not reset by zero_grad, which Lightning calls before backward.
         self.open_backwards = 0
         # Bytes of B Xᵀ kept for backward by this step's forwards (telemetry; reset with the forward count).
         self.saved_projection_bytes = 0
         self.grad_version = 0  # bumped by every accumulation: tells whether a copy already sent is still current
-        # While a projector fit samples full gradients (see lsp/sampling.py), the module runs its plain forward so
-        # autograd produces W.grad, one layer at a time; nothing accumulates into S.
+        # While a fit samples full gradients, the plain forward runs so autograd produces W.grad (lsp/sampling.py).
         self.sampling = False
         # The user's gradient hooks on the weight, which a projected weight cannot call (lsp/weight_hooks.py).
         self.hooks = WeightHooks()
-        # The engine's phase clock (lightning_offload/engine/figures/phases.py, which benchmarks switch on): charges the
-        # projections below to their phases. Until an engine drives the layer, nothing is timed.
+        # The engine's phase clock, charging the projections below to their phases; untimed until an engine drives it.
         self.phases: Any = _UNTIMED
-        # Every module whose forward uses this weight: one, unless modules share it (``net[2].weight =
-        # net[0].weight``); each use's backward adds into the one S, so the step sees the sum of their gradients.
+        # Every module whose forward uses this weight (shared weights: each use's backward adds into the one S).
         self.modules: list[nn.Module] = []
-        # Per module (by id): the forward the user set on the instance, to be put back (None: the class's forward
-        # is used, and detach removes the instance attribute instead of storing a bound method on the module, a
-        # reference cycle that would keep the module and its weights alive until the cyclic garbage collector runs),
-        # and the plain forward the projected one falls back to.
+        # Per module (by id): the forward the user set on the instance, to be put back (None: the class's, so detach
+        # stores no bound method, a reference cycle), and the plain forward the projected one falls back to.
         self._instance_forwards: dict[int, Callable[..., Tensor] | None] = {}
         self._original_forwards: dict[int, Callable[..., Tensor]] = {}
         self._bind(module)
@@ -221,10 +210,8 @@ class ProjectedWeight(CopiedAsAbsent):
                      one_step_size: bool = False) -> None:
         """``W ← W·decay + c·Aᵀ U B`` on the device in one pass over ``W``; ``c`` is :attr:`update_scale`.
 
-        The small side is expanded first (``U B``, ``d_o × i``, or ``Uᵀ A`` for ``Conv1D``'s transposed storage); then
-        each row of ``W`` gets its row of the full update from the other projector's ``r`` rows of that half, decayed,
-        added and (for bf16 weights) stochastically rounded, by the kernel :attr:`kernels` chose for this shape. No
-        fp32 temporary the size of the weight exists.
+        The small side is expanded first (``U B``, or ``Uᵀ A`` for ``Conv1D``), then each row of ``W`` is updated from
+        it by :attr:`kernels`; no fp32 temporary the size of the weight exists.
 
         Args:
             update: ``U``, the host step's ``d_o × d_i`` update, already on the device.
@@ -282,8 +269,7 @@ class _ProjectedForward:
         return _projected_forward(self.module, x)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # The module is being copied or pickled already (this object is part of its state), so the copy's own module
-        # is what the reconstruction receives.
+        # Reached while the module itself is copied or pickled, so the reconstruction receives the copy's module.
         return _plain_forward, (self.module, self.instance_forward)
 
 
@@ -296,11 +282,9 @@ def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     """A projected module's forward (called by :class:`_ProjectedForward`)."""
     state: ProjectedWeight = self._lsp_state
     if state.sampling or not (torch.is_grad_enabled() and self.weight.requires_grad):
-        # No weight gradient can be asked of this call (evaluation, generation, a frozen weight; or a fit sampling
-        # full gradients): the plain forward, with nothing kept for backward and no B Xᵀ computed.
+        # No weight gradient can be asked of this call (or a fit samples full ones): the plain forward.
         return state._original_forwards[id(self)](x)
-    # A layer called twice in one forward is complete only after both backwards. A forward that runs inside backward
-    # is a checkpoint's recomputation of one already counted, so it is not counted again.
+    # A layer called twice is complete after both backwards; a checkpoint's recomputation is not counted again.
     if torch.is_grad_enabled() and self.weight.requires_grad and torch._C._current_graph_task_id() == -1:
         state.open_backwards += 1
     state.hooks.check(state.name, self.weight)
@@ -323,16 +307,14 @@ class _ProjectedLinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, anchor: Tensor, bias: Tensor | None, state: ProjectedWeight) -> Tensor:
         weight = state.weight
         dtype = _compute_dtype(x, weight)
-        # Autocast does not reach inside a custom Function's math the way it does for F.linear, so cast
-        # explicitly and compute with it off; backward then sees the same dtypes as forward.
+        # Autocast does not reach inside a custom Function, so cast explicitly; backward then sees forward's dtypes.
         with torch.autocast(x.device.type, enabled=False):
             x_c = x.to(dtype)
             w_c = weight.to(dtype)
             w_math = w_c.t() if state.transposed else w_c  # o × i
             b_c = bias.to(dtype) if bias is not None else None
             out = F.linear(x_c, w_math, b_c)
-            # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i (d_i × tokens, in the
-            # product dtype: fp32 on the CPU, the compute dtype on CUDA).
+            # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i.
             x_proj = x_probe = None
             if weight.requires_grad:
                 with state.phases.phase("forward_projection"):
@@ -363,8 +345,7 @@ class _ProjectedLinearFunction(torch.autograd.Function):
                 state.norm_probe.add(
                     (grad_out.reshape(-1, grad_out.shape[-1]).t() @ x_probe.to(grad_out.dtype)).float())
             if x_proj is not None:
-                # S = (A Δᵀ)(B Xᵀ)ᵀ over the flattened tokens, in fp32 whatever the compute dtype: a fresh tensor,
-                # which the layer keeps as its S (its completion may start the send: a phase of its own).
+                # S = (A Δᵀ)(B Xᵀ)ᵀ in fp32: a fresh tensor, which the layer keeps as its S.
                 delta_proj = state.kernels.compress_tokens(state.proj_out, grad_out.reshape(-1, grad_out.shape[-1]))
                 state.accumulate(delta_proj.float() @ x_proj.float().t())
         grad_bias = None

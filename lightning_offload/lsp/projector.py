@@ -3,22 +3,14 @@
 A projector ``P`` maps a dimension of size ``n`` to a compressed dimension of size ``d`` (``P`` is ``d × n``).
 Column ``j`` of ``P`` holds ``r`` nonzeros at the distinct rows ``indices[j, :]`` (ascending) with weights
 ``values[j, :]``. It is never densified: :meth:`SparseProjector.compress_rows` (``M ↦ P M``) and
-:meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) are sparse CSR products, ``O(n · r)`` work per column of ``M``.
-On the CPU they beat per-slot scatter/gather kernels along the last dimension (row layouts are contiguous; MKL's
-sparse kernels are multi-threaded; docs/benchmarks/2026-11-30.md), and they equal a dense product up to summation
-order.
+:meth:`SparseProjector.expand_rows` (``M ↦ Pᵀ M``) are sparse CSR products, ``O(n · r)`` work per column of ``M``,
+equal to a dense product up to summation order.
 
-Storage (device bytes per nonzero): the indices in the smallest integer type that holds ``d`` (int16 below 32768
-rows, 2 bytes), the values in fp32 (4), and one int32 permutation (4) from ``P``'s row-major order to the
-``(n, r)`` order. ``Pᵀ`` in CSR *is* the ``(n, r)`` layout (row pointers ``0, r, 2r, …``), so its products read
-indices and values in place; ``P`` in CSR reads the values through the permutation. On an accelerator nothing else
-is kept: ``P``'s column numbers and ordered values are formed per product and freed with it. On the CPU, where the
-"device" memory is the host's, they are kept between products (8 more bytes per nonzero), and so is ``Pᵀ``'s CSR
-form per row range expanded (8 more): forming them per call was a large share of a small layer's product and most
-of its expansion there (docs/benchmarks/2026-12-01.md, 2026-12-03.md).
-
-Products run in fp32 on the CPU (its sparse kernels have no bf16 path) and in the input's own dtype on CUDA
-(cuSPARSE accumulates in fp32), with fp32 as the fallback if a dtype is refused there.
+Storage: the indices in :func:`index_dtype`, the values in fp32, and one int32 permutation from ``P``'s row-major
+order to the ``(n, r)`` order. ``Pᵀ`` in CSR *is* the ``(n, r)`` layout, so its products read indices and values in
+place; ``P`` in CSR reads the values through the permutation. On an accelerator the CSR forms are built per product;
+on the CPU, where that memory is the host's, they are kept between products because building them is costly there.
+Products run in :func:`product_dtype`.
 """
 
 from __future__ import annotations
@@ -52,17 +44,13 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> T
 class SparsityPattern:
     """The CSR structure of ``P`` (``d × n``) and ``Pᵀ`` (``n × d``) for fixed indices; values are supplied per call.
 
-    Shared by the training products (:meth:`SparseProjector.compress_rows`) and the fit, whose value gradients come
-    back in ``P``'s CSR order and are mapped to the ``(n, r)`` layout through ``order``.
-
-    Holds two int32 arrays: ``crow`` (``d + 1`` row pointers of ``P``) and ``order`` (``n·r``: for each nonzero of
-    ``P`` in row-major order, its position in the flattened ``(n, r)`` values). Column numbers of ``P`` are
-    ``order // r``; ``Pᵀ``'s structure is the indices themselves.
+    Shared by the training products and the fit, whose value gradients come back in ``P``'s CSR order. Holds
+    ``crow`` (``d + 1`` row pointers of ``P``) and ``order`` (for each nonzero of ``P`` in row-major order, its
+    position in the flattened ``(n, r)`` values); ``P``'s column numbers are ``order // r``.
     """
 
     def __init__(self, indices: Tensor, dim_out: int) -> None:
         n, r = indices.shape
-        device = indices.device
         rows = indices.reshape(-1).long()
         # Stable sort by compressed row keeps columns ascending within each row (they are generated ascending).
         self.order = torch.sort(rows, stable=True).indices.to(torch.int32)
@@ -92,8 +80,7 @@ class SparsityPattern:
 class SparseProjector:
     """A ``d × n`` matrix with exactly ``r`` distinct nonzero rows in every column.
 
-    The indices of each column are stored in ascending order (the values permuted alongside: the same matrix), in
-    :func:`index_dtype`'s integer type.
+    Each column's indices are stored ascending (values permuted alongside), in :func:`index_dtype`.
 
     Args:
         indices: ``(n, r)`` integer tensor; row ``j`` lists the distinct compressed coordinates that input
@@ -203,8 +190,7 @@ class SparseProjector:
     def compress_rows(self, matrix: Tensor) -> Tensor:
         """Return ``P · matrix``: maps ``(n, m)`` to ``(d, m)`` by a sparse (CSR) matrix product.
 
-        The product reads each input row ``r`` times and never materialises ``P`` densely. It runs in
-        :func:`product_dtype` (fp32 on the CPU; the input's dtype on CUDA) and returns that dtype.
+        Runs in, and returns, :func:`product_dtype`.
         """
         dtype = product_dtype(matrix)
         # Autocast would pick the product's dtype itself; here it is chosen above, per device.
@@ -212,9 +198,8 @@ class SparseProjector:
             return torch.sparse.mm(self._matrix(dtype), matrix.to(dtype))
 
     def _matrix(self, dtype: torch.dtype) -> Tensor:
-        """``P`` in CSR for a product in ``dtype``. On an accelerator it is formed per product (device memory holds
-        only indices, values and the permutation). On the CPU, where that memory is the host's and forming it costs
-        a large share of a small layer's product, it is kept until the values or indices change."""
+        """``P`` in CSR for a product in ``dtype``: per product on an accelerator, kept on the CPU until the values or
+        indices change (see the module docstring)."""
         values = self.values.detach()
         if values.device.type != "cpu":
             return self.pattern().matrix(values.to(dtype))
@@ -235,9 +220,7 @@ class SparseProjector:
             return torch.sparse.mm(self._transposed(dtype, rows), matrix.to(dtype))
 
     def _transposed(self, dtype: torch.dtype, rows: slice | None) -> Tensor:
-        """``Pᵀ`` (or its ``rows``) in CSR for a product in ``dtype``: formed per product on an accelerator; on the CPU
-        kept per row range until the values or indices change, as :meth:`_matrix` (forming it was most of a small
-        layer's expansion there: its row pointers and int32 columns are rebuilt each time)."""
+        """``Pᵀ`` (or its ``rows``) in CSR for a product in ``dtype``; kept per row range on the CPU."""
         values = self.values.detach()
         if values.device.type != "cpu":
             return self.pattern().transposed(values.to(dtype), rows)
@@ -259,15 +242,13 @@ class SparseProjector:
         return self._pattern
 
     def release_products(self) -> None:
-        """Drop the CSR structure and forms kept between products (rebuilt by the next CSR product): what a projector
-        whose products run on another kernel (:mod:`lightning_offload.lsp.kernels`) does not need."""
+        """Drop the CSR structure and forms kept between products, unneeded when another kernel runs them."""
         for cached in ("_pattern", "_pattern_key", "_cpu_matrix", "_cpu_matrix_key", "_cpu_transposed",
                        "_cpu_transposed_key"):
             self.__dict__.pop(cached, None)
 
     def nbytes(self) -> int:
-        """Device bytes held: indices, values and the CSR structure (built on first use, then kept); on the CPU
-        also the CSR form of ``P`` kept between products."""
+        """Device bytes held: indices, values, and the CSR structure and forms kept between products."""
         held = self.indices.numel() * self.indices.element_size() + self.values.numel() * self.values.element_size()
         pattern = getattr(self, "_pattern", None)
         held += pattern.nbytes() if pattern is not None else 0
@@ -308,9 +289,8 @@ _SPARSE_DTYPE_SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
 def product_dtype(matrix: Tensor) -> torch.dtype:
     """The dtype a projector product on ``matrix`` runs in.
 
-    fp32 on the CPU, whose sparse kernels have no bf16/fp16 path, and for fp32 or fp64 input. On CUDA, bf16 and
-    fp16 inputs are multiplied in their own dtype (cuSPARSE accumulates in fp32 and reads half the bytes), unless
-    the build refuses it, found by one tiny product per device and dtype, in which case fp32 is used and said once.
+    fp32 on the CPU (no bf16/fp16 sparse kernels) and for fp32/fp64 input. On CUDA, bf16 and fp16 run in their own
+    dtype (cuSPARSE accumulates in fp32) unless a probe product shows the build refuses it: then fp32, warned once.
     """
     dtype = matrix.dtype
     if matrix.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
@@ -331,10 +311,7 @@ def product_dtype(matrix: Tensor) -> torch.dtype:
 
 
 class ProjectorFactory(Protocol):
-    """Builds the projector for one side of one layer; the strategy calls it once per side at set-up.
-
-    A learned fit (or a test's exact projector) replaces the default by passing a different factory.
-    """
+    """Builds the projector for one side of one layer; the strategy calls it once per side at set-up."""
 
     def __call__(
         self, dim_in: int, dim_out: int, nnz_per_column: int, generator: torch.Generator, device: torch.device
@@ -366,8 +343,7 @@ def signed_permutation_projector(
 ) -> SparseProjector:
     """A :class:`ProjectorFactory` for lossless projection; needs ``dim_out == dim_in`` and ``r == 1``.
 
-    With it the compressed path is exactly Adam on the full weights (see :meth:`SparseProjector.signed_permutation`):
-    a reference to test against, not a saving.
+    A reference to test against, not a saving (see :meth:`SparseProjector.signed_permutation`).
 
     Args:
         dim_in: ``n``, the size of the dimension.

@@ -1,19 +1,13 @@
 """MEFT adapters: a wide key/value memory beside each FFN, kept on the host, of which each token reads ``top_k`` rows.
 
-``out = FFN(h) + Σ_{i ∈ S(x)} g_{e(i)}(x) · ReLU(x·k_i) · v_i`` with ``x = (h − μ)/σ`` the FFN input standardised
-(a per-layer mean and scale measured on the first batch), and ``S(x)`` the token's routed neuron set: the router
-scores the ``E`` experts (contiguous groups of neurons); each sequence keeps the ``experts_per_sequence`` with the
-highest mean router probability over its tokens (``expert_choice="sequence"``, which bounds the rows a batch touches
-by its number of sequences; ``"token"`` lets every token choose among all ``E``, as the MEFT paper does); the token
-keeps its ``experts_per_token`` best of those, their logits become a non-negative gate (a softmax, scaled to average
-1), and the ``top_k`` neurons with the highest key score inside the kept experts are activated. ``V`` starts at zero,
-so an injected model equals the base model.
+``out = FFN(h) + Σ_{i ∈ S(x)} g_{e(i)}(x) · ReLU(x·k_i) · v_i`` with ``x = (h − μ)/σ`` the standardised FFN input
+and ``S(x)`` the token's routed neuron set: the router picks experts (contiguous groups of neurons) per sequence, then
+per token, and the ``top_k`` neurons with the highest key score inside them are activated, gated
+(:mod:`lightning_offload.meft.routing`). ``V`` starts at zero, so an injected model equals the base model.
 
-Placement: the fp32 keys and values (and, in the strategy, their Adam state) live on the host. A forward gathers
-only the union of the rows its tokens selected, sends them to the device as leaf tensors, and a gradient hook on
-each leaf adds its gradient into host accumulators (row-indexed), so only touched rows ever cross the link, both ways.
-Routing runs before the FFN (:mod:`lightning_offload.meft.routing`), and the host gathers the selected rows on a fetch
-thread while the FFN computes. :func:`~lightning_offload.meft.injection.inject_meft` puts the adapters in a model.
+The fp32 keys and values live on the host. A forward sends only the rows its tokens selected to the device, gathered
+on a fetch thread while the FFN computes, and their gradients come back to host accumulators by hooks, so only
+touched rows cross the link. :func:`~lightning_offload.meft.injection.inject_meft` puts the adapters in a model.
 """
 
 from __future__ import annotations
@@ -46,9 +40,7 @@ class _Prefetch:
 class MEFTAdapter(nn.Module):
     """The sparse adapter of one FFN. Trainable on the device: the router only; keys/values live on the host.
 
-    :func:`inject_meft` builds one per FFN and puts it beside it; ``forward(hidden)`` returns the adapter's
-    contribution, added to the FFN's output. The keys start random and the values at zero, so a new adapter adds
-    exactly zero.
+    :func:`inject_meft` builds one per FFN; ``forward(hidden)`` returns the contribution added to the FFN's output.
 
     Args:
         hidden_size: ``h``, the size of the hidden states the FFN reads and writes.
@@ -74,13 +66,11 @@ class MEFTAdapter(nn.Module):
         with torch.no_grad():
             self.router.weight.copy_(keys.view(config.num_experts, -1, hidden_size).mean(dim=1))
         self.host = HostRows.holding(keys, values, torch.zeros(config.num_experts, dtype=torch.int64))
-        # Device routing reads a bf16 copy of the keys; a buffer so `.to(device)` moves it, non-persistent because the
-        # fp32 host keys are the truth (saved in the state dict by the hooks below).
+        # Device routing's bf16 copy of the keys: a buffer to move with the module, not saved (the host keys are).
         self.register_buffer("routing_keys", keys.to(torch.bfloat16) if config.routing == "device" else None,
                              persistent=False)
-        # Standardisation of the adapter's input (see MEFTConfig.standardize_inputs): measured over the first batches,
-        # then constants saved with the model so a resumed or evaluated model reads its input exactly as training did.
-        # The running sums (fp64: token counts reach millions) are saved too, so a run resumed mid-calibration goes on.
+        # Input standardisation (MEFTConfig.standardize_inputs), saved with the model, running sums (fp64) included,
+        # so a resumed or evaluated model reads its input as training did.
         self.register_buffer("input_mean", torch.zeros(hidden_size))
         self.register_buffer("input_inv_scale", torch.ones(()))
         self.register_buffer("input_calibrated", torch.tensor(not config.standardize_inputs))
@@ -95,8 +85,7 @@ class MEFTAdapter(nn.Module):
         # adapter's row step there (its slot). Without them (plain backward) gradients are added right in the hook.
         self.row_pipeline: RowGradients | None = None
         self.rows_slot: RowBlocksStepping | None = None
-        # The engine's rows per block, and the routing copy's and host keys' blocks as views (refreshing the routing
-        # copy of a step's blocks then slices nothing): the tensors they view, then the views.
+        # The engine's rows per block, and the routing copy's and host keys' blocks as views (see _routing_views).
         self._row_block: int | None = None
         self._block_views: tuple[Any, ...] | None = None
 
@@ -114,8 +103,7 @@ class MEFTAdapter(nn.Module):
 
     @torch.no_grad()
     def _calibrate(self, flat: torch.Tensor, valid: torch.Tensor) -> None:
-        # This batch's real tokens join the running sums; μ and σ are those of every calibration token so far
-        # (σ² = Σ‖h‖²/(T·H) − ‖μ‖²/H). The first batch comes while V is still zero, the next few while it is small.
+        # μ and σ of every calibration token so far (σ² = Σ‖h‖²/(T·H) − ‖μ‖²/H).
         tokens = (flat[valid] if valid.any() else flat).double()
         self.input_sum.add_(tokens.sum(dim=0))
         self.input_square_sum.add_(tokens.pow(2).sum())
@@ -133,9 +121,7 @@ class MEFTAdapter(nn.Module):
         """``x = (h − μ)/σ`` for flattened states ``[T, h]`` (``h`` itself when ``standardize_inputs`` is off).
 
         The first ``calibration_batches`` training-mode calls calibrate ``μ``/``σ`` on their real tokens (``valid``)
-        unless they were loaded. An evaluation (the module in eval mode, as Lightning's validation and a reader's
-        ``model.eval()`` put it) reads the statistics as they are and adds nothing: training's calibration, and so the
-        run, does not depend on whether or when anything was evaluated (as a BatchNorm's running statistics).
+        unless loaded; eval mode adds nothing, so the run does not depend on when anything was evaluated.
         """
         if not self.config.standardize_inputs:
             return flat
@@ -190,8 +176,7 @@ class MEFTAdapter(nn.Module):
         return _Prefetch(routing, x, rows, index, gathered)
 
     def _gather(self, rows: torch.Tensor, pin: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # On the fetch thread: copy the selected rows out of the host matrices, in the dtype they will be used in
-        # (pinned, so a GPU copy is async).
+        # On the fetch thread, in the dtype they will be used in; pinned, so the GPU copy is async.
         keys = self.host.keys.index_select(0, rows).to(dtype)
         values = self.host.values.index_select(0, rows).to(dtype)
         return (keys.pin_memory(), values.pin_memory()) if pin else (keys, values)
@@ -200,8 +185,7 @@ class MEFTAdapter(nn.Module):
         """The adapter's output from the prefetched rows (waits for the fetch thread; re-raises its errors)."""
         x = fetch.x
         keys, values = self._to_device(fetch.rows, *fetch.gathered.result(), x.device)
-        # Scores against the fetched rows as one GEMM, then keep each token's own k: gathering k rows per token
-        # instead would materialise (and save for backward) a [T, k, h] copy of the keys and of the values.
+        # One GEMM against the fetched rows, then each token's own k: avoids saving [T, k, h] copies for backward.
         scores = (x @ keys.T).gather(1, fetch.index)  # [T, k]
         activation = torch.relu(scores) * fetch.routing.gates.to(scores.dtype)
         mixing = torch.zeros(x.shape[0], fetch.rows.numel(), dtype=activation.dtype, device=x.device)
@@ -226,18 +210,16 @@ class MEFTAdapter(nn.Module):
         return keys, values
 
     def wait_for_update(self, reading: bool | None = None) -> None:
-        """Block until the host has finished this adapter's pending row update (no-op when none is pending); then,
-        under ``meft_offload``, the rows training reads (``reading=False``), or AdamW's, with the decay idle blocks
-        owe shown (``True``: a read, an evaluation; :meth:`RowBlocksStepping.ready`)."""
+        """Block until the host has finished this adapter's pending row update, if any; ``reading=True`` (a read, an
+        evaluation) also shows the decay idle blocks owe (:meth:`RowBlocksStepping.ready`)."""
         if self.rows_slot is not None and reading is None:
             self.rows_slot.wait()
         elif self.rows_slot is not None:
             self.rows_slot.ready(training=not reading)
 
     def row_blocks(self, name: str, block_rows: int, key_lr_scale: float) -> HostRowBlocks:
-        """The host rows as the offload engine steps them, under ``name``: keys and values, block by block (keys at
-        ``key_lr_scale`` times the values' learning rate), the routing copy of stepped keys refreshed after each
-        step."""
+        """The host rows as the offload engine steps them, under ``name`` (keys at ``key_lr_scale`` times the values'
+        learning rate), the routing copy of stepped keys refreshed after each step."""
         h = self.host
         self._row_block = block_rows
         return HostRowBlocks(name, [h.keys, h.values],
@@ -263,9 +245,8 @@ class MEFTAdapter(nn.Module):
 
     # ------------------------------------------------------------------ copies: deepcopy, AveragedModel, torch.save
     def __getstate__(self) -> dict[str, Any]:
-        """A copy of the adapter (an EMA's deepcopy, SWA's AveragedModel, ``torch.save`` of the model) is a plain
-        adapter: its rows as a read shows them (pending updates applied, the decay idle blocks owe shown; training
-        afterwards is unchanged), fresh gradient accumulators, and no engine behind it."""
+        """A copy (deepcopy, AveragedModel, ``torch.save``) is a plain adapter: its rows as a read shows them, fresh
+        gradient accumulators, and no engine behind it."""
         self.wait_for_update(reading=True)
         state = self.__dict__.copy()
         rows = self.host
@@ -334,8 +315,7 @@ class MEFTAdapter(nn.Module):
 def link_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype fetched rows cross the link in: autocast's compute dtype when it is on, else the input's.
 
-    Under autocast the matmuls would cast fp32 rows to bf16 anyway, and their gradients come back as exactly those
-    bf16 values: sending bf16 halves the bytes (and the device memory of the fetched rows) and changes no number.
+    Under autocast the matmuls would cast fp32 rows to bf16 anyway, so sending bf16 halves the bytes at no cost.
     """
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):

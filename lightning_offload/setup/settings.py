@@ -1,9 +1,8 @@
 """The offload strategies' settings as one frozen value, validated once when it is built.
 
-Every strategy constructor (``lsp_offload``, ``zero_offload``, their DDP forms, ``meft_offload``) builds an
-:class:`OffloadSettings` from its keyword arguments; everything downstream reads that value and validates nothing
-again. A setting that does not apply is refused rather than ignored: without projection (``zero_offload``,
-``meft_offload``) a projection setting given a value other than its default is an error that names it.
+Every face builds an :class:`OffloadSettings` from its keyword arguments; nothing downstream validates again. A
+setting that does not apply is refused, not ignored: without projection (``zero_offload``, ``meft_offload``) a
+projection setting given a non-default value is an error naming it.
 """
 
 from __future__ import annotations
@@ -39,81 +38,57 @@ class OffloadSettings:
     docstrings and Fabric's signatures are generated from this, :func:`documents_settings`).
 
     Attributes:
-        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in
-            full to a dense host Adam (ZeRO-Offload style, as ``zero_offload``). Default: ``True``.
-        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the
-            dimension (``d = ceil(rank · dim)``), an int is an absolute size. Default: ``0.25`` (1/16 of a layer's
-            gradient crosses the link).
-        density: ``r``, nonzeros per projector column (each input coordinate lands in ``r`` compressed ones).
-            Default: ``8``.
-        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task
-            heads (:func:`~lightning_offload.lsp.targets.output_heads`). Default: ``128``.
-        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected
-            (heads included, when they match). Default: ``None`` (the ``min_dim`` rule).
+        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in full to
+            a dense host Adam (ZeRO-Offload style, as ``zero_offload``). Default: ``True``.
+        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the dimension
+            (``d = ceil(rank · dim)``), an int an absolute size. Default: ``0.25`` (1/16 of a gradient).
+        density: ``r``, nonzeros per projector column. Default: ``8``.
+        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task heads
+            (:func:`~lightning_offload.lsp.targets.output_heads`). Default: ``128``.
+        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected (heads
+            included). Default: ``None`` (the ``min_dim`` rule).
         exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"random"`` keeps the seeded draw, never fitted; ``"learned"`` fits the projector values to
-            sampled gradients before the first update and refits stale ones on a schedule (under the Trainer a
-            :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit` with its defaults is added unless the
-            Trainer has one; a loop calls ``fit_projectors``). At rank 0.25 random draws kept as much of AdamW's gain
-            as learned ones or more in most measured settings, at no fit cost; at rank 0.125 the measurements split,
-            so try both there (docs/benchmarks/2026-12-02.md, "Projectors at the user's own learning rate").
-            Default: ``"random"``.
-        projector_factory: draws each projector at set-up; a learned fit starts from it. Default:
-            ``random_projector`` (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
-        seed: seed of the projector draw and of stochastic rounding (every rank draws the same projectors from it).
-            Default: ``0``.
+        projectors: ``"random"`` keeps the seeded draw; ``"learned"`` fits the values to sampled gradients before the
+            first update and refits stale ones (:class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`, or
+            ``fit_projectors`` in a loop). Default: ``"random"`` (no fit cost; at rank 0.125 try both).
+        projector_factory: draws each projector at set-up; a learned fit starts from it. Default: ``random_projector``
+            (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
+        seed: seeds the projector draw (the same on every rank) and stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (in pipelined mode
-            the figures of the latest *completed* step, i.e. one step behind, so none at the first step; the CLI's
-            ``history.jsonl`` files each step's figures under its own number). A loop of one's own has no logger
-            and refuses it: it reads ``opt.telemetry``. Default: ``True``.
-        pipelined: overlap the host work with device compute: each update is applied right before its module's
-            next forward. ``False`` applies every update before the optimizer step returns (same results).
-            Default: ``True``.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (pipelined: the latest
+            *completed* step's); a loop of one's own refuses it (it reads ``opt.telemetry``). Default: ``True``.
+        pipelined: overlap host work with device compute, each update applied right before its module's next forward;
+            ``False`` applies every update before the optimizer step returns (same results). Default: ``True``.
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back (and
             between ranks). Default: ``"fp32"``.
-        update_buffers: device buffers that compressed updates land in, shared by all layers (a ring; the next
-            layers' updates are prefetched into free ones). Default: ``None`` (4 on an accelerator; none on the CPU,
-            where updates are read where the host step wrote them).
-        speculative: start each tensor's host Adam during backward, as soon as its gradient has landed, and roll it
-            back (then redo or skip it) when the step turns out clipped by norm or non-finite; results equal the
-            non-speculative path bit for bit (see :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`).
-            Default: ``None`` (on for a GPU, off on the CPU, where host and device share the cores).
-        free_sent_gradients: set a host-stepped parameter's ``.grad`` (a dense one, a row-sparse embedding's) to
-            ``None`` once its gradient has crossed and its host step is launched, so the device holds no such
-            gradient into the next forward (at 6.7B under ``zero_offload``, 12.5 GiB). Default: ``None`` (on under the
-            Trainer's and Fabric's strategies, whose loops zero gradients before the next backward anyway; off for
-            ``offload()`` in a loop of one's own, where torch's ``p.grad`` stays readable after ``step()``).
-        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam, exact), ``"sparse"`` (only
-            the rows with a nonzero gradient — the batch's tokens — cross and are stepped; a row's moments and
-            decoupled decay catch up over the steps it missed, but it does not drift on momentum while untouched as
-            under dense Adam; one process only, since each rank's batch touches different rows), ``"device"`` (a
-            device Adam; its state is device memory) or ``"frozen"``.
-            See :mod:`lightning_offload.setup.embeddings_head`.
-            Default: ``None`` (``"sparse"`` for ``lsp_offload`` on one device, else ``"host"``).
-        head: where the output head (``get_output_embeddings``) trains: ``"host"``, ``"projected"`` (LSP-compressed
-            like any Linear; not without projection), ``"device"`` or ``"frozen"``. A weight tied to the input
-            embedding takes this setting. Default: ``None`` (with projection, ``"projected"`` for a head of 2**27
-            elements or more, such as a 128K vocabulary's, else ``"host"``; without, ``"host"``).
-        update: how a projected weight's host moments become its update. ``"projected"``: LSP's ``c·AᵀUB``, a
-            low-rank update from Adam in the compressed space (the device never forms the weight's gradient).
-            ``"scaled"``: a full-rank update, the weight's gradient scaled per channel from Adam's moments of a random
-            projection ``R = G·Pᵀ`` of the same host bytes as ``rank`` gives (APOLLO's rule,
-            :mod:`lightning_offload.lsp.channel_scales`; one scale per weight where a channel is projected to one
-            number, as APOLLO-Mini); the device forms ``G`` and keeps it until the step's
-            scales return, as native training keeps its gradients. One process only; AdamW's decoupled decay (not
-            Adam's L2). Default: ``"projected"``.
-        redraw_every: under ``update="scaled"``, steps between draws of the projection ``P`` (the moments are kept).
-            Default: ``200``.
+        update_buffers: device buffers, a ring shared by all layers, that compressed updates are prefetched into.
+            Default: ``None`` (4 on an accelerator; none on the CPU, where updates are read in place).
+        speculative: start each tensor's host Adam in backward once its gradient has landed, rolled back (then redone or
+            skipped) if the step is clipped or non-finite; results are bit-identical. Default: ``None`` (on for a GPU,
+            off on the CPU, where host and device share the cores).
+        free_sent_gradients: set a host-stepped parameter's ``.grad`` to ``None`` once it has crossed and its step is
+            launched, freeing its device memory before the next forward. Default: ``None`` (on under the Trainer and
+            Fabric, whose loops zero gradients anyway; off for ``offload()``, where ``p.grad`` stays readable).
+        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam), ``"sparse"`` (only rows with
+            a nonzero gradient cross and are stepped; a row's moments and decay catch up over missed steps, without
+            dense Adam's momentum drift; one process only), ``"device"`` or ``"frozen"``
+            (:mod:`lightning_offload.setup.embeddings_head`). Default: ``None`` (``"sparse"`` for ``lsp_offload`` on one
+            device, else ``"host"``).
+        head: where the output head (``get_output_embeddings``, and a weight tied to it) trains: ``"host"``,
+            ``"projected"`` (needs projection), ``"device"`` or ``"frozen"``. Default: ``None`` (with projection,
+            ``"projected"`` for a head of 2**27 elements or more, else ``"host"``; without, ``"host"``).
+        update: how a projected weight's host moments become its update: ``"projected"``, LSP's low-rank ``c·AᵀUB`` (no
+            dense gradient on the device); ``"scaled"``, APOLLO's rule (:mod:`lightning_offload.lsp.channel_scales`):
+            the full gradient ``G``, kept until the scales return, scaled per channel from Adam's moments of
+            ``R = G·Pᵀ`` in the host bytes ``rank`` gives (one process only; AdamW's decay). Default: ``"projected"``.
+        redraw_every: under ``update="scaled"``, steps between draws of ``P`` (the moments are kept). Default: ``200``.
         norm_growth_limit: under ``update="scaled"``, the most the update's norm may grow from one step to the next
             (``None``: no limit). Default: ``1.01``.
-        kernels: which kernels run the projected layers' products (``B Xᵀ``, ``A Δᵀ`` and the update):
-            ``"auto"`` times each kernel that runs on the device on the first call of each distinct product and keeps
-            the fastest (the choice is logged, kept per machine and listed in ``optimizer.kernel_choices``);
-            ``"native"`` (the CPU's C kernels), ``"csr"`` (torch's sparse products), ``"dense"`` (the projector
-            formed for each product) or ``"triton"`` (CUDA) force one, where it can run (else ``"csr"``, with a
-            warning). Kernels agree within fp32 rounding; force one for runs that must repeat bit for bit across
-            machines (:mod:`lightning_offload.lsp.kernels.selection`). Default: ``"auto"``.
+        kernels: which kernels run the projected layers' products: ``"auto"`` times each device kernel on the first call
+            of each distinct product and keeps the fastest (logged, kept per machine, in ``optimizer.kernel_choices``);
+            ``"native"``, ``"csr"``, ``"dense"`` or ``"triton"`` force one where it can run (else ``"csr"``, with a
+            warning). Kernels agree within fp32 rounding: force one for bit-identical runs across machines
+            (:mod:`lightning_offload.lsp.kernels.selection`). Default: ``"auto"``.
 
     Example::
 
@@ -147,7 +122,7 @@ class OffloadSettings:
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        # Lists (from a YAML config, say) become tuples: the value stays immutable and hashable.
+        # Lists (from a YAML config) become tuples: the value stays immutable and hashable.
         if self.target_modules is not None:
             object.__setattr__(self, "target_modules", tuple(_patterns("target_modules", self.target_modules)))
         object.__setattr__(self, "exclude_modules", tuple(_patterns("exclude_modules", self.exclude_modules)))
@@ -178,14 +153,12 @@ class OffloadSettings:
 
     @property
     def learns_projectors(self) -> bool:
-        """Whether projectors are fitted (``projectors="learned"`` where something is projected): what every face
-        asks to decide whether a fit is wanted."""
+        """Whether projectors are fitted (``projectors="learned"`` where something is projected)."""
         return self.projection and self.projectors == "learned"
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, object]) -> OffloadSettings:
-        """The settings among a constructor's arguments (its ``locals()``): each field taken by name, the rest (the
-        device, Lightning's plugins) left out."""
+        """The settings among a constructor's arguments (its ``locals()``), taken by field name."""
         return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})  # type: ignore[arg-type]
 
     def _validate_projection(self) -> None:
@@ -247,17 +220,15 @@ def _patterns(name: str, value: object) -> list[str]:
 
 
 def keyword_settings(cls: type) -> list[str]:
-    """The keyword-only arguments of ``cls``'s constructor (a strategy's settings, for naming the closest to a
-    misspelt one)."""
+    """The keyword-only arguments of ``cls``'s constructor (to name the closest to a misspelt setting)."""
     return [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
             if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
 def refuse_unknown_settings(owner: str, unknown: Mapping[str, Any], known: Iterable[str],
                             projects: bool = True) -> None:
-    """Refuse settings ``owner`` does not take, naming the closest one it does (a misspelt ``rnak=``), or saying that a
-    projection setting does not apply where nothing is projected (whatever its value: given at all, the user expects
-    it to do something).
+    """Refuse settings ``owner`` does not take, naming the closest one it does, or a projection setting given at all
+    where nothing is projected (the user expects it to do something).
 
     Raises:
         ValueError: for a projection setting where nothing is projected. TypeError: for an unknown setting (the first
@@ -281,9 +252,8 @@ def refuse_unknown_settings(owner: str, unknown: Mapping[str, Any], known: Itera
 
 def loop_face_settings(owner: str, given: Mapping[str, Any], forced: Mapping[str, Any],
                        face_settings: Iterable[str] = ()) -> OffloadSettings:
-    """The settings value of a face that takes them as keyword arguments (``offload()``, Fabric's strategies, MEFT's):
-    unknown names refused with the closest known one, a projection setting given at all where ``forced`` turns
-    projection off refused (whatever its value), then validated as always.
+    """The settings of a face that takes them as keyword arguments (``offload()``, Fabric's, MEFT's), refused as
+    :func:`refuse_unknown_settings` refuses, then validated.
 
     Args:
         owner: what the settings are given to, for messages.

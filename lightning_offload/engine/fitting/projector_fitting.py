@@ -1,14 +1,9 @@
 """One projector fit or check over an :class:`~lightning_offload.engine.optimizer.OffloadOptimizer`'s projected layers,
-in any training loop: the fit of every layer before training (the *initial fit*), or a check that measures each
-layer's reconstruction error on fresh gradients and refits the layers above ``threshold``, carrying their host Adam
-moments into the new subspace (:meth:`~lightning_offload.engine.optimizer.OffloadOptimizer.replace_projectors`).
+in any training loop: the fit of every layer before training (the *initial fit*), or a check that refits the layers
+whose reconstruction error on fresh gradients is above ``threshold``, carrying their host Adam moments over.
 
-Where the gradients come from is the caller's (:class:`GradientSource`): the Lightning callback
-(:class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`) samples the Trainer's dataloader with
-``training_step``; a plain loop hands batches and a loss function
-(:class:`~lightning_offload.engine.gradient_source.BatchGradients`). So is agreement between data-parallel ranks
-(:class:`FitAgreement`). Each gradient is consumed layer by layer as backward produces it
-(:mod:`lightning_offload.lsp.sampling`): the full gradient of one layer exists at a time.
+The caller supplies the gradients (:class:`GradientSource`) and the agreement between ranks (:class:`FitAgreement`).
+Each gradient is consumed layer by layer as backward produces it, so one layer's full gradient exists at a time.
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ class OneProcess:
 
 @dataclass(frozen=True)
 class ProjectorFitting:
-    """How a fit runs (the Args of :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`, which builds one,
-    say more of what each does).
+    """How a fit runs (see :class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`'s Args for more).
 
     Attributes:
         threshold: refit a layer whose error ``‖AᵀA G BᵀB − G‖/‖G‖`` on a fresh gradient exceeds it. Default: ``0.9``.
@@ -157,9 +151,6 @@ def fit_projectors(optimizer: OffloadOptimizer, source: GradientSource, fitting:
                    sampling: Callable[[], AbstractContextManager[Any]] = nullcontext) -> RefitRecord:
     """Fit (``initial``) or check and refit the projectors of ``optimizer``'s projected layers, and install them.
 
-    Pending updates are applied first (they belong to the projectors in use), and the decay row-sparse rows owe, as
-    before any read of the weights.
-
     Args:
         optimizer: the engine whose projected layers are fitted.
         source: the gradient passes (``num_samples`` for the fit, then up to ``norm_samples`` for ``ρ``).
@@ -200,10 +191,8 @@ def fit_projectors(optimizer: OffloadOptimizer, source: GradientSource, fitting:
 
 
 class ProjectorFit:
-    """One fit or refit check over projected layers, in its named steps: :meth:`sample_and_fit` (each sampled
-    gradient checks, starts or continues a layer's fit), :meth:`measure_ratios` (``ρ`` of the fitted projectors on
-    batches the fit did not use) and :meth:`install` (the projectors every rank agrees on put in the engine, with the
-    second-moment scale that keeps Adam's step size). :func:`fit_projectors` runs them.
+    """One fit or refit check over projected layers, in the steps :func:`fit_projectors` runs:
+    :meth:`sample_and_fit`, :meth:`measure_ratios` and :meth:`install`.
 
     Args:
         layers: the engine's projected layers.
@@ -268,8 +257,7 @@ class ProjectorFit:
                 if fit is None:
                     return
             if not self.initial:
-                # How much of the check's gradients the stale projectors keep: the carried Adam v is rescaled by how
-                # much more the new ones keep, so Adam's step size stays where it was.
+                # The stale projectors' ρ, so the carried Adam v can be rescaled to keep Adam's step size.
                 self._old_ratios.add(layer.name, layer.proj_out, layer.proj_in, grad)
             before, after = fit.fit(grad, self._iters_per_sample)
             held = sum(f.nbytes() for f in self._fits.values() if f.device == grad.device)
@@ -290,8 +278,7 @@ class ProjectorFit:
         if self.initial:
             proj_out, proj_in = layer.proj_out, layer.proj_in
         else:
-            # Rank 0's figure decides, so every rank skips the same layers (and so issues the same reductions
-            # afterwards).
+            # Rank 0's figure decides, so every rank skips the same layers and issues the same reductions.
             error = self.agreement.agree(reconstruction_error(layer.proj_out, layer.proj_in, grad))
             if math.isnan(error):
                 return None  # a zero or non-finite gradient: wait for a usable sample
@@ -306,8 +293,7 @@ class ProjectorFit:
 
     # ------------------------------------------------------------------------------------------- ρ
     def measure_ratios(self, source: GradientSource) -> None:
-        """``ρ = ‖S‖/‖G‖`` of the fitted projectors on up to ``norm_samples`` batches the fit never used
-        (see lsp/norm_ratio.py)."""
+        """``ρ = ‖S‖/‖G‖`` of the fitted projectors on up to ``norm_samples`` batches the fit never used."""
         if not self._fitted or not self.fitting.norm_samples:
             return
         measuring = [layer for layer in self.layers if layer.name in self._fitted]
@@ -319,15 +305,13 @@ class ProjectorFit:
 
     # ------------------------------------------------------------------------------------------- installing
     def install(self, optimizer: OffloadOptimizer) -> None:
-        """Put each fitted layer's projectors in ``optimizer``: rank 0's, with their ``ρ`` and the scale of the
-        carried second moments."""
+        """Put rank 0's fitted projectors in ``optimizer``, with their ``ρ`` and the carried second moments' scale."""
         for layer in self.layers:
             if layer.name not in self._fitted:
                 continue
             ratio = self._measured.ratio(layer.name)
             if not ratio > 0:
-                # No batch was left for the measurement (a small dataloader, or norm_samples=0): the fit's own
-                # held-out figure, the last sample before fitting on it, one batch's worth.
+                # No batch was left for the measurement: the fit's own held-out figure, one batch's worth.
                 ratio = self._fits[layer.name].norm_ratio
                 self.record.norm_ratio_from_fit.append(layer.name)
             old = self._old_ratios.ratio(layer.name)
@@ -341,8 +325,7 @@ class ProjectorFit:
 
 
 def _park_device(grad: Tensor) -> torch.device | None:
-    """Where a layer's fit state waits between its samples: the host, when the gradients are on an accelerator
-    (``None``: stay where it is)."""
+    """Where a layer's fit state waits between its samples (``None``: stay where it is)."""
     return torch.device("cpu") if grad.device.type != "cpu" else None
 
 

@@ -1,16 +1,13 @@
 """The one row Adam of the engine: Adam over the rows of fp32 host matrices, stepping only the rows a step touched.
 
-Two kinds of tensor have gradients in a few of many rows: a MEFT adapter's keys and values (``N`` rows, of which a step
-touches a few experts' worth) and a row-sparse embedding (the batch's tokens among the vocabulary). Both are stepped
-here, with one state layout and one catch-up rule; the rows are split into contiguous blocks, and a step takes one of
-two paths by the shape of what it touches:
+A MEFT adapter's keys and values and a row-sparse embedding both have gradients in a few of many rows; both are
+stepped here, with one state layout and one catch-up rule. The rows are split into contiguous blocks, and a step takes
+one of two paths:
 
 * **In place, block by block** (:meth:`BlockRowAdam.step`; MEFT, a block being one expert's neurons): the touched
-  blocks go to torch's fused Adam kernel as slices of the host matrices, one pass that reads the gradient, weight and
-  moments and writes the weight and moments in place, with no gathered copies.
+  blocks go to torch's fused Adam kernel as slices of the host matrices, with no gathered copies.
 * **Gathered** (:meth:`BlockRowAdam.step_rows`; the embedding, one row per block): thousands of scattered rows would
-  be thousands of slices and kernel calls, so the rows are gathered into a workspace, caught up and stepped by one
-  kernel call, and scattered back.
+  be thousands of kernel calls, so they are gathered into a workspace, stepped by one call, and scattered back.
 
 Semantics, against dense AdamW over the whole matrix:
 
@@ -27,12 +24,8 @@ Semantics, against dense AdamW over the whole matrix:
   by ``c``); value clipping clamps the stepped slices first.
 
 In place, the catch-up costs no pass over the moments: each block keeps two moment scales
-(:mod:`~lightning_offload.engine.rows.row_adam_kernel` says how one kernel step folds them in). A gathered step
-multiplies the gathered moments by their catch-up factors instead (exactly 1 for a row stepped at the previous step), so
-a row stepped at every step gets dense fused Adam's arithmetic bit for bit, and its scales are 1.
-
-What a row owes can be read without paying it (:meth:`BlockRowAdam.decayed_rows`), for a copy of the weights that is
-AdamW's but for the momentum drift above; the training that follows is the same, bit for bit, whether or not it was.
+(:mod:`~lightning_offload.engine.rows.row_adam_kernel`). A gathered step multiplies the gathered moments by their
+catch-up factors instead, so a row stepped at every step gets dense fused Adam's arithmetic bit for bit.
 """
 
 from __future__ import annotations
@@ -95,8 +88,7 @@ class BlockRowAdam:
         self.step_count = 0
         # The step at which each block was last stepped (0: never), for the catch-up over its gap.
         self.last_step = torch.zeros(rows // block_rows, dtype=torch.int64)
-        # Per block, the true first and second moments are these times the stored ones (see the module docstring):
-        # two rows of one tensor, so that a step reads and writes both in one op.
+        # Per block, true moments = these × stored ones; two rows of one tensor so a step writes both in one op.
         self._scales = torch.ones(2, rows // block_rows, dtype=torch.float64)
         self.scale1, self.scale2 = self._scales.unbind(0)
         # How much decay each block owes, at the learning rates of the steps it missed.
@@ -105,16 +97,14 @@ class BlockRowAdam:
         self._legacy_gaps: Tensor | None = None
         # The step count the fused kernel reads (one tensor handed for every slice: the kernel only reads it).
         self._step = torch.zeros((), dtype=torch.float32)
-        # Each block of every matrix and moment as a view, made at the first in-place step (an embedding stepped by
-        # gathering would otherwise hold tens of thousands of views it never uses); handed to the kernel as they are.
+        # Each block of every matrix and moment as a view, made lazily: a gathered embedding never uses them.
         self._block_views: tuple[list[tuple[Tensor, ...]], ...] | None = None
         # The same for full-size gradient accumulators given to step(), by the accumulator's id.
         self._grad_views: dict[int, tuple[Tensor, tuple[Tensor, ...]]] = {}
         self._workspace = RowWorkspace(rows, params[0].shape[1])
         self._betas = (0.9, 0.999)  # the latest step's, for reading the moments back (moments())
         self._rows_touched = 0
-        # Whether some block's scales differ from 1 (only in-place steps leave them so): a gathered step checks this
-        # flag rather than the scales, so the embedding's steps allocate nothing (tests/test_host_jobs.py).
+        # Whether some block's scales differ from 1: a gathered step checks this flag, so it allocates nothing.
         self._scaled = False
 
     def _by_block(self, matrix: Tensor) -> tuple[Tensor, ...]:
@@ -171,17 +161,14 @@ class BlockRowAdam:
     @torch.no_grad()
     def step(self, blocks: Tensor, grads: Sequence[Tensor | Sequence[Tensor]], settings: RowAdamSettings,
              clip: Clip = None, zero_grads: bool = True) -> list[tuple[int, int]]:
-        """One Adam step on ``blocks``, reading their gradients from ``grads`` (one entry per matrix) and, with
-        ``zero_grads``, zeroing them afterwards, ready for the next step's sums.
+        """One Adam step on ``blocks``, reading their gradients from ``grads`` (one entry per matrix).
 
         Args:
             blocks: sorted unique int64 block ids (:meth:`blocks_of`).
-            grads: per matrix, its ``[N, h]`` fp32 gradient accumulator (zero outside the touched rows), or the
-                stepped blocks' gradients: one ``[block_rows, h]`` fp32 tensor per block of ``blocks``, in order
-                (where they already are: :class:`~lightning_offload.engine.rows.row_landing.RowLanding`), or, for every
-                matrix, where its rows' gradients landed
-                (:class:`~lightning_offload.engine.rows.native_row_adam.LandedRows`, stepped by the native kernel, with
-                ``zero_grads=False``: nothing assembled, nothing written to them).
+            grads: per matrix, its ``[N, h]`` fp32 gradient accumulator (zero outside the touched rows), one
+                ``[block_rows, h]`` fp32 tensor per block of ``blocks``, or, for every matrix, a
+                :class:`~lightning_offload.engine.rows.native_row_adam.LandedRows` (read by the native kernel, with
+                ``zero_grads=False``).
             settings: this step's hyper-parameters.
             clip: ``("norm", c)`` scales the gradients by ``c``; ``("value", b)`` clamps them to ``[−b, b]``.
             zero_grads: zero the stepped gradients (``False`` when the caller overwrites them at the next step's
@@ -270,10 +257,8 @@ class BlockRowAdam:
             self.decay.paid(stepped)
 
     def _owed_decay(self, matrices: list[int], blocks: Tensor, lr: float) -> list[float]:
-        """Per block, the decay ``matrices`` (sharing a learning rate, hence a decay history) owe for the steps before
-        this one, for the kernel to fold into this step's. At lr 0 the kernel steps nothing and folds nothing: the
-        blocks keep owing it, and a later step pays (AdamW moves no weight at lr 0). Before any step decayed, every
-        block owes exactly 1 (the ledger's totals and marks are all 0): nothing is read."""
+        """Per block, the decay ``matrices`` (sharing a learning rate) owe for earlier steps, for the kernel to fold
+        into this step's. At lr 0 the blocks keep owing it, as AdamW moves no weight at lr 0."""
         if not (lr and self.decay.active):
             return [1.0] * blocks.numel()
         return self.decay.owed(matrices[0], blocks).tolist()
@@ -287,9 +272,7 @@ class BlockRowAdam:
 
     @torch.no_grad()
     def step_rows(self, rows: Tensor, grad: Tensor, settings: RowAdamSettings) -> Tensor:
-        """One Adam step on scattered rows of a single matrix of one-row blocks (an embedding), gathered: the rows'
-        weights and moments are read into a workspace, caught up over each row's gap, stepped by one fused kernel
-        call and written back.
+        """One gathered Adam step on scattered rows of a single matrix of one-row blocks (an embedding).
 
         Args:
             rows: unique int64 row indices.
@@ -315,8 +298,7 @@ class BlockRowAdam:
         torch.index_select(param, 0, rows, out=weight)
         torch.index_select(exp_avg_all, 0, rows, out=exp_avg)
         torch.index_select(exp_avg_sq_all, 0, rows, out=exp_avg_sq)
-        # Steps each row missed: its moments (and decoupled decay) are caught up as dense Adam's would have been; a
-        # row touched at the previous step gets factors of exactly 1.
+        # Catch each row's moments up over the steps it missed, as dense Adam's would have been.
         torch.index_select(self.last_step, 0, rows, out=last)
         gaps.copy_(last.unsqueeze(1)).neg_().add_(self.step_count - 1)
         exp_avg.mul_(torch.pow(beta1, gaps, out=factor1))
@@ -329,11 +311,9 @@ class BlockRowAdam:
             self._scaled = bool((self.scale1 != 1.0).any() or (self.scale2 != 1.0).any())
         lr = settings.lr * self.lr_scales[0]
         if self.decay.active and lr:  # at lr 0 the rows keep owing it (nothing moves)
-            # The decay each row still owes for the steps it missed, at their own learning rates (exactly 1 for a row
-            # stepped or settled at the previous step); the kernel applies this step's.
+            # The decay each row owes for the steps it missed; the kernel applies this step's.
             weight.mul_(decay.copy_(self.decay.owed(0, rows, out=owed).unsqueeze(1)))
-        # Then torch's own fused Adam/AdamW kernel on the gathered rows, at the matrix's step count (one pass;
-        # coupled L2 and maximize as torch.optim.Adam applies them).
+        # Torch's fused Adam/AdamW on the gathered rows, at the matrix's step count.
         self._step.fill_(self.step_count)
         kernel = torch._fused_adamw_ if settings.decoupled else torch._fused_adam_
         kernel([weight], [grad], [exp_avg], [exp_avg_sq], [], [self._step], lr=lr, beta1=beta1, beta2=beta2,
@@ -347,9 +327,8 @@ class BlockRowAdam:
 
     @torch.no_grad()
     def decayed_rows(self) -> tuple[Tensor, list[Tensor]]:
-        """The rows that owe decoupled decay for steps they missed, and each matrix's values of them with it paid (at
-        each missed step's own learning rate): AdamW's weights but for momentum drift. Copies: the matrices and the
-        ledger stay as they are, so reading them changes no later step (their next step pays it)."""
+        """The rows that owe decoupled decay, and copies of each matrix's values of them with it paid: AdamW's weights
+        but for momentum drift. Reading them changes no later step."""
         owing = (self.decay.marks[0] != self.decay.totals[0]).nonzero().squeeze(1) if self.decay.active else \
             self.last_step[:0]
         rows = owing if self.block_rows == 1 else self.blocks_mask(owing).nonzero().squeeze(1)
@@ -369,9 +348,8 @@ class BlockRowAdam:
 
     def _decayed_scales(self, blocks: Tensor, block_list: list[int],
                         betas: tuple[float, float]) -> tuple[list[float], list[float]]:
-        """``blocks``' moment scales decayed over their gaps, to just before this step (:func:`decayed_scales`); blocks
-        whose second-moment scale fell below :data:`RENORMALIZE_BELOW` get their stored moments rescaled here, and
-        scales of 1."""
+        """``blocks``' moment scales decayed to just before this step (:func:`decayed_scales`), renormalizing those
+        whose second-moment scale fell below :data:`RENORMALIZE_BELOW`."""
         scale1, scale2 = decayed_scales(blocks, self.last_step, self._scales, self.step_count, betas)
         for k, block in enumerate(block_list):
             if scale2[k] < RENORMALIZE_BELOW:

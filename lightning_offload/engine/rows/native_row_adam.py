@@ -1,23 +1,16 @@
 """The row Adam's native kernel (``engine/rows/native/row_adam.c``): built on first use with the machine's C compiler,
 loaded with ctypes, and used only where it is proven to give torch's results bit for bit.
 
-The block Adam steps whole blocks of rows; torch's fused Adam kernel needs each block's gradient as one contiguous
-tensor, so a block routing covered in part is first assembled (its rows copied into the accumulator, the idle ones
-zeroed). The native kernel reads each row's gradient where it landed and steps a row without one from a zero, in the
-pass over the weights and moments, with torch's kernel's arithmetic operation for operation.
+Torch's fused Adam needs each block's gradient as one contiguous tensor, so a block routing covered in part is first
+assembled (rows copied into the accumulator, idle ones zeroed); the native kernel reads each row's gradient where it
+landed and steps a row without one from zero, with torch's kernel's arithmetic operation for operation.
 
-What is checked before it is used, so that whether a machine has a compiler never changes a result:
-
-* at load, on this machine, the kernel against ``torch._fused_adam(w)_`` on random blocks over the hyper-parameters
-  the block Adam hands it (both decays, ``maximize``, gradient divisors, small and large ``β₁``): every bit equal, or
-  the kernel is not used;
-* at each step, the block's size: torch's kernel splits a tensor between its threads and runs a scalar tail over
-  what is left of each share after whole vectors, whose rounding differs; blocks whose shares leave a tail
-  (:func:`tail_free`) are stepped by torch.
-
-Where there is no compiler, the build fails or the check fails, the row step uses torch's kernel (the same results,
-slower) and says so once in the log. ``LIGHTNING_OFFLOAD_NATIVE=0`` turns the kernel off;
-``LIGHTNING_OFFLOAD_CACHE`` says where the built library is kept (default ``~/.cache/lightning_offload``).
+So that having a compiler never changes a result, it is checked at load against ``torch._fused_adam(w)_`` on random
+blocks over the hyper-parameters the block Adam hands it (every bit equal, or it is not used), and each block's size at
+each step: torch's kernel runs a scalar tail, rounded differently, over what each thread's share leaves after whole
+vectors, so blocks with a tail (:func:`tail_free`) are stepped by torch. Without a compiler, or with a failed build or
+check, the row step uses torch's kernel (the same results, slower) and says so once in the log.
+``LIGHTNING_OFFLOAD_NATIVE=0`` turns the kernel off; the built library is kept in the package's cache.
 """
 
 from __future__ import annotations
@@ -39,13 +32,10 @@ log = logging.getLogger("lightning_offload")
 
 SOURCE = Path(__file__).parent / "native" / "row_adam.c"
 
-#: Floats per vector of the widest kernel torch dispatches to (AVX-512); whole vectors of it are whole vectors of the
-#: narrower ones too.
+#: Floats per vector of the widest kernel torch dispatches to (AVX-512), whole vectors of the narrower ones too.
 VECTOR_FLOATS = 16
 
-# Contraction off: the file's only fused multiply-adds are the ones it spells (fmaf), as torch's kernel has them. No
-# errno from sqrtf (a negative second moment cannot occur; NaN stays NaN either way), so it is one instruction and the
-# loop vectorizes.
+# Contraction off: only the spelt fmaf fuse, as in torch's kernel. No errno from sqrtf, so the loop vectorizes.
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC"]
 
 
@@ -177,15 +167,13 @@ def native_row_adam() -> NativeRowAdam | None:
 
 
 def _check(kernel: NativeRowAdam) -> str:
-    """Steps random blocks with the kernel and with torch's fused kernel; ``""`` when every bit agrees, else what
-    differed."""
+    """Steps random blocks with the kernel and with torch's: ``""`` when every bit agrees, else what differed."""
     generator = torch.Generator().manual_seed(0)
     rows, width, block_rows = 12, 32, 4
     cases = [(1e-3, 0.9, 0.999, 0.01, 1e-8, 1.0, True, False, 3), (3e-4, 0.9, 0.95, 0.0, 1e-8, 1.0, True, True, 1),
              (1e-2, 0.8, 0.99, 0.1, 1e-6, 0.37, False, False, 100), (2e-3, 0.3, 0.999, 0.05, 1e-3, 3.3, False, True, 7),
              (5e-4, 0.6, 0.98, 0.2, 1e-8, 1.7, True, False, 40), (0.0, 0.9, 0.999, 0.0, 1e-8, 1.0, True, False, 2)]
-    # Weights a step at lr 0 leaves as they are, whose bf16 copies are edge cases of the rounding: subnormals, signed
-    # zeros, a value that rounds up to infinity, infinities, ties to even.
+    # Weights lr 0 leaves as they are, whose bf16 copies are rounding edge cases: subnormals, ±0, overflow, ±inf, ties.
     edges = torch.tensor([1e-39, -1e-39, 3e-40, 0.0, -0.0, 1e38, 3.4e38, math.inf, -math.inf, 1.00390625, 1.01171875])
     for lr, beta1, beta2, decay, eps, divisor, decoupled, maximize, step in cases:
         param = torch.randn(rows, width, generator=generator)

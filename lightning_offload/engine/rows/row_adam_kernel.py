@@ -2,17 +2,11 @@
 kernel: the step's settings, the per-block hyper-parameters that fold stored moment scales into one kernel step, and
 the workspace a gathered step of scattered rows reads into.
 
-The solver is pure arithmetic over Python floats (solved in float64): a block whose stored moments ``M``, ``W`` stand
-for true moments ``m = s1·M`` and ``v = s2·W`` is stepped by the kernel with hyper-parameters chosen so that the true
-Adam step results, the stored second moment staying at the gradient's scale.
-
 Each block keeps two scales, the true moments being ``s₁·m`` and ``s₂·v`` of the stored ones. A gap only multiplies the
-scales by ``β₁^g`` and ``β₂^g``, and a step of the kernel with per-block hyper-parameters (its ``β₁``, learning rate,
-``ε``, weight decay and gradient scale, solved in float64 from the scales) gives exactly the true Adam step in the
-stored representation, with ``β₂`` unchanged and the gradient scaled by ``1/√s₂``, so the stored second moment stays at
-the gradient's scale. A block that was never skipped has scales of 1 and is stepped with the user's hyper-parameters
-unchanged, bit for bit torch's fused kernel; a block whose ``s₂`` decays below ``RENORMALIZE_BELOW`` (thousands of
-skipped steps) has its moments rescaled once and its scales reset.
+scales by ``β₁^g`` and ``β₂^g``, and one kernel step with per-block hyper-parameters, solved in float64 from the scales
+(:func:`scaled_kernel_calls`), gives exactly the true Adam step with the stored second moment at the gradient's scale.
+A block never skipped has scales of 1 and is stepped bit for bit as by torch's fused kernel; a block whose ``s₂`` falls
+below ``RENORMALIZE_BELOW`` has its moments rescaled once and its scales reset.
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# A block's second-moment scale below which its stored moments are rescaled in place (its scales reset to 1): far
-# from underflow, and reached only after thousands of skipped steps at β₂ = 0.999.
+# A block's second-moment scale below which its stored moments are rescaled in place: far from underflow.
 RENORMALIZE_BELOW = 1e-3
 
 # The strategy's per-step clipping: ("norm", coefficient) or ("value", bound), or None.
@@ -36,10 +29,7 @@ KernelHyper = tuple[tuple[str, float], ...]
 
 @dataclass
 class RowAdamSettings:
-    """The hyper-parameters of one row step (taken from the user's optimizer at each step).
-
-    The offload strategies build one at every step from the param group of the user's optimizer; build one yourself
-    to drive :class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam` by hand.
+    """The hyper-parameters of one row step; the strategies build one per step from the user's param group.
 
     Attributes:
         lr: learning rate of a matrix whose ``lr_scale`` is 1. Default: ``1e-3``.
@@ -67,14 +57,12 @@ class RowAdamSettings:
 def scaled_kernel_calls(blocks: list[int], owed: list[float], scale1: list[float], scale2: list[float],
                         new_scale1: list[float], settings: RowAdamSettings, lr: float,
                         step_count: int) -> dict[tuple[KernelHyper, float], list[int]]:
-    """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), the blocks they
-    step.
+    """The kernel calls of one learning rate: per distinct (hyper-parameters, gradient scale ``c``), its blocks.
 
     With ``m = s1·M`` and ``v = s2·W`` stored as ``M`` and ``W``, Adam's true step ``m' = β₁m + (1−β₁)g``,
     ``v' = β₂v + (1−β₂)g²``, ``p' = d·p − lr·(m'/b₁)/(√(v'/b₂) + ε)`` is the kernel's step on ``M, W`` with gradient
     ``g/c``, ``β₁' = β₁s1/s1'``, ``β₂``, ``ε' = ε/c`` and ``lr' = lr·s1'·(1 − β₁'^t)/(b₁·c)``. Decoupled decay owed
-    for the steps a block missed folds into the kernel's decay. Blocks never skipped get the user's hyper-parameters
-    unchanged.
+    for the steps a block missed folds into the kernel's decay.
 
     Args:
         blocks: the blocks stepped.
@@ -99,8 +87,7 @@ def scaled_kernel_calls(blocks: list[int], owed: list[float], scale1: list[float
             kernel_eps = settings.eps / c
         decay = settings.weight_decay
         if settings.decoupled and (owe != 1.0 or (decay and kernel_lr != lr)):
-            # What is owed and this step's decay at once; at lr 0 (a schedule passing through it) the kernel steps
-            # nothing and this step decays nothing (what is owed was applied by the caller, with no lr to divide by).
+            # What is owed and this step's decay at once; at lr 0 the kernel steps nothing and the caller applies it.
             decay = (1.0 - owe * (1.0 - lr * decay)) / kernel_lr if kernel_lr else 0.0
         elif decay and not settings.decoupled:
             decay = decay / c  # Adam's L2 joins the gradient after the kernel divided it by c
@@ -111,9 +98,8 @@ def scaled_kernel_calls(blocks: list[int], owed: list[float], scale1: list[float
 
 
 def per_block_hyper(calls: dict[tuple[KernelHyper, float], list[int]], count: int, coefficient: float) -> Tensor:
-    """The calls of :func:`scaled_kernel_calls` as one float64 row per block (its position among the ``count``
-    stepped): the call's ``lr``, ``β₁``, weight decay, ``ε`` and gradient divisor ``c / coefficient`` (the norm clip's
-    coefficient folded in, as the torch path's kernel call gets it)."""
+    """The calls of :func:`scaled_kernel_calls` as one float64 row per stepped block: ``lr``, ``β₁``, weight decay,
+    ``ε`` and gradient divisor ``c / coefficient`` (the norm clip folded in)."""
     rows: list[list[float]] = [[]] * count
     for (pairs, c), members in calls.items():
         values = dict(pairs)
@@ -125,14 +111,9 @@ def per_block_hyper(calls: dict[tuple[KernelHyper, float], list[int]], count: in
 
 def decayed_scales(blocks: Tensor, last_step: Tensor, scales: Tensor, step_count: int,
                    betas: tuple[float, float]) -> tuple[list[float], list[float]]:
-    """Per block of ``blocks``, its moment scales (``scales``: ``[2, blocks of the matrix]``, the first moment's and
-    the second's) decayed by ``β₁^g``, ``β₂^g`` over the ``g`` steps since it was last stepped (``last_step``), to
-    just before step ``step_count``, as Python floats; 1 for blocks never stepped (zero moments, whose scale is
-    arbitrary).
-
-    The blocks' state is read in one go (a few tensor ops, whatever their number; the powers by torch's own pow) and
-    the products are taken in Python, which rounds a float64 product as torch does: the scales are bit for bit those
-    of computing it all with tensors.
+    """Per block of ``blocks``, its moment scales (``scales``: ``[2, blocks of the matrix]``) decayed by ``β₁^g``,
+    ``β₂^g`` over the ``g`` steps since ``last_step``, to just before step ``step_count``, as Python floats; 1 for
+    blocks never stepped. Products in Python round as torch's float64 ones, so the scales are bit for bit the same.
     """
     gaps = (step_count - 1 - last_step.index_select(0, blocks)).double()
     table = torch.cat([scales.index_select(1, blocks), torch.stack([betas[0]**gaps, betas[1]**gaps, gaps])]).tolist()
@@ -155,9 +136,8 @@ def new_first_scales(scale1: list[float], scale2: list[float], beta1: float) -> 
 
 
 class RowWorkspace:
-    """Buffers a gathered step reads the touched rows into: the weight, both moments, three per-row factors, the gaps,
-    the rows' last steps and the decay they owe. Kept at the most rows a step has touched so far (grown by doubling,
-    never shrunk), so a step allocates only when it touches more rows than every step before it.
+    """Buffers a gathered step reads the touched rows into (see :meth:`views`), grown by doubling and never shrunk, so
+    a step allocates only when it touches more rows than every step before it.
 
     Args:
         height: the matrix's rows (the most a step can touch).
@@ -174,8 +154,7 @@ class RowWorkspace:
         steps (int64) and the decay owed (float64)."""
         if count > self.capacity:
             self.capacity = min(max(count, 2 * self.capacity), self.height)
-            # Dtypes spelled out: this may run on a worker thread while the main thread's forward has changed
-            # torch's process-wide default dtype (Lightning's bf16-true precision does, during the forward).
+            # Dtypes spelled out: on a worker thread, the main thread's forward may have changed the default dtype.
             fp32 = torch.float32
             self.tensors = ([torch.empty(self.capacity, self.width, dtype=fp32) for _ in range(3)]
                             + [torch.empty(self.capacity, 1, dtype=fp32) for _ in range(4)]

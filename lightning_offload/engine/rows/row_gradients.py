@@ -1,19 +1,16 @@
-"""Row gradients of host matrices (MEFT's adapter keys and values), summed into host accumulators during backward
-on the engine's one host worker, while the main thread goes on with device work.
+"""Row gradients of host matrices (MEFT's adapter keys and values), summed into host accumulators during backward on the
+engine's one host worker while the main thread computes.
 
 Order on the worker is submission order, which is all the synchronisation the host state needs:
 
-1. during backward, each adapter's key and value gradients are copied device→host (on a GPU: on the link's copy
-   stream, into a reused pinned buffer; their squared norms are taken on the device first) and a job lands them:
-   the step's only gradient of a matrix is kept where it landed, further ones are summed into the adapter's
-   accumulators (:class:`~lightning_offload.engine.rows.row_landing.RowLanding`);
-2. at the optimizer step the main thread waits for those jobs (:meth:`RowGradients.flush`), checks the gradients,
-   and queues one Adam job per adapter on the same worker, after the other slots' host jobs;
-3. the next forward waits, adapter by adapter, only for the job of the adapter it is about to run (its slot's
-   :meth:`~lightning_offload.engine.slots.row_blocks_slot.RowBlocksSlot.wait`), so the first layers compute while the
-   host is still updating the last ones.
+1. in backward, each adapter's key and value gradients are copied device→host (on a GPU: on the link's copy stream, into
+   a reused pinned buffer) and a job lands them (:class:`~lightning_offload.engine.rows.row_landing.RowLanding`);
+2. at the optimizer step the main thread waits for those jobs (:meth:`RowGradients.flush`), checks the gradients, and
+   queues one Adam job per adapter on the same worker, after the other slots' host jobs;
+3. the next forward waits only for the job of the adapter it is about to run (its slot's ``wait``), so the first layers
+   compute while the host still updates the last ones.
 
-A failure on the worker is re-raised on the main thread at the next wait (see :class:`HostWorker`).
+A failure on the worker is re-raised on the main thread at the next wait (:class:`HostWorker`).
 """
 
 from __future__ import annotations
@@ -50,16 +47,14 @@ class _PinnedPool:
 
 
 class RowGradients:
-    """Row-gradient landing and host row jobs on an offload engine's worker and link, shared by the MEFT adapters of
-    one model.
+    """Row-gradient landing and host row jobs of one model's MEFT adapters, on an offload engine's worker and link.
 
     Args:
         worker: the engine's host worker (its one thread: no second worker runs beside it).
         link: the engine's device↔host link (its copy stream orders the device→host gradient copies on a GPU).
         squares_on_device: take each gradient's ``Σg²`` on the device before its copy, rather than on the host as it
-            lands. Default: on a GPU only (there one small reduction beside backward's kernels spares the host a
-            second pass over every landed gradient, up to ~1 ms per adapter matrix at the 1.3B shape; on the CPU
-            "device" both are the same cores).
+            lands. Default: on a GPU only (one small reduction beside backward's kernels spares the host a second pass
+            over every landed gradient; on the CPU "device" both are the same cores).
     """
 
     def __init__(self, worker: HostWorker, link: Link, squares_on_device: bool | None = None) -> None:
@@ -67,22 +62,18 @@ class RowGradients:
         self.link = link
         self._staging = _PinnedPool() if self.link.is_cuda else None
         self._squares_on_device = self.link.is_cuda if squares_on_device is None else squares_on_device
-        # The 2-norms (fp32, on the device) of the gradients handed over since the last step, when taken there:
-        # appended in backward (on a GPU, autograd's thread for the device) and read at the step's norm on the main
-        # thread once backward has returned, so never both at once.
+        # The device 2-norms (fp32) of the gradients handed over since the last step: appended in backward (on a GPU,
+        # autograd's device thread) and read on the main thread once backward has returned, so never both at once.
         self._device_norms: list[torch.Tensor] = []
         self._last: Job | None = None
         self.gradients_queued = 0  # row gradients handed to the worker so far (a cached norm checks it is current)
-        # Σ‖g‖² of the gradients summed since the last step, taken as each lands (while the rows are at hand), and
-        # whether it is the squared norm of the sums: true while no row received two gradients (no accumulation).
+        # Σ‖g‖² of the gradients landed this step, and whether it is the sums' squared norm (no row received two).
         self._square_sum = 0.0
         self._square_sum_is_norm = True
         self._busy_seconds = 0.0
         self._lock = threading.Lock()  # the busy-time counter is written by the worker, read by the main thread
-        # The row slots whose gradients land here, each accumulator's landing (by the accumulator's id: the owner's
-        # hooks hand over the accumulator), and this step's touched blocks per slot (their gradients prepared) and
-        # row-gradient norm once computed: keyed by how many gradients had been queued by then, so a later
-        # micro-batch invalidates them.
+        # The row slots landing here, each accumulator's landing (by id: hooks hand over the accumulator), and this
+        # step's prepared blocks and norm, keyed by the gradients queued so a later micro-batch invalidates them.
         self.slots: list[Any] = []
         self.landings: dict[int, RowLanding] = {}
         self._prepared: tuple[int, list[torch.Tensor]] | None = None
@@ -97,12 +88,10 @@ class RowGradients:
 
     def accumulate(self, rows: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor,
                    written: torch.Tensor) -> None:
-        """Queue ``accumulator[rows] += grad`` (called from an autograd hook; returns without waiting).
-
-        The step's gradient of a matrix is kept where it landed when it is its only one; otherwise rows not yet
-        ``written`` this step are copied into rather than added to (their old contents are a consumed step's), and
-        become written (:class:`~lightning_offload.engine.rows.row_landing.RowLanding`). The gradient crosses the link
-        in its own dtype (bf16 under autocast) and is widened on the host.
+        """Queue ``accumulator[rows] += grad`` from an autograd hook, without waiting. A matrix's only gradient of the
+        step is kept where it landed; otherwise rows not yet ``written`` this step are copied into, not added to
+        (:class:`~lightning_offload.engine.rows.row_landing.RowLanding`). The gradient crosses the link in its own dtype
+        and is widened on the host.
         """
         grad = grad.detach()
         landing = self.landings[id(accumulator)]
@@ -126,9 +115,8 @@ class RowGradients:
         # `source` (the device gradient) is only held, never read here: its memory must outlive the copy.
         start = time.perf_counter()
         self.link.host_wait(landed)
-        # With the process's threads, not one (engine/rows/host_threads.py): the squared norm taken here
-        # is a dot product, whose rounding depends on how many threads share it, and the step's norm
-        # (clipping) must stay what it was.
+        # With the process's threads, not one (engine/rows/host_threads.py): the squared norm taken here is a dot
+        # product, whose rounding depends on the thread count, and the step's norm (clipping) must not change.
         widened = grad if grad.dtype == landing.accumulator.dtype else grad.to(landing.accumulator.dtype)
         # A staging buffer goes back to its pool now, so a gradient still in it is added, not kept.
         square = landing.land(rows, widened, keep=buffer is None or widened is not grad,
@@ -151,8 +139,7 @@ class RowGradients:
                 return None
             square_sum = self._square_sum
         if self._device_norms:
-            # One read of the device's norms: it waits for the kernels queued before them, whose gradients the
-            # flush has already seen land, so it waits on nothing still running.
+            # One read of the device's norms: it waits only for kernels whose gradients the flush saw land.
             square_sum += float(torch.stack(self._device_norms).double().square().sum())
         return square_sum
 
@@ -182,12 +169,9 @@ class RowGradients:
 
     @torch.no_grad()
     def norm(self) -> torch.Tensor:
-        """2-norm of this step's summed row gradients (fp32, on the host; waits for the host to finish summing).
-
-        Once per step, shared by the non-finite check and norm clipping: summed as the gradients landed (no pass over
-        the accumulators) when no row received two gradients this step, else read in place over the touched blocks'
-        slices (no other row has a gradient). A non-finite gradient makes it non-finite.
-        """
+        """2-norm of this step's summed row gradients (fp32, on the host, once summed), shared by the non-finite check
+        and norm clipping: summed as the gradients landed when no row received two, else read over the touched blocks'
+        slices."""
         step_blocks = self.step_blocks()  # a new micro-batch's gradients reset the cached norm with the blocks
         if self._norm is None:
             landed = self.landed_square_sum()

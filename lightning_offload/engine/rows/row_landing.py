@@ -1,20 +1,13 @@
 """Where one host matrix's row gradients land during a step (MEFT's adapter keys, or values), and the gradient of
 each block the step then steps.
 
-A step that hands a matrix one gradient (no accumulation: a micro-batch per step) keeps that gradient where it landed,
-``[R, h]`` for its ``R`` sorted rows, instead of copying it into the full-size ``[N, h]`` accumulator as it lands: a
-block whose rows all have a gradient is stepped straight from its rows of the landed gradient (a view: its rows are
-consecutive there), and only blocks with rows left out (stepped whole, those rows with a zero gradient) are assembled
-in the accumulator at the step, those rows zeroed and the others copied in. (Routing usually leaves a few of an
-expert's neurons out, so most blocks are assembled: the copy is then the one landing it used to be, done at the step.)
-A second gradient of the step (accumulation) puts the kept one into the accumulator first, and from then on the step's
-sums are added there: a row's first gradient is copied in and marked ``written``, later ones added (so no pass ever
-zeroes the rows a step consumed).
+A step's only gradient of a matrix is kept where it landed (``[R, h]`` for its ``R`` sorted rows): a block whose rows
+all have a gradient is stepped from a view of it, and only blocks with rows left out are assembled in the full-size
+``[N, h]`` accumulator. A second gradient (accumulation) moves the kept one into the accumulator, where the step's sums
+are then added: a row's first gradient is copied in and marked ``written``, so no pass zeroes consumed rows.
 
-The numbers a block is stepped from are the same either way (the same gradient values, zeros where no gradient
-came), so the row Adam's results do not depend on which path the step took. Where the row Adam's native kernel
-steps the blocks (:mod:`~lightning_offload.engine.rows.native_row_adam`), nothing is assembled: it is told where the
-rows lie (:meth:`RowLanding.landed_rows`) and reads them there.
+Either way a block is stepped from the same numbers. The native kernel
+(:mod:`~lightning_offload.engine.rows.native_row_adam`) reads the rows where they lie (:meth:`RowLanding.landed_rows`).
 """
 
 from __future__ import annotations
@@ -27,9 +20,7 @@ from torch import Tensor
 from lightning_offload.engine.rows.host_threads import SMALL_OP_ELEMENTS
 from lightning_offload.engine.rows.native_row_adam import LandedRows
 
-# About what one small tensor op costs beside its work, in fp32 elements copied in the same time (~25 µs on this
-# project's CPU within a training step, its code and data out of the caches): how a step picks between copying rows
-# block by block and in one op.
+# One small tensor op's overhead, in fp32 elements copied in the same time: picks block-by-block or one-op copies.
 OP_COST_ELEMENTS = 65536
 
 
@@ -53,10 +44,9 @@ class KeptLayout:
 class RowLanding:
     """One matrix's accumulator and this step's landed gradient, if kept.
 
-    Thread discipline: :meth:`land` runs on the engine's worker as gradients arrive; :meth:`block_gradients`,
-    :meth:`materialize` and the reads run on the main thread once the worker has added every queued gradient
-    (:meth:`~lightning_offload.engine.rows.row_gradients.RowGradients.flush`); :meth:`forget` runs after the step, on
-    the worker, before any gradient of the next step can arrive (the next forward waits for the step).
+    Threads: :meth:`land` runs on the engine's worker; the reads run on the main thread once the worker has added every
+    queued gradient (:meth:`~lightning_offload.engine.rows.row_gradients.RowGradients.flush`); :meth:`forget` runs on
+    the worker after the step, before the next step's gradients (the next forward waits for the step).
 
     Args:
         accumulator: the full-size ``[N, h]`` fp32 accumulator (valid where ``written``).
@@ -73,9 +63,8 @@ class RowLanding:
         self.small = block_rows * accumulator.shape[1] < SMALL_OP_ELEMENTS
         #: The step's one gradient, kept where it landed: ``(rows, grad)``, rows sorted and unique.
         self.kept: tuple[Tensor, Tensor] | None = None
-        # Whether any row may be marked written (rows are marked only here, and a step's forget clears every block
-        # they lie in: the step's blocks are those of every row touched, a superset of the rows that got a gradient).
-        # Kept as a flag: a pass over the mask at every gradient cost as much as the rest of landing it.
+        # Whether any row may be marked written: a flag, since a pass over the mask per gradient costs as much as
+        # landing it.
         self._written = bool(written.any())
         # The accumulator as [blocks, block_rows, h], and its blocks as views (made once: a view per block).
         self._by_block = accumulator.view(self.num_blocks, block_rows, accumulator.shape[1])
@@ -179,10 +168,8 @@ class RowLanding:
         return None
 
     def _from_kept(self, grad: Tensor, block_list: list[int], layout: KeptLayout) -> list[Tensor]:
-        # Rows are sorted, so a block's rows are consecutive in the kept gradient: a whole block is a view of it.
-        # Blocks with rows left out are assembled in the accumulator: those rows zeroed (one op for them all), the
-        # others copied in, block by block, or all the kept rows in one op when the blocks left out are so many that
-        # their ops would cost more than copying the whole blocks' rows too.
+        # Rows are sorted, so a whole block is a view of the kept gradient; partial blocks are assembled in the
+        # accumulator, copied block by block or in one op, whichever OP_COST_ELEMENTS says is cheaper.
         rows = layout.rows
         out: list[Tensor] = []
         partial: list[tuple[int, int, int]] = []  # (block, start, count) in the kept gradient
@@ -211,8 +198,7 @@ class RowLanding:
         return out
 
     def _from_accumulator(self, blocks: Tensor, block_list: list[int]) -> list[Tensor]:
-        # The rows of the stepped blocks that no gradient reached may hold a consumed step's sum: zeroed (only
-        # they), and every row of the blocks then holds this step's sum.
+        # The stepped blocks' rows no gradient reached may hold a consumed step's sum: zero only them.
         in_blocks = torch.zeros(self.num_blocks, dtype=torch.bool).index_fill_(0, blocks, True)
         in_blocks = in_blocks.repeat_interleave(self.block_rows)
         idle = (in_blocks & ~self.written).nonzero().squeeze(1)

@@ -1,13 +1,9 @@
-"""``lsp_offload_ddp`` and ``zero_offload_ddp``: the offload strategies on Lightning's DDP,
-for several devices and nodes.
+"""``lsp_offload_ddp``, ``zero_offload_ddp``: the offload strategies on Lightning's DDP, for several devices and nodes.
 
-``Trainer(strategy="lsp_offload_ddp", devices=N, num_nodes=M)`` runs one process per device with Lightning's own
-launcher and process group. The model is not wrapped in ``DistributedDataParallel``: what crosses between ranks is
-decided by the offload optimizer (:mod:`lightning_offload.engine.lanes.ranks`): each projected weight's
-compressed gradient ``S`` (linear in the gradient, so summing the ranks' ``S`` is exact) and the dense gradients of the
-rest, bucketed and reduced during backward to the rank that owns each tensor's host Adam; the owners' updates are
-broadcast back. The host optimizer is sharded: each rank's host keeps and steps about ``1/(N·M)`` of the state, so ranks
-sharing a node do not duplicate it.
+One process per device (Lightning's launcher and process group), no ``DistributedDataParallel``: in backward the offload
+optimizer (:mod:`lightning_offload.engine.lanes.ranks`) reduces each projected weight's compressed gradient ``S``
+(linear in the gradient, so summing the ranks' is exact) and the rest's dense gradients, in buckets, to the rank owning
+each tensor's host Adam, which broadcasts the update back: each rank's host keeps about ``1/(N·M)`` of the state.
 """
 
 from __future__ import annotations
@@ -38,15 +34,13 @@ from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, docume
 
 
 class DDPOffload(OffloadMixin, DDPStrategy):
-    """The offload machinery on Lightning's DDP: what ``lsp_offload_ddp`` and ``zero_offload_ddp`` share. A strategy on
-    it builds its ``OffloadSettings`` first (a bad value is refused before anything is set up), then calls this
-    constructor and ``_configure_offload(settings)``.
+    """The offload machinery on Lightning's DDP: what ``lsp_offload_ddp`` and ``zero_offload_ddp`` share. A strategy
+    on it builds its ``OffloadSettings`` first, then calls this constructor and ``_configure_offload(settings)``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
-        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
-            (DDP's own default).
+        bucket_mb: largest gradient bucket reduced between ranks as one collective, in MiB. Default: ``25.0`` (DDP's).
     """
 
     sparse_embeddings_by_default = False
@@ -90,9 +84,7 @@ class DDPOffload(OffloadMixin, DDPStrategy):
 
     @override
     def _prepare_model(self) -> None:
-        # Not wrapped in DistributedDataParallel: the offload optimizer reduces the gradients (compressed ones for
-        # projected weights, which never fill param.grad). DDP's wrapper would also make every rank start from
-        # rank 0's weights; that is done here.
+        # No DDP wrapper: the offload optimizer reduces the gradients, and rank 0's weights are broadcast here.
         assert self.model is not None
         broadcast_weights(self.model)
 
@@ -103,8 +95,7 @@ class DDPOffload(OffloadMixin, DDPStrategy):
     @property
     @override
     def fit_agreement(self) -> FitAgreement:
-        # Lightning's own mean reduce (in place) and broadcast: every rank fits to the mean of the ranks' samples and
-        # installs rank 0's fit.
+        # Every rank fits to the ranks' mean sample (Lightning's in-place reduce) and installs rank 0's fit.
         return RankAgreement(lambda grad: self.reduce(grad, reduce_op="mean"), self.broadcast)
 
 
@@ -112,20 +103,14 @@ class DDPOffload(OffloadMixin, DDPStrategy):
 class LSPOffloadDDPStrategy(DDPOffload):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
-    Takes every offload argument of :class:`~lightning_offload.faces.trainer.offload.LSPOffloadStrategy` (``rank``,
-    ``density``, ``projectors``, ``link_dtype``, ``embeddings``, ``head``, …; gradients cross between ranks in
-    ``link_dtype``) and these of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy`. Registered as
-    ``strategy="lsp_offload_ddp"``.
+    Registered as ``strategy="lsp_offload_ddp"``. Gradients cross between ranks in ``link_dtype``; every rank draws
+    the same projectors (from ``seed``), and learned fits use the ranks' mean sampled gradient, installed from rank 0.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
-        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
-            (DDP's own default).
+        bucket_mb: largest gradient bucket reduced between ranks as one collective, in MiB. Default: ``25.0`` (DDP's).
         <offload settings>
-
-    Every rank must draw the same projectors: they are seeded by ``seed``, and learned fits are made on the mean of
-    the ranks' sampled gradients and installed from rank 0.
 
     Example::
 
@@ -190,17 +175,13 @@ class ZeroOffloadDDPStrategy(DDPOffload):
     """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
     rank that owns each tensor's share of the sharded host Adam.
 
-    The offload machinery of :class:`DDPOffload` with ``projection=False``, beside :class:`LSPOffloadDDPStrategy` rather
-    than a kind of it. Same arguments as :class:`LSPOffloadDDPStrategy` except the projection settings
-    (``projection`` is ``False`` here; ``rank``, ``density``, ``min_dim``, ``target_modules``, ``exclude_modules``,
-    ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every``, ``norm_growth_limit`` and
-    ``kernels`` would change nothing and are refused). Registered as ``strategy="zero_offload_ddp"``.
+    :class:`DDPOffload` with ``projection=False``, beside :class:`LSPOffloadDDPStrategy`, not a kind of it; the
+    projection settings are refused. Registered as ``strategy="zero_offload_ddp"``.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
-        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``
-            (DDP's own default).
+        bucket_mb: largest gradient bucket reduced between ranks as one collective, in MiB. Default: ``25.0`` (DDP's).
         <offload settings>
 
     Example::

@@ -1,13 +1,10 @@
-"""The single-device offload strategies: ``lsp_offload`` (:class:`LSPOffloadStrategy`) and ``zero_offload``
-(:class:`ZeroOffloadStrategy`), the shared offload machinery
-(:class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin`) on Lightning's single-device strategy. The
-names are registered by :mod:`lightning_offload.registries`.
+"""The single-device offload strategies, ``lsp_offload`` (:class:`LSPOffloadStrategy`) and ``zero_offload``
+(:class:`ZeroOffloadStrategy`): :class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin` on Lightning's
+single-device strategy, registered by :mod:`lightning_offload.registries`.
 
-``Trainer(strategy="lsp_offload")`` trains any LightningModule with LSP-Offload: at set-up the strategy rebinds the
-forward of every selected Linear/Conv1D so its backward yields a compressed gradient, and it replaces the Adam/AdamW
-from ``configure_optimizers`` by an :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` whose state lives
-on the host. ``zero_offload`` is the same machinery with projection off: full gradients cross the link and a dense
-host Adam steps them (the ZeRO-Offload-style baseline).
+At set-up they swap the Adam/AdamW of ``configure_optimizers`` for an
+:class:`~lightning_offload.engine.optimizer.OffloadOptimizer` with host state, and ``lsp_offload`` rebinds the forward
+of each selected Linear/Conv1D so its backward yields a compressed gradient.
 """
 
 from __future__ import annotations
@@ -36,14 +33,11 @@ def default_device() -> torch.device:
 
 class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
     """The offload machinery on Lightning's single-device strategy: what ``lsp_offload``, ``zero_offload`` and
-    ``meft_offload`` share. The device follows the Trainer's accelerator when none is given, and more than one
-    device is refused (naming the strategy's data-parallel form, where it has one). A strategy on it builds its
-    ``OffloadSettings`` first (a bad value is refused before anything is set up), then calls this constructor and
-    ``_configure_offload(settings)``.
+    ``meft_offload`` share; more than one device is refused. A strategy on it builds its ``OffloadSettings`` first,
+    then calls this constructor and ``_configure_offload(settings)``.
 
     Args:
-        device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
-            ``accelerator``).
+        device: the training device. Default: ``None`` (as the Trainer's ``accelerator``; CUDA when present, else CPU).
         accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
     """
 
@@ -106,15 +100,12 @@ class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
 class LSPOffloadStrategy(SingleDeviceOffload):
     """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
 
-    Registered as ``strategy="lsp_offload"`` (after ``import lightning_offload``); build it yourself to change the
-    settings below. ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW``, which the strategy steps on
-    the host; precision is ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+    Registered as ``strategy="lsp_offload"``; build it to change the settings. ``configure_optimizers`` returns one
+    ``torch.optim.Adam``/``AdamW``, stepped on the host; precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``.
 
     Args:
-        device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
-            ``accelerator`` when that names one).
-        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (filled in by the
-            Trainer). Default: ``None``.
+        device: the training device. Default: ``None`` (as the Trainer's ``accelerator``; CUDA when present, else CPU).
+        accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
         <offload settings>
 
     Example::
@@ -172,19 +163,13 @@ class LSPOffloadStrategy(SingleDeviceOffload):
 class ZeroOffloadStrategy(SingleDeviceOffload):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
-    The offload machinery of :class:`SingleDeviceOffload` with ``projection=False`` (set here), beside
-    :class:`LSPOffloadStrategy` rather than a kind of it; takes its arguments except
-    the projection settings (``projection``, ``rank``, ``density``, ``min_dim``, ``target_modules``,
-    ``exclude_modules``, ``projectors``, ``projector_factory``, ``update_buffers``, ``update``, ``redraw_every``,
-    ``norm_growth_limit``, ``kernels``), which would change nothing and are refused. Registered as
-    ``strategy="zero_offload"``.
+    :class:`SingleDeviceOffload` with ``projection=False``, beside :class:`LSPOffloadStrategy`, not a kind of it; the
+    projection settings are refused. Registered as ``strategy="zero_offload"``.
 
     Args:
-        device: the training device. Default: ``None`` (CUDA when present, else CPU, following the Trainer's
-            ``accelerator`` when that names one).
+        device: the training device. Default: ``None`` (as the Trainer's ``accelerator``; CUDA when present, else CPU).
         <offload settings>
-        accelerator, checkpoint_io, precision_plugin: as for :class:`LSPOffloadStrategy` (filled in by the
-            Trainer). Default: ``None``.
+        accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
 
     Example::
 

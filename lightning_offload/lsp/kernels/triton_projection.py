@@ -6,21 +6,16 @@ of ``P`` holds ``values[j, s]`` at the distinct rows ``indices[j, s]``. That ``(
 
 * :func:`expand_columns` (``m · P``) and :func:`update_rows_` (``W·decay + Pᵀ·half``) read a row of ``Pᵀ`` and
   *gather* the ``r`` rows/columns it names: ``O(r)`` work per output element, nothing dense formed.
-* :func:`compress_tokens` (``P · xᵀ``) would have to *scatter* from that layout (atomics: a nondeterministic sum)
-  or sort it into ``P``'s rows first. Instead each program forms a small dense tile of ``P`` in registers, comparing
-  index tiles with the tile's row numbers, and multiplies it with ``tl.dot``: deterministic, nothing dense in memory,
-  but a dense product's work (``d · n · T`` fp32 multiply-adds) and ``x`` read once per 64 rows of ``P``.
+* :func:`compress_tokens` (``P · xᵀ``) would have to *scatter* from that layout (atomics: a nondeterministic sum).
+  Instead each program forms a small dense tile of ``P`` in registers and multiplies it with ``tl.dot``:
+  deterministic and nothing dense in memory, at a dense product's work.
 
-Every product accumulates in fp32. bf16 inputs are converted on load (exactly). ``indices`` may be int16 or int32;
-they are widened to int32 in registers. Entries of ``indices`` outside ``[0, dim_out)`` are not checked (that needs a
-host sync per call) but are memory-safe: they contribute nothing.
+Every product accumulates in fp32. Entries of ``indices`` outside ``[0, dim_out)`` are not checked (that needs a host
+sync per call) but are memory-safe: they contribute nothing.
 
-Interpreter note (triton 3.9): whether ``triton.jit`` builds a compiled or an interpreted function is decided when it
-decorates, from ``TRITON_INTERPRET``. Triton's own library helpers (``tl.zeros``, ``tl.sum``, ``tl.randint``, …) are
-decorated when ``triton`` is imported, so they only work under the interpreter if the variable was set before that
-import. The kernels here therefore use builtins only (``tl.full``, not ``tl.zeros``; their own Philox, not
-``tl.randint``) and are decorated on first use, so the interpreter needs ``TRITON_INTERPRET=1`` only before the first
-call, whoever imported ``triton`` first.
+``triton.jit`` decides compiled or interpreted when it decorates, and triton's library helpers (``tl.zeros``,
+``tl.randint``, …) are decorated at ``import triton``. So the kernels use builtins only and are decorated on first use:
+``TRITON_INTERPRET=1`` then need only be set before the first call, whoever imported ``triton`` first.
 """
 
 from __future__ import annotations
@@ -41,15 +36,13 @@ except Exception:  # noqa: BLE001  (a broken triton install raises more than Imp
 
 __all__ = ["available", "compress_tokens", "expand_columns", "update_rows_"]
 
-#: The largest ``r`` accepted: the loop over a row's ``r`` entries is unrolled at compile time (its gathers then
-#: overlap), and one compiled variant per ``r`` is kept, so ``r`` must stay small.
+#: The largest ``r`` accepted: the loop over ``r`` is unrolled at compile time, one compiled variant per ``r``.
 _MAX_NNZ = 64
 
 #: Ten rounds: the count Philox4x32 is specified (and Crush-tested) with, and what ``tl.randint`` uses.
 _PHILOX_ROUNDS = 10
 
-#: Launch options of every kernel. Fused multiply-adds explicitly: one rounding instead of two (as accurate or more),
-#: and triton 3.9 warns that its unset default changes in 3.10.
+#: Launch options of every kernel; fused multiply-adds set explicitly since triton warns its default will change.
 _LAUNCH = {"num_warps": 4, "enable_fp_fusion": True}
 
 
@@ -80,8 +73,7 @@ def _compress_kernel(idx_ptr, val_ptr, x_ptr, out_ptr, n, tokens, dim_out, tiles
             idx = tl.load(idx_ptr + flat, mask=col_ok, other=-1).to(tl.int32)  # -1 matches no row
             val = tl.load(val_ptr + flat, mask=col_ok, other=0.0)
             tile += tl.where(rows[:, None] == idx[None, :], val[None, :], 0.0)
-        # "ieee": fp32 products and sums. The default on NVIDIA would be TF32 (10-bit mantissas), far outside the
-        # fp32 rounding the products are held to.
+        # "ieee": fp32 products and sums, not NVIDIA's default TF32, far outside the fp32 rounding held to.
         acc += tl.dot(tile, xt, input_precision="ieee")
     out = out_ptr + rows.to(tl.int64)[:, None] * tokens + toks[None, :]
     tl.store(out, acc, mask=(rows[:, None] < dim_out) & tok_ok[None, :])
@@ -89,8 +81,7 @@ def _compress_kernel(idx_ptr, val_ptr, x_ptr, out_ptr, n, tokens, dim_out, tiles
 
 def _expand_kernel(idx_ptr, val_ptr, m_ptr, out_ptr, k, n, dim_out, tiles_n, stride_mk, stride_md,
                    R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One program: a BLOCK_K × BLOCK_N tile of out = m · P, i.e. out[a, j] = Σ_s values[j, s] · m[a, indices[j, s]]:
-    # a gather of r columns of m per output column, O(r) work per output element.
+    # One program: a BLOCK_K × BLOCK_N tile of out = m · P, gathering r columns of m per output column.
     pid = tl.program_id(0)
     a = (pid // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
     j = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,13 +120,11 @@ def _update_kernel(w_ptr, idx_ptr, val_ptr, half_ptr, rows, cols, dim_out, tiles
         h = tl.load(half_ptr + idx.to(tl.int64)[:, None] * stride_hd + c_.to(tl.int64)[None, :] * stride_hc,
                     mask=hit[:, None] & c_ok[None, :], other=0.0)
         delta += val[:, None] * h
-    # The element's flat index in the (contiguous) weight: its address, and the random stream's counter, so the
-    # rounding is a function of (seed, element) alone, whatever the tiling or the device.
+    # The element's flat index: its address and the random counter, so rounding depends on (seed, element) alone.
     flat = r_.to(tl.int64)[:, None] * cols + c_[None, :]
     mask = r_ok[:, None] & c_ok[None, :]
     if BF16:
-        # The weight arrives as its int16 bit view: a bf16 is the top half of an fp32, so widening is a shift, and
-        # the result's bits are stored as they were formed (no float conversion that could re-round them).
+        # The weight arrives as its int16 bit view, so widening is a shift and no float conversion re-rounds it.
         bits16 = tl.load(w_ptr + flat, mask=mask, other=0)
         weight = (bits16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
@@ -144,16 +133,13 @@ def _update_kernel(w_ptr, idx_ptr, val_ptr, half_ptr, rows, cols, dim_out, tiles
     if BF16:
         bits = new.to(tl.uint32, bitcast=True)  # unsigned: the additions below wrap instead of overflowing
         is_num = (bits & 0x7FFFFFFF) <= 0x7F800000  # not NaN, on the bits: immune to any fast-math view of NaN
-        # Round to nearest, ties to even, on the bits (carries into the exponent, and into inf, come out right);
-        # NaN becomes the canonical quiet NaN, as torch's conversion gives.
+        # Round to nearest even on the bits; NaN becomes the canonical quiet NaN, as torch's conversion gives.
         nearest = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
         nearest = tl.where(is_num, nearest, 0x7FC0)
         if STOCHASTIC:
-            # Philox4x32-10 with counter (flat_lo, flat_hi, 0, 0) and key (seed_lo, seed_hi): the same stream as
-            # tl.randint(seed, flat), written out because tl.randint is a library helper (see the module docstring).
-            # The constants are Philox4x32's multipliers (0xD2511F53, 0xCD9E8D57) and key increments (0x9E3779B9,
-            # 0xBB67AE85) from Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"; literals, because a
-            # kernel may only read module globals that are tl.constexpr.
+            # Philox4x32-10, counter (flat_lo, flat_hi, 0, 0), key (seed_lo, seed_hi): tl.randint(seed, flat)'s
+            # stream, written out because tl.randint is a library helper (see the module docstring). The constants
+            # are Philox's (Salmon et al.), literals because a kernel reads only tl.constexpr module globals.
             c0 = flat.to(tl.uint32)
             c1 = (flat >> 32).to(tl.uint32)
             c2 = c0 * 0
@@ -163,11 +149,9 @@ def _update_kernel(w_ptr, idx_ptr, val_ptr, half_ptr, rows, cols, dim_out, tiles
                 c0, c1, c2, c3 = (tl.umulhi(c2, 0xCD9E8D57) ^ c1 ^ k0, c2 * 0xCD9E8D57,
                                   tl.umulhi(c0, 0xD2511F53) ^ c3 ^ k1, c0 * 0xD2511F53)
                 k0, k1 = k0 + 0x9E3779B9, k1 + 0xBB67AE85
-            # A uniform integer in [0, 2**16) added below the kept bits, then truncated: rounds the magnitude up with
-            # probability equal to the discarded fraction, so E[result] = new (sign-magnitude makes it symmetric).
+            # Add a uniform integer below the kept bits, then truncate: unbiased, E[result] = new.
             stochastic = (bits + (c0 & 0xFFFF)) >> 16
-            # A carry into the all-ones exponent (inf or a NaN pattern) and NaN inputs take plain rounding instead,
-            # so finite values never turn into inf by chance and inf/NaN keep their class.
+            # Plain rounding where that would reach inf/NaN, so finite values never become inf by chance.
             finite = (stochastic & 0x7F80) != 0x7F80
             rounded = tl.where(finite & is_num, stochastic, nearest)
         else:
@@ -182,8 +166,7 @@ def _update_kernel(w_ptr, idx_ptr, val_ptr, half_ptr, rows, cols, dim_out, tiles
 _KERNELS: dict[tuple[str, bool], Any] = {}
 _SOURCES: dict[str, Callable[..., None]] = {"compress": _compress_kernel, "expand": _expand_kernel,
                                              "update": _update_kernel}
-# Seeds change every call; without this triton would specialise on their value (== 1, divisible by 16) and compile
-# a variant per class.
+# Seeds change every call: not specialised on, or triton would compile a variant per value class.
 _NOT_SPECIALIZED = {"update": ["seed_lo", "seed_hi"]}
 
 
@@ -289,8 +272,7 @@ def compress_tokens(indices: Tensor, values: Tensor, dim_out: int, x: Tensor) ->
     out = torch.empty((dim_out, tokens), dtype=torch.float32, device=x.device)
     if tokens == 0:
         return out
-    # tl.dot needs every tile side ≥ 16; 64 × 64 outputs with 32-wide reduction chunks keep the fp32 accumulator at
-    # 32 registers a thread (4 warps) and the one-hot tile build (r compares per entry) small next to the dot.
+    # tl.dot needs every tile side ≥ 16; 64 × 64 outputs with 32-wide chunks keep the accumulator in registers.
     block_d = _pow2(dim_out, 16, 64)
     block_t = _pow2(tokens, 16, 64)
     block_n = 32
@@ -325,8 +307,7 @@ def expand_columns(indices: Tensor, values: Tensor, dim_out: int, m: Tensor) -> 
     out = torch.empty((k, n), dtype=torch.float32, device=m.device)
     if k == 0 or n == 0:
         return out
-    # Wide along n: the index/value loads and the output rows are contiguous there. 16 rows of m per program keep
-    # the gathered rows (16 × d floats) a cache-sized working set while each index load serves 16 outputs.
+    # Wide along n, where loads and output rows are contiguous; 16 rows of m keep the gathered rows cache-sized.
     block_k = _pow2(k, 1, 16)
     block_n = _pow2(n, 16, 128)
     tiles_n = triton.cdiv(n, block_n)
@@ -340,14 +321,9 @@ def update_rows_(weight: Tensor, indices: Tensor, values: Tensor, half: Tensor, 
                  seed: int | None) -> Tensor:
     """``W ← W·decay + Pᵀ·half`` in place, in one pass over ``W``; a bf16 ``W`` is rounded stochastically.
 
-    ``P`` is ``half.shape[0] × rows``; row ``ρ`` of the update is ``Σ_s values[ρ, s] · half[indices[ρ, s]]``. The
-    sum, the decay and the rounding happen in registers: each weight element is read once and written once, and no
-    temporary of the weight's size exists.
-
-    A bf16 result adds a uniform random integer in ``[0, 2¹⁶)`` to the fp32 bits and truncates the low 16 (unbiased
-    rounding; :mod:`lightning_offload.lsp.rounding`), falling back to round-to-nearest where that gives inf or NaN or
-    the value is NaN. The random integer is the low half of Philox4x32-10 at counter = the element's flat index,
-    key = ``seed`` (``tl.randint(seed, index)``'s stream): the same seed gives the same bits on any tiling.
+    ``P`` is ``half.shape[0] × rows``; no temporary of the weight's size exists. A bf16 result is rounded unbiasedly
+    (:mod:`lightning_offload.lsp.rounding`) with Philox keyed by ``seed`` and counted by element, so the same seed
+    gives the same bits on any tiling.
 
     Args:
         weight: ``rows × cols`` fp32 or bf16, contiguous; overwritten.
@@ -384,8 +360,7 @@ def update_rows_(weight: Tensor, indices: Tensor, values: Tensor, half: Tensor, 
     if weight.numel() == 0:
         return weight
     bf16 = weight.dtype == torch.bfloat16
-    # 16 rows × 128 columns: each gathered half row is a 512-byte coalesced run, and 2048 elements a program keep
-    # the fp32 delta at 16 registers a thread (4 warps) beside Philox's state.
+    # 16 × 128: each gathered half row is a coalesced run, and the delta stays in registers beside Philox's state.
     block_r = _pow2(rows, 1, 16)
     block_c = _pow2(cols, 16, 128)
     tiles_c = triton.cdiv(cols, block_c)
