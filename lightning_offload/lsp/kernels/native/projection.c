@@ -136,23 +136,36 @@ typedef struct {
 } CompressArgs;
 
 /* 16 x 16 floats transposed in registers: four stages, stage k swapping bit k of the row and the column index
- * (element (i, c + 2^k) with (i + 2^k, c) where bit k of i and c is clear), each one two-input shuffle per row. */
+ * (element (i, c + 2^k) with (i + 2^k, c) where bit k of i and c is clear), each one two-input shuffle per row. The
+ * shuffles' index vectors are constants and every loop is unrolled, so the 16 rows stay in registers: with the masks
+ * computed in a loop the compiler kept the rows on the stack and the transposition took half of a compression. */
 typedef int32_t lanes __attribute__((vector_size(TILE * sizeof(int32_t))));
 
-static void transpose_16x16(vec* rows) {
-    for (int k = 1; k < TILE; k <<= 1) {
-        lanes keep, take;
-        for (int c = 0; c < TILE; c++) {
-            keep[c] = (c & k) ? TILE + c - k : c;
-            take[c] = (c & k) ? TILE + c : c + k;
-        }
-        for (int i = 0; i < TILE; i++) {
-            if (i & k) continue;
-            vec a = rows[i], b = rows[i + k];
-            rows[i] = __builtin_shuffle(a, b, keep);
-            rows[i + k] = __builtin_shuffle(a, b, take);
-        }
-    }
+static const lanes KEEP1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+static const lanes TAKE1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+static const lanes KEEP2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+static const lanes TAKE2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+static const lanes KEEP4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+static const lanes TAKE4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+static const lanes KEEP8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const lanes TAKE8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+
+#define TRANSPOSE_STAGE(k)                                   \
+    do {                                                     \
+        _Pragma("GCC unroll 16")                             \
+        for (int i = 0; i < TILE; i++) {                     \
+            if (i & (k)) continue;                           \
+            vec a = rows[i], b = rows[i + (k)];              \
+            rows[i] = __builtin_shuffle(a, b, KEEP##k);      \
+            rows[i + (k)] = __builtin_shuffle(a, b, TAKE##k); \
+        }                                                    \
+    } while (0)
+
+static inline __attribute__((always_inline)) void transpose_16x16(vec* rows) {
+    TRANSPOSE_STAGE(1);
+    TRANSPOSE_STAGE(2);
+    TRANSPOSE_STAGE(4);
+    TRANSPOSE_STAGE(8);
 }
 
 static inline vec load_row(const CompressArgs* a, int64_t token, int64_t j0) {
