@@ -132,6 +132,11 @@ typedef struct {
     int index_size;
     const float* val;
     float* y;             /* d x T */
+    /* P by rows, built once a call (build_rows): row k's nonzeros are row_col/row_val[row_start[k] .. row_start[k+1]),
+     * their features ascending. */
+    const int32_t* row_start;
+    const int32_t* row_col;
+    const float* row_val;
     int status;
 } CompressArgs;
 
@@ -212,50 +217,97 @@ static void gather_tile(const CompressArgs* a, int64_t t0, int64_t width, vec* s
     }
 }
 
-/* Tiles of 32 tokens: each nonzero's index and weight, loaded once, serve two vector multiply-adds (measured on a
- * 2-core EPYC: 2.6 cycles a vector against 3.1 with tiles of 16; with contraction off, as the update needs). */
+/* Tiles of 32 tokens: each nonzero's index and weight, loaded once, serve two vector multiply-adds. */
 #define TOKENS (2 * TILE)
 
-/* Each nonzero (j, s) of P adds its weight times feature j of the tile's tokens into the accumulator row it names;
- * spelled once per index type, so the inner loop reads the indices in their own width. */
-#define ACCUMULATE_TILE(index_t)                                                     \
-    do {                                                                             \
-        const index_t* idx = (const index_t*)a->idx;                                 \
-        for (int64_t j = 0; j < n; j++) {                                            \
-            vec low = scratch[2 * j], high = scratch[2 * j + 1];                     \
-            for (int64_t s = 0; s < r; s++) {                                        \
-                int64_t k = idx[j * r + s];                                          \
-                float w = val[j * r + s];                                            \
-                acc[2 * k] += w * low;                                               \
-                acc[2 * k + 1] += w * high;                                          \
-            }                                                                        \
-        }                                                                            \
-    } while (0)
+/* P's nonzeros grouped by the row they land in (a counting sort of the indices; features ascending within a row,
+ * the order the sums have always taken), so that each output row is summed in registers and written once: adding
+ * each nonzero into an accumulator in memory instead read and wrote the accumulator at every nonzero. Returns the
+ * allocation (NULL when it could not be had), which the caller frees. */
+static void* build_rows(CompressArgs* a) {
+    const int64_t n = a->n, d = a->d, r = a->r, nnz = n * r;
+    void* block = malloc((size_t)(d + 1) * sizeof(int32_t) + (size_t)nnz * (sizeof(int32_t) + sizeof(float)));
+    if (!block) return NULL;
+    int32_t* start = (int32_t*)block;
+    int32_t* col = start + d + 1;
+    float* val = (float*)(col + nnz);
+    memset(start, 0, (size_t)(d + 1) * sizeof(int32_t));
+    for (int64_t e = 0; e < nnz; e++) start[index_at(a->idx, a->index_size, e) + 1]++;
+    for (int64_t k = 0; k < d; k++) start[k + 1] += start[k];
+    int32_t* next = (int32_t*)malloc((size_t)d * sizeof(int32_t));
+    if (!next) {
+        free(block);
+        return NULL;
+    }
+    memcpy(next, start, (size_t)d * sizeof(int32_t));
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t s = 0; s < r; s++) {
+            int32_t at = next[index_at(a->idx, a->index_size, j * r + s)]++;
+            col[at] = (int32_t)j;
+            val[at] = a->val[j * r + s];
+        }
+    }
+    free(next);
+    a->row_start = start;
+    a->row_col = col;
+    a->row_val = val;
+    return block;
+}
+
+/* Writes output row k of the tile (its first `width` tokens) from its two accumulator vectors. */
+static inline void store_row(const CompressArgs* a, int64_t k, int64_t t0, int64_t width, vec low, vec high) {
+    vec both[2] = {low, high};
+    memcpy(a->y + k * a->tokens + t0, both, (size_t)width * sizeof(float));
+}
+
+/* Output rows k0 and k0 + 1 at once (four independent sums, so the additions' latency overlaps). */
+static inline void sum_two_rows(const CompressArgs* a, const vec* scratch, int64_t k0, int64_t t0, int64_t width) {
+    vec low0 = {0}, high0 = {0}, low1 = {0}, high1 = {0};
+    int32_t p0 = a->row_start[k0], end0 = a->row_start[k0 + 1], p1 = end0, end1 = a->row_start[k0 + 2];
+    for (; p0 < end0 && p1 < end1; p0++, p1++) {
+        float w0 = a->row_val[p0], w1 = a->row_val[p1];
+        const vec* f0 = scratch + 2 * a->row_col[p0];
+        const vec* f1 = scratch + 2 * a->row_col[p1];
+        low0 += w0 * f0[0];
+        high0 += w0 * f0[1];
+        low1 += w1 * f1[0];
+        high1 += w1 * f1[1];
+    }
+    for (; p0 < end0; p0++) {
+        const vec* f = scratch + 2 * a->row_col[p0];
+        low0 += a->row_val[p0] * f[0];
+        high0 += a->row_val[p0] * f[1];
+    }
+    for (; p1 < end1; p1++) {
+        const vec* f = scratch + 2 * a->row_col[p1];
+        low1 += a->row_val[p1] * f[0];
+        high1 += a->row_val[p1] * f[1];
+    }
+    store_row(a, k0, t0, width, low0, high0);
+    store_row(a, k0 + 1, t0, width, low1, high1);
+}
 
 static void compress_share(void* raw, int64_t first_tile, int64_t end_tile) {
     CompressArgs* a = (CompressArgs*)raw;
-    /* Feature-major scratch of one tile of tokens (2n vectors) and the tile's accumulator (2d vectors). */
-    vec* scratch = (vec*)aligned_alloc(64, (size_t)(2 * a->n + 2 * a->d) * sizeof(vec));
+    /* Feature-major scratch of one tile of tokens: 2n vectors. */
+    vec* scratch = (vec*)aligned_alloc(64, (size_t)(2 * a->n) * sizeof(vec));
     if (!scratch) {
         a->status = 1;
         return;
     }
-    vec* acc = scratch + 2 * a->n;
-    const int64_t n = a->n, d = a->d, r = a->r;
-    const float* val = a->val;
     for (int64_t tile = first_tile; tile < end_tile; tile++) {
         int64_t t0 = tile * TOKENS, width = a->tokens - t0 < TOKENS ? a->tokens - t0 : TOKENS;
         gather_tile(a, t0, width, scratch);
-        memset(acc, 0, (size_t)(2 * d) * sizeof(vec));
-        if (a->index_size == 2) {
-            ACCUMULATE_TILE(int16_t);
-        } else {
-            ACCUMULATE_TILE(int32_t);
-        }
-        if (width == TOKENS) {
-            for (int64_t k = 0; k < d; k++) memcpy(a->y + k * a->tokens + t0, &acc[2 * k], 2 * sizeof(vec));
-        } else {
-            for (int64_t k = 0; k < d; k++) memcpy(a->y + k * a->tokens + t0, &acc[2 * k], (size_t)width * 4);
+        int64_t k = 0;
+        for (; k + 2 <= a->d; k += 2) sum_two_rows(a, scratch, k, t0, width);
+        if (k < a->d) {
+            vec low = {0}, high = {0};
+            for (int32_t p = a->row_start[k]; p < a->row_start[k + 1]; p++) {
+                const vec* f = scratch + 2 * a->row_col[p];
+                low += a->row_val[p] * f[0];
+                high += a->row_val[p] * f[1];
+            }
+            store_row(a, k, t0, width, low, high);
         }
     }
     free(scratch);
@@ -264,8 +316,11 @@ static void compress_share(void* raw, int64_t first_tile, int64_t end_tile) {
 /* Y (d x T) = P X^T. Returns 0, or 1 when scratch memory could not be had (Y is then incomplete). */
 int lo_compress_tokens(const void* x, int x_bf16, int64_t x_stride, int64_t tokens, int64_t n, const void* idx,
                        int index_size, const float* val, int64_t r, int64_t d, float* y, int threads) {
-    CompressArgs args = {x, x_bf16, x_stride, tokens, n, d, r, idx, index_size, val, y, 0};
+    CompressArgs args = {x, x_bf16, x_stride, tokens, n, d, r, idx, index_size, val, y, NULL, NULL, NULL, 0};
+    void* rows = build_rows(&args);
+    if (!rows) return 1;
     parallel_for(compress_share, &args, (tokens + TOKENS - 1) / TOKENS, threads);
+    free(rows);
     return args.status;
 }
 
