@@ -159,11 +159,14 @@ class NativeKernel:
 
         return native_projection() is not None
 
-    @staticmethod
-    def _kernels():  # noqa: ANN205  (NativeProjection; imported lazily)
-        from lightning_offload.lsp.kernels.native import native_projection  # noqa: PLC0415
+    _loaded = None
 
-        return native_projection()
+    def _kernels(self):  # noqa: ANN202  (NativeProjection; imported lazily, kept: a step asks per product and layer)
+        if self._loaded is None:
+            from lightning_offload.lsp.kernels.native import native_projection  # noqa: PLC0415
+
+            self._loaded = native_projection()
+        return self._loaded
 
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         return self._kernels().compress_tokens(projector.indices, projector.values.detach(), projector.dim_out, x)

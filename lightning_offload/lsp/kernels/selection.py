@@ -40,8 +40,8 @@ log = logging.getLogger("lightning_offload")
 KERNEL_POLICIES = ("auto", *KERNELS)
 #: Timed calls of each kernel per product, interleaved round by round so that machine noise hits each alike.
 _ROUNDS = 3
-#: Bump when the kernels change: choices kept on disk for older kernels are timed anew.
-_CHOICES_VERSION = 1
+#: Bump when the kernels change: choices kept on disk for older kernels are timed anew (2: each kept with its time).
+_CHOICES_VERSION = 2
 
 
 @dataclass
@@ -50,7 +50,8 @@ class Choice:
 
     Attributes:
         kernel: the chosen kernel's name.
-        milliseconds: each timed kernel's median milliseconds (empty when forced or read from disk without them).
+        milliseconds: each timed kernel's milliseconds (the fastest of its rounds); read from disk, the chosen
+            kernel's alone; empty when forced, unless the selector measures forced kernels.
         how: ``"timed"``, ``"cached"`` (read from this machine's choices), ``"forced"`` or ``"rank 0's"`` (under
             data parallelism, an update's kernel as rank 0 chose it).
     """
@@ -78,6 +79,7 @@ class KernelSelector:
     Args:
         policy: ``"auto"`` or a kernel's name (:data:`KERNEL_POLICIES`).
         persist: read and write this machine's choices on disk (``False``: time in this process only).
+        measure: time a forced kernel too (the planner's use: it predicts a run's projections from these times).
 
     Example::
 
@@ -86,9 +88,10 @@ class KernelSelector:
         selector.choices                              # {'compress_tokens n=1024 d=256 r=8 T=1024 float32 cpu': ...}
     """
 
-    def __init__(self, policy: str = "auto", persist: bool = True) -> None:
+    def __init__(self, policy: str = "auto", persist: bool = True, measure: bool = False) -> None:
         self.policy = validate_policy(policy)
         self.persist = persist
+        self.measure = measure
         self.choices: dict[str, Choice] = {}
         #: Distinct products per chosen kernel (a live figure the engine's telemetry logs as
         #: ``offload/kernel_products/<kernel>``).
@@ -96,28 +99,28 @@ class KernelSelector:
         #: Under data parallelism, rank 0's choice handed to every rank (set by the engine's set-up): each rank applies
         #: the same update to its replica, and only the same kernel rounds it alike on every rank.
         self.agree: Callable[[str], str] | None = None
-        self._kernels: dict[str, ProjectionKernel] = {}
+        # Each product's kernel by its sizes as a tuple: a step looks one up per product and layer, and the key's
+        # text (what the choices and the log show) is built only for a product not chosen yet.
+        self._kernels: dict[tuple, ProjectionKernel] = {}
 
     # ------------------------------------------------------------------------------------------- the products
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         """``P · xᵀ`` (``d × T``) by the kernel chosen for this product."""
-        key = _key("compress_tokens", x.device, x.dtype, n=projector.dim_in, d=projector.dim_out,
-                   r=projector.nnz_per_column, T=x.shape[0])
-        kernel = self._kernel(key, x.device, lambda k: k.compress_tokens(projector, x), projector)
+        sizes = dict(n=projector.dim_in, d=projector.dim_out, r=projector.nnz_per_column, T=x.shape[0])
+        kernel = self._kernel("compress_tokens", sizes, x, lambda k: k.compress_tokens(projector, x), projector)
         return kernel.compress_tokens(projector, x)
 
     def expand_columns(self, projector: SparseProjector, matrix: Tensor) -> Tensor:
         """``matrix · P`` (``k × n`` fp32) by the kernel chosen for this product."""
-        key = _key("expand_columns", matrix.device, matrix.dtype, n=projector.dim_in, d=projector.dim_out,
-                   r=projector.nnz_per_column, k=matrix.shape[0])
-        kernel = self._kernel(key, matrix.device, lambda k: k.expand_columns(projector, matrix), projector)
+        sizes = dict(n=projector.dim_in, d=projector.dim_out, r=projector.nnz_per_column, k=matrix.shape[0])
+        kernel = self._kernel("expand_columns", sizes, matrix, lambda k: k.expand_columns(projector, matrix),
+                              projector)
         return kernel.expand_columns(projector, matrix)
 
     def update_rows_(self, weight: Tensor, projector: SparseProjector, half: Tensor, decay: float,
                      generator: torch.Generator | None) -> None:
         """``weight ← weight·decay + Pᵀ·half`` in place by the kernel chosen for this product."""
-        key = _key("update_rows", weight.device, weight.dtype, rows=weight.shape[0], cols=weight.shape[1],
-                   d=projector.dim_out, r=projector.nnz_per_column)
+        sizes = dict(rows=weight.shape[0], cols=weight.shape[1], d=projector.dim_out, r=projector.nnz_per_column)
 
         def timed(kernel: ProjectionKernel) -> None:
             # On a copy, with a generator of its own: timing must leave the weight and the layer's rounding alone.
@@ -125,13 +128,17 @@ class KernelSelector:
             own = torch.Generator(device=weight.device).manual_seed(0)
             kernel.update_rows_(scratch, projector, half, decay, own)
 
-        self._kernel(key, weight.device, timed, projector).update_rows_(weight, projector, half, decay, generator)
+        self._kernel("update_rows", sizes, weight, timed, projector).update_rows_(weight, projector, half, decay,
+                                                                                 generator)
 
     # --------------------------------------------------------------------------------------------- choosing
-    def _kernel(self, key: str, device: torch.device, call: Callable[[ProjectionKernel], Any],
+    def _kernel(self, product: str, sizes: dict[str, int], operand: Tensor, call: Callable[[ProjectionKernel], Any],
                 projector: SparseProjector) -> ProjectionKernel:
-        kernel = self._kernels.get(key)
+        device = operand.device
+        shape = (product, *sizes.values(), operand.dtype, device)
+        kernel = self._kernels.get(shape)
         if kernel is None:
+            key = _key(product, device, operand.dtype, **sizes)
             choice = self._choose(key, device, call)
             if self.agree is not None and not key.startswith("compress_tokens"):
                 # Compressed gradients are summed between ranks whatever rounds them; an update must round alike.
@@ -142,7 +149,7 @@ class KernelSelector:
                                        f"kernels='csr' (runs everywhere) to the strategy.")
             self.choices[key] = choice
             self.products[choice.kernel] = self.products.get(choice.kernel, 0) + 1
-            kernel = self._kernels[key] = KERNELS[choice.kernel]
+            kernel = self._kernels[shape] = KERNELS[choice.kernel]
             if choice.kernel != "csr":
                 # Timing the CSR kernel built CSR forms of the projector that only it reads: not kept for nothing
                 # (a product of this projector that runs on csr builds them again, once).
@@ -153,24 +160,31 @@ class KernelSelector:
         if self.policy != "auto":
             forced = KERNELS[self.policy]
             if forced.applies(device):
-                return Choice(forced.name, how="forced")
+                timed = _time_kernels([forced], device, call).milliseconds if self.measure else {}
+                return Choice(forced.name, timed, how="forced")
             warnings.warn(f"kernels={self.policy!r} cannot run on {device} here (see the log for why); the "
                           f"projections use torch's CSR kernels ('csr') instead.", stacklevel=4)
             self.policy = "csr"
             return Choice("csr", how="forced")
         stored = _stored_choices().get(key) if self.persist else None
-        if stored is not None and stored in KERNELS and KERNELS[stored].applies(device):
-            return Choice(stored, how="cached")
+        if stored is not None and stored.get("kernel") in KERNELS and KERNELS[stored["kernel"]].applies(device):
+            return Choice(stored["kernel"], {stored["kernel"]: stored["ms"]}, how="cached")
         choice = _time_kernels([k for k in KERNELS.values() if k.applies(device)], device, call)
         log.info("lightning_offload kernels: %s -> %s (%s)", key, choice.kernel,
                  ", ".join(f"{name} {ms:.3f} ms" for name, ms in choice.milliseconds.items()))
         if self.persist:
-            _store_choice(key, choice.kernel)
+            _store_choice(key, choice.kernel, choice.milliseconds[choice.kernel])
         return choice
 
     def summary(self) -> dict[str, str]:
         """Each product's chosen kernel (its key to the kernel's name), for the run's record."""
         return {key: choice.kernel for key, choice in self.choices.items()}
+
+    def milliseconds(self, key: str) -> float | None:
+        """The time of the kernel chosen for the product ``key`` as timed on this device (here or in an earlier run
+        kept on disk); ``None`` when it was forced unmeasured or is not chosen yet."""
+        choice = self.choices.get(key)
+        return None if choice is None else choice.milliseconds.get(choice.kernel)
 
 
 def kernel_choices(layers: Iterable[Any]) -> dict[str, str]:
@@ -228,25 +242,29 @@ def _choices_path() -> Path:
     return cache_root() / "kernels" / "choices.json"
 
 
-_MEMORY: dict[str, dict[str, str]] = {}
+_MEMORY: dict[str, dict[str, dict[str, Any]]] = {}
 
 
-def _stored_choices() -> dict[str, str]:
-    """This machine's kept choices (read once per process; an unreadable file is no choices)."""
+def _stored_choices() -> dict[str, dict[str, Any]]:
+    """This machine's kept choices, each ``{"kernel": name, "ms": its time}`` (read once per process; an unreadable
+    file is no choices)."""
     machine = _machine()
     if machine not in _MEMORY:
         try:
             stored = json.loads(_choices_path().read_text())
         except (OSError, ValueError):
             stored = {}
-        _MEMORY[machine] = dict(stored.get(machine, {})) if isinstance(stored, dict) else {}
+        mine = stored.get(machine, {}) if isinstance(stored, dict) else {}
+        _MEMORY[machine] = {key: value for key, value in mine.items()
+                            if isinstance(value, dict) and isinstance(value.get("ms"), (int, float))}
     return _MEMORY[machine]
 
 
-def _store_choice(key: str, kernel: str) -> None:
-    """Adds one choice to this machine's on disk (written whole to a temporary file, then renamed into place)."""
+def _store_choice(key: str, kernel: str, milliseconds: float) -> None:
+    """Adds one choice and its time to this machine's on disk (written whole to a temporary file, then renamed into
+    place)."""
     choices = _stored_choices()
-    choices[key] = kernel
+    choices[key] = {"kernel": kernel, "ms": milliseconds}
     path = _choices_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +273,7 @@ def _store_choice(key: str, kernel: str) -> None:
         except (OSError, ValueError):
             everything = {}
         everything = everything if isinstance(everything, dict) else {}
-        everything[_machine()] = {**everything.get(_machine(), {}), key: kernel}
+        everything[_machine()] = {**everything.get(_machine(), {}), key: choices[key]}
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(json.dumps(everything, indent=1, sort_keys=True))
         os.replace(scratch, path)
