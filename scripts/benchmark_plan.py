@@ -1,6 +1,7 @@
-"""The planner against measured runs (issue 44 item 4): on this CPU, for three shapes (a small LLaMA, a GPT-2 shape,
-the real SmolLM2-135M; fp32), the plan's host bytes and link bytes per step against the engine's telemetry, and the
-predicted step-time ratio of ``lsp_offload`` to plain fused AdamW against the measured one.
+"""The planner against measured runs (issue 44 item 4, issue 55 item 6): on this CPU, for five shapes (a small LLaMA, a
+GPT-2 shape, the real SmolLM2-135M, and the two shapes of ``benchmark_small_step.py``; fp32), the plan's host bytes
+and link bytes per step against the engine's telemetry, and the predicted step-time ratio of ``lsp_offload`` to plain
+fused AdamW against the measured one.
 
 Each shape trains a few steps with plain fused AdamW and with ``lightning_offload.offload(..., "lsp_offload")`` (a
 loop of its own, no Lightning), interleaved over ``--repeats`` so that machine noise hits both alike; a run's figure is
@@ -9,6 +10,7 @@ the start (``calibrate(cache=False)``), and the CPU and torch are printed with e
 
     python scripts/benchmark_plan.py --repeats 3
     python scripts/benchmark_plan.py --shapes llama gpt2     # without SmolLM2
+    python scripts/benchmark_plan.py --shapes small h1024 --threads 2   # issue 55's shapes, as the small step runs
 """
 
 from __future__ import annotations
@@ -32,9 +34,17 @@ SHAPES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
     "gpt2": (lambda: tiny_gpt2(vocab_size=8192, hidden=256, layers=4, heads=4, intermediate=1024, seed=0), 8, 128),
     "smollm2": (lambda: __import__("lightning_offload.models.smollm2", fromlist=["load_smollm2"]).load_smollm2()[0],
                 4, 128),
+    # The two shapes of scripts/benchmark_small_step.py (issue 55's): hidden 256 with a 256-token vocabulary, and
+    # hidden 1024, each 4 layers, tied, 8×128 tokens.
+    "small": (lambda: tiny_llama(vocab_size=256, hidden=256, intermediate=704, heads=8, kv_heads=4, layers=4, seed=0),
+              8, 128),
+    "h1024": (lambda: tiny_llama(vocab_size=8192, hidden=1024, intermediate=2816, heads=8, kv_heads=4, layers=4,
+                                 seed=0), 8, 128),
 }
 NAMES = {"llama": "small LLaMA (h256, 4 layers, vocab 8192, untied)",
-         "gpt2": "GPT-2 shape (h256, 4 layers, vocab 8192)", "smollm2": "SmolLM2-135M (real weights, tied)"}
+         "gpt2": "GPT-2 shape (h256, 4 layers, vocab 8192)", "smollm2": "SmolLM2-135M (real weights, tied)",
+         "small": "small step's small shape (h256, 4 layers, vocab 256, tied)",
+         "h1024": "small step's hidden 1024 (4 layers, vocab 8192, tied)"}
 
 
 def _batch(model: torch.nn.Module, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -71,8 +81,9 @@ def measure(shape: str, strategy: str, steps: int, warmup: int) -> tuple[float, 
 
 def planned(shape: str, strategy: str, hw: Hardware):
     build, batch, seq = SHAPES[shape]
+    # loss="model": the loop above trains on the model's own loss.
     return plan(build(), strategy, batch_size=batch, seq_len=seq, device_memory="24GiB", precision="32-true",
-                hardware=hw, device="cpu")
+                hardware=hw, device="cpu", loss="model")
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from lightning_offload.planning.plan import parse_bytes, plan
 from lightning_offload.planning.report import prediction_errors
 
 #: Fixed speeds, so that no test calibrates (and no figure depends on this machine's load).
-CPU = Hardware("test CPU", "cpu", 1e11, 1e-9, 1e-9, 1e-5, 1e10, 1e10, 1e10, 1e10, 0, 64 * 2**30, 1e-4, measured=False)
+CPU = Hardware("test CPU", "cpu", 1e11, 1e-9, 1e-5, 1e10, 1e10, 1e10, 1e10, 0, 64 * 2**30, 1e-4, measured=False)
 TOKENS = (2, 16)
 
 

@@ -190,6 +190,9 @@ def test_auto_times_every_kernel_that_applies_and_keeps_the_fastest(
     later.compress_tokens(projector, x)
     assert timed == [] and later.choices[next(iter(later.choices))].how == "cached"
     assert later.summary() == selector.summary()
+    # With its time (what a plan predicts the product by: planning/projection_time.py).
+    key = "compress_tokens n=256 d=64 r=8 T=256 float32 cpu"
+    assert later.milliseconds(key) == selector.milliseconds(key) == choice.milliseconds[choice.kernel]
     assert (isolated_choices / "kernels" / "choices.json").is_file()
 
 

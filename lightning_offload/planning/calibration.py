@@ -1,10 +1,11 @@
 """The machine's speeds a step-time prediction needs, measured in about a second (:func:`calibrate`) and kept per
 machine under the cache root, or taken from a named hardware profile (:data:`PROFILES`).
 
-Measured: the device's matmul rate in the compute dtype, the rate of the sparse products that compress gradients
-(``lsp/projector.py``'s own kernels), the host's fused Adam per element and per call (the engine's host step is one
-``torch.optim.Adam(fused=True)`` per tensor), the host's memory bandwidth (memcpy: the CPU device's "link" and its
-elementwise passes), and on CUDA the pinned copies each way and the device's own memory bandwidth.
+Measured: the device's matmul rate in the compute dtype, the host's fused Adam per element and per call (the
+engine's host step is one ``torch.optim.Adam(fused=True)`` per tensor), the host's memory bandwidth (memcpy: the CPU
+device's "link" and its elementwise passes), and on CUDA the pinned copies each way and the device's own memory
+bandwidth. The projected layers' products are not a rate here: a plan times them per shape by the kernels a run
+chooses (:mod:`~lightning_offload.planning.projection_time`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from pathlib import Path
 import torch
 
 from lightning_offload.cache import cache_root
-from lightning_offload.lsp.projector import random_projector
 
 log = logging.getLogger(__name__)
 
 #: Bump when what is measured changes: older cached calibrations are then measured anew.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,6 @@ class Hardware:
         name: the machine, in words (the CPU, the GPU, torch's version).
         device: ``"cpu"`` or ``"cuda"``: whether host and device share the cores (no overlap on the CPU).
         matmul_flops: device matmul FLOP/s in the compute dtype.
-        sparse_seconds_per_nonzero_column: device seconds per projector nonzero per column it multiplies.
         adam_seconds_per_element: host fused Adam, per element.
         adam_seconds_per_call: host fused Adam, per tensor stepped (dispatch and launch).
         host_bandwidth: host memory bandwidth (bytes/s) of a copy.
@@ -48,13 +47,13 @@ class Hardware:
         host_memory: bytes of host memory.
         seconds_per_offloaded_tensor: the engine's fixed cost per offloaded tensor and step beyond its arithmetic and
             its Adam call (hooks, the send, the slot's step and apply, Python).
-        measured: whether these were measured on this machine (``False``: a named profile's assumed figures).
+        measured: whether these were measured on this machine (``False``: a named profile's assumed figures; its
+            projections are then predicted at the memory floor, not timed).
     """
 
     name: str
     device: str
     matmul_flops: float
-    sparse_seconds_per_nonzero_column: float
     adam_seconds_per_element: float
     adam_seconds_per_call: float
     host_bandwidth: float
@@ -72,12 +71,12 @@ _GIB = 2**30
 #: ~70% of the dense bf16 peak, links what pinned copies reach on their PCIe generation, host Adam ~4× this
 #: project's 2-core figure for a 16-core host, the engine's fixed cost per tensor a guess.
 PROFILES: dict[str, Hardware] = {
-    "h200": Hardware("NVIDIA H200 (assumed: 700 TFLOP/s bf16, 4.8 TB/s, PCIe 5 ~50 GB/s)", "cuda", 700e12, 2e-12,
+    "h200": Hardware("NVIDIA H200 (assumed: 700 TFLOP/s bf16, 4.8 TB/s, PCIe 5 ~50 GB/s)", "cuda", 700e12,
                      1.2e-10, 20e-6, 40e9, 4.0e12, 50e9, 50e9, 141 * 10**9, 1024 * _GIB, 50e-6, False),
-    "rtx4090": Hardware("RTX 4090 (assumed: 150 TFLOP/s bf16, 1 TB/s, PCIe 4 ~25 GB/s)", "cuda", 150e12, 8e-12,
+    "rtx4090": Hardware("RTX 4090 (assumed: 150 TFLOP/s bf16, 1 TB/s, PCIe 4 ~25 GB/s)", "cuda", 150e12,
                         2.5e-10, 20e-6, 25e9, 0.9e12, 25e9, 25e9, 24 * _GIB, 64 * _GIB, 50e-6, False),
     "laptop-4gb": Hardware("4 GiB laptop GPU (assumed: 20 TFLOP/s fp16, 190 GB/s, PCIe 3 ~12 GB/s)", "cuda", 20e12,
-                           4e-11, 5e-10, 30e-6, 15e9, 0.19e12, 12e9, 12e9, 4 * _GIB, 16 * _GIB, 80e-6, False),
+                           5e-10, 30e-6, 15e9, 0.19e12, 12e9, 12e9, 4 * _GIB, 16 * _GIB, 80e-6, False),
 }
 
 
@@ -104,15 +103,6 @@ def _adam_rates() -> tuple[float, float]:
     small = _best_seconds(stepper(64), 20)
     large = _best_seconds(stepper(1 << 22), 3)
     return max(large - small, 1e-12) / (1 << 22), small
-
-
-def _sparse_rate(device: torch.device) -> float:
-    """Seconds per projector nonzero per column of the gradient-compression product on ``device``."""
-    size, columns, density = 2048, 256, 8
-    projector = random_projector(size, size // 4, density, torch.Generator().manual_seed(0), device)
-    block = torch.randn(size, columns, device=device)
-    seconds = _best_seconds(lambda: projector.compress_rows(block), 10, _sync(device))
-    return seconds / (size * density * columns)
 
 
 def _offload_overhead(device: torch.device, per_call: float) -> float:
@@ -164,11 +154,10 @@ def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     per_element, per_call = _adam_rates()
     source, target = torch.randn(1 << 24), torch.empty(1 << 24)
     host_bandwidth = 2 * source.nbytes / _best_seconds(lambda: target.copy_(source), 3)
-    sparse = _sparse_rate(device)
     overhead = _offload_overhead(device, per_call)
     name = _cpu_name()
     if device.type != "cuda":
-        return Hardware(name, "cpu", matmul, sparse, per_element, per_call, host_bandwidth, host_bandwidth,
+        return Hardware(name, "cpu", matmul, per_element, per_call, host_bandwidth, host_bandwidth,
                         host_bandwidth, host_bandwidth, 0, host_memory(), overhead)
     pinned = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(1 << 26, dtype=torch.uint8, device=device)
@@ -177,7 +166,7 @@ def measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     other = torch.empty_like(on_device)
     device_bandwidth = 2 * on_device.nbytes / _best_seconds(lambda: other.copy_(on_device), 3, sync)
     gpu = torch.cuda.get_device_properties(device)
-    return Hardware(f"{gpu.name}; host {name}", "cuda", matmul, sparse, per_element, per_call, host_bandwidth,
+    return Hardware(f"{gpu.name}; host {name}", "cuda", matmul, per_element, per_call, host_bandwidth,
                     device_bandwidth, to_host, to_device, gpu.total_memory, host_memory(), overhead)
 
 
@@ -208,10 +197,9 @@ AGREEMENT = 1.5
 MEASUREMENTS = 3
 # Each figure of a Hardware a measurement sets, with whether larger is faster and the smallest value told apart
 # (the engine's overhead per tensor may measure as 0: below a microsecond, two figures agree).
-_FIGURES = {"matmul_flops": (True, 1.0), "sparse_seconds_per_nonzero_column": (False, 1e-15),
-            "adam_seconds_per_element": (False, 1e-15), "adam_seconds_per_call": (False, 1e-9),
-            "host_bandwidth": (True, 1.0), "device_bandwidth": (True, 1.0), "link_to_host": (True, 1.0),
-            "link_to_device": (True, 1.0), "seconds_per_offloaded_tensor": (False, 1e-6)}
+_FIGURES = {"matmul_flops": (True, 1.0), "adam_seconds_per_element": (False, 1e-15),
+            "adam_seconds_per_call": (False, 1e-9), "host_bandwidth": (True, 1.0), "device_bandwidth": (True, 1.0),
+            "link_to_host": (True, 1.0), "link_to_device": (True, 1.0), "seconds_per_offloaded_tensor": (False, 1e-6)}
 
 
 def _agree(first: Hardware, second: Hardware) -> bool:

@@ -4,9 +4,9 @@ and the machine's speeds.
 - **Device compute.** Matmuls: ``2·T`` FLOPs per weight element forward, as much again for the input gradients, and
   for each weight whose gradient autograd forms (dense, device, scaled) as much again for it; attention
   ``4·T·s·h`` per block forward and twice that backward. A projected weight's gradient GEMM is replaced by the
-  products of ``lsp/linear.py`` (``B Xᵀ`` in forward, ``A Δᵀ`` in backward: sparse, at the calibrated sparse rate;
-  then a ``d_o × d_i`` GEMM), and its update is expanded and added on the device (sparse work plus one pass over the
-  weight).
+  products of ``lsp/linear.py`` (``B Xᵀ`` in forward, ``A Δᵀ`` in backward, then a ``d_o × d_i`` GEMM), and its
+  update is expanded and added on the device: the products' time comes timed per shape by the kernels a run chooses
+  (:mod:`~lightning_offload.planning.projection_time`), the GEMM's from its FLOPs.
   Gradient checkpointing runs the blocks' forward twice. A plain run adds its device AdamW.
 - **Link.** Bytes each way over the calibrated pinned-copy bandwidth (on the CPU, memcpy).
 - **Host.** One fused Adam call per tensor (per-call cost) plus its elements; row-sparse embeddings' rows at twice the
@@ -80,8 +80,10 @@ class StepTime:
     step: float
 
 
-def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool, density: int) -> tuple[float, float]:
-    """Device compute of a step: ``(total, forward)`` seconds."""
+def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool,
+                   projections: float) -> tuple[float, float]:
+    """Device compute of a step: ``(total, forward)`` seconds (``projections``: the projected weights' products,
+    :func:`~lightning_offload.planning.projection_time.projection_seconds`)."""
     projected = found.of("projected")
     attention = 4 * work.tokens * work.seq_len * work.hidden * work.blocks
     forward = 2 * work.tokens * work.matmul_elements + attention
@@ -91,13 +93,9 @@ def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool, 
         flops += forward
     flops += 2 * work.tokens * work.recomputed_elements
     flops += sum(2 * work.tokens * e.host_numel for e in projected)  # S = (AΔᵀ)(BXᵀ)ᵀ
-    seconds = flops / hw.matmul_flops
-    # B Xᵀ in forward and A Δᵀ in backward: every nonzero of each projector times every token; the update's expansion
-    # touches every nonzero of A per column of the weight, then one pass over the weight (read, write).
-    nonzero_columns = sum(density * (e.projector_sizes[0] + e.projector_sizes[1]) * work.tokens
-                          + density * e.projector_sizes[0] * e.projector_sizes[1] for e in projected)
-    seconds += nonzero_columns * hw.sparse_seconds_per_nonzero_column
-    seconds += sum(3 * e.numel * e.itemsize for e in found.of("projected", "scaled")) / hw.device_bandwidth
+    seconds = flops / hw.matmul_flops + projections
+    # A scaled weight's update: one pass over the weight (read it, the update, write it).
+    seconds += sum(3 * e.numel * e.itemsize for e in found.of("scaled")) / hw.device_bandwidth
     if not plain:  # the engine's fixed cost per offloaded tensor (hooks, sends, the slot's step, Python)
         seconds += len(found.of("projected", "scaled", "dense", "rows")) * hw.seconds_per_offloaded_tensor
     if plain or found.of("device"):

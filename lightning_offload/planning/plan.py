@@ -27,6 +27,7 @@ from lightning_offload.planning.cost import Workload, device_seconds, host_secon
 from lightning_offload.planning.device_bytes import DeviceParts, device_parts
 from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes, speculation_bytes
 from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
+from lightning_offload.planning.projection_time import projection_seconds
 from lightning_offload.planning.report import Plan
 from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
 
@@ -263,7 +264,9 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     first_freed = head_gradient if freed else None
     peaks = {checkpointing: _device_peak(parts, activations, checkpointing, plain, found, first_freed)
              + (meft_part.device_bytes if meft_part else 0) for checkpointing in (False, True)}
-    device_s, forward_s = device_seconds(found, work, hw, plain, settings.density if settings else 0)
+    projections = 0.0 if plain else projection_seconds(found.of("projected"), work.tokens, settings.density, hw,
+                                                        PRECISIONS[run["precision"]][1], settings.kernels)
+    device_s, forward_s = device_seconds(found, work, hw, plain, projections)
     host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
     largest_link = max((link_bytes(e, link)[0] for e in found.entries), default=0)
     step = step_time(device_s, forward_s, host_s, largest_host, to_host, to_device, largest_link, hw, plain,
