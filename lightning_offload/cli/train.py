@@ -105,8 +105,7 @@ def _heldout_data(cfg: DictConfig, lm: LanguageModel) -> pl.LightningDataModule 
     return heldout
 
 
-#: Builders of random weights of a shape: a run that only plans builds them on the meta device (a 7B shape allocates
-#: nothing; the planner reads shapes only).
+#: Builders of random weights of a shape: a run that only plans builds them on the meta device (it reads shapes only).
 SHAPE_BUILDERS = ("lightning_offload.models.builders.llama_shape", "lightning_offload.models.builders.tiny_causal_lm")
 
 
@@ -216,16 +215,14 @@ def _checked_settings(cfg: DictConfig) -> tuple[OptimSettings, OffloadPolicy, Ru
     """
     optim = check_optim(cfg.optim)
     if cfg.trainer.get("strategy") is not None:
-        # The Trainer is built on the offload policy's strategy: a trainer.strategy would be overridden unread, and a
-        # sweep over it would run the same strategy in every job.
+        # The offload policy sets the Trainer's strategy: a trainer.strategy (or a sweep over it) would go unread.
         groups = ", ".join(sorted(path.stem for path in (CONFIG_DIR / "offload").glob("*.yaml")))
         raise SettingsError(f"trainer.strategy={cfg.trainer.strategy} is not read: the offload group sets the "
                             f"Trainer's strategy. Choose it with offload=<group> ({groups}; offload=zero for "
                             f"zero_offload, offload=none for plain training), and its settings with "
                             f"offload.strategy.<setting>=.")
     if str(cfg.model.get("_target_", "")).endswith(".hf_causal_lm"):
-        # Before the run directory is made: a path that names nothing would otherwise reach the hub's "Repo id must
-        # be in the form ..." after it.
+        # Before the run directory is made: else a path naming nothing fails after it, with the hub's "Repo id ...".
         given = None if OmegaConf.is_missing(cfg.model, "name_or_path") else cfg.model.get("name_or_path")
         try:
             check_hf_name_or_path(given)
@@ -258,9 +255,8 @@ def _finish_wandb() -> None:
 
 
 def _finish_process_group() -> None:
-    # Lightning's DDP strategies leave their process group up after fit (a script may fit again); the command line
-    # ends its run here, so it takes the group down: the next job of a multirun in this process starts its own, and
-    # the process exits without torch's warning about a group never destroyed.
+    # Lightning's DDP strategies leave their process group up after fit; the command's run ends here, so the next job
+    # of a multirun starts its own and the process exits without torch's warning about a group never destroyed.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -2,13 +2,9 @@
 optimizer a host rule steps), builds one slot per offloaded tensor and the lanes they share, and hands each step to
 the orchestrator (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`).
 
-:class:`OffloadOptimizer` is what the offload strategies put in place of the optimizer returned by
-``configure_optimizers``. It shares that optimizer's ``param_groups`` dicts, so per-group hyper-parameters are
-honoured and LR schedulers (which write ``param_groups[i]["lr"]``) keep working. The user's optimizer never
-steps and holds no state. All optimizer state lives on the host, in the slots (:mod:`~lightning_offload.engine.slots`:
-a projected weight's Adam on ``S = A G Bᵀ``, a dense parameter's fp32 master and Adam, an embedding's or MEFT's
-adapter rows, or nothing where another rank steps the tensor). This module holds the set-up, the clipping calls,
-accounting and checkpoints; ``docs/design.md`` ("The engine") describes the step and each slot kind."""
+It shares the user's optimizer's ``param_groups`` dicts, so per-group hyper-parameters and LR schedulers keep working;
+that optimizer never steps and holds no state: all state lives on the host, in the slots
+(:mod:`~lightning_offload.engine.slots`). ``docs/design.md`` ("The engine") describes the step and each slot kind."""
 from __future__ import annotations
 
 import math
@@ -87,8 +83,7 @@ class OffloadOptimizer(Optimizer):
             way and are stepped (:class:`~lightning_offload.engine.rows.block_row_adam.BlockRowAdam`). Default: ``()``.
         frozen: parameters of the user's groups not trained here (their gradients turned off). Default: ``()``.
         tied_projected: projected weights also used outside their module (an input embedding tied to a projected
-            head): their update is applied inside the step, and the outside use's gradient compressed, without a
-            warning. Default: ``()``.
+            head): their update is applied inside the step, the outside use's gradient compressed. Default: ``()``.
         data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.lanes.ranks`):
             gradients are reduced to each tensor's owner rank, which alone keeps its host state and steps it, and
             updates are broadcast from there. Default: ``None`` (one process).
@@ -125,8 +120,7 @@ class OffloadOptimizer(Optimizer):
         optimizer = validate_user_optimizer(optimizer)
         check_engine_arguments(link_dtype, on_nonfinite, pipelined and model is None,
                                data_parallel is not None and bool(row_sparse))
-        # Optimizer.__init__ appends the very dicts it is given, so the groups are shared with the user's optimizer
-        # (and with any scheduler attached to it); the list itself is shared below as well.
+        # Optimizer.__init__ keeps the very dicts it is given: the groups (and, below, the list) are the user's.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         share_hooks(self, optimizer)
@@ -150,8 +144,7 @@ class OffloadOptimizer(Optimizer):
         self.norms = GradientNorms(self.device, self.ranks)
         if self.ranks is None:
             self.norms.edits = GradientEdits(self.slots)
-        # On the CPU the "device" and the host share the cores: host work started during backward only competes
-        # with it (and the state copies cost extra), so speculation is for accelerators.
+        # Speculation is for accelerators: on the CPU, host work during backward competes with it for the cores.
         self.commit = commit_policy(speculative if speculative is not None else self.device.type != "cpu",
                                     self.lanes.worker)
         self.orchestrator = StepOrchestrator(
@@ -169,12 +162,10 @@ class OffloadOptimizer(Optimizer):
     def _build_slots(self, optimizer: Optimizer, projected: Iterable[ProjectedWeight | ScaledWeight],
                      model: torch.nn.Module | None, keep_on_device: Sequence[Tensor], frozen: Sequence[Tensor],
                      row_sparse: Sequence[Tensor], rounding_seed: int) -> None:
-        """Each parameter's slot (the Args of the constructor say which kind), and the device Adam of those kept on
-        the device."""
+        """Each parameter's slot (the constructor's Args say which kind) and the device Adam of those kept there."""
         on_device = {id(p) for p in keep_on_device}
-        # Parameters that do not require gradients (the user's frozen layers left in the optimizer, and those the
-        # strategy froze) get no host state and are never stepped, as torch.optim skips a parameter whose grad is
-        # None. One unfrozen later, or a group added later, gets its slot at the step where it trains (late_params.py).
+        # Frozen parameters get no host state and are never stepped, as torch.optim skips a None grad; one unfrozen
+        # later, or a group added later, gets its slot at the step where it trains (late_params.py).
         frozen_at_setup = [(p, n) for n, p in named_parameters_of(self.param_groups, model) if not p.requires_grad]
         left_out = on_device | {id(p) for p in frozen} | {id(p) for p, _ in frozen_at_setup}
         try:
@@ -206,15 +197,13 @@ class OffloadOptimizer(Optimizer):
 
     @property
     def optimizer(self) -> Optimizer:
-        """The user's optimizer this one drives. Lightning's ``LearningRateMonitor`` reads a wrapper's
-        ``.optimizer`` (as for DeepSpeed's), so the learning rate is logged once, under the user's optimizer's name
-        (``lr-AdamW``), not a second time as ``lr-OffloadOptimizer``."""
+        """The user's optimizer this one drives: Lightning's ``LearningRateMonitor`` reads a wrapper's ``.optimizer``
+        (as DeepSpeed's), so the learning rate is logged once, as ``lr-AdamW``, not also as ``lr-OffloadOptimizer``."""
         return self.wrapped
 
     @property
     def step_in_flight(self) -> bool:
-        """Whether the latest step's host work may still be running: its figures complete at the next
-        :meth:`synchronize` (the next step's launch, when pipelined)."""
+        """Whether the latest step's host work may still be running (its figures complete at :meth:`synchronize`)."""
         return self.figures.in_flight
 
     @property
@@ -225,8 +214,7 @@ class OffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor
-        (:class:`~lightning_offload.engine.step.orchestrator.StepOrchestrator`)."""
+        """Run ``closure`` (forward, backward, clipping hooks), then launch or confirm one host Adam step per tensor."""
         if self.closed:
             raise RuntimeError("step() on a closed offload optimizer: close() handed the model back and stopped its "
                                "host worker, so nothing would be trained. Build a new one (offload(...), a strategy).")
@@ -234,8 +222,7 @@ class OffloadOptimizer(Optimizer):
         self._adopt_late_parameters()
         self.orchestrator.decide_and_launch()
         if not self.orchestrator.last_step_skipped:
-            # torch's LR schedulers track the step of the optimizer they were built with; mark it as stepped so the
-            # scheduler's order check does not warn (the user's optimizer never steps itself).
+            # The user's optimizer never steps itself: marked stepped, its LR scheduler's order check does not warn.
             self.wrapped._opt_called = True
         return loss
 
@@ -283,12 +270,10 @@ class OffloadOptimizer(Optimizer):
     def grad_norm(self) -> Tensor:
         """Global 2-norm of the full gradient, on the device: exact for dense gradients, estimated for projected ones.
 
-        A projected weight's full gradient ``G`` never exists; its norm is estimated as ``‖S‖ / ρ``, where ``ρ`` is
-        the layer's ``‖S‖/‖G‖`` measured after its last fit on batches the fit had not used
-        (:attr:`~lightning_offload.lsp.linear.ProjectedWeight.norm_ratio`, :mod:`lightning_offload.lsp.norm_ratio`;
-        1 for random draws, which keep norms in expectation, and exactly right for signed permutations), and while
-        clipping by norm is in use re-measured from every step's backward (:mod:`lightning_offload.lsp.norm_probe`).
-        So ``gradient_clip_val`` means what it means for plain AdamW.
+        A projected weight's full gradient ``G`` never exists; its norm is estimated as ``‖S‖ / ρ``, with ``ρ`` the
+        layer's ``‖S‖/‖G‖`` measured after its last fit (:mod:`lightning_offload.lsp.norm_ratio`) and, while clipping
+        by norm is in use, from every step's backward (:mod:`lightning_offload.lsp.norm_probe`), so
+        ``gradient_clip_val`` means what it means for plain AdamW.
         """
         return self.orchestrator.grad_norm()
 
@@ -296,9 +281,8 @@ class OffloadOptimizer(Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip all gradients to global norm ``max_norm`` (see :meth:`grad_norm`); returns the norm before clipping.
 
-        Same rule as ``torch.nn.utils.clip_grad_norm_``, ``coef = min(1, max_norm / (norm + 1e-6))``; the
-        coefficient is applied on the host to the gradients as they arrive (bit-identical to scaling them on the
-        device, and it does not have to wait for copies already under way).
+        Same rule as ``torch.nn.utils.clip_grad_norm_`` (``coef = min(1, max_norm / (norm + 1e-6))``), applied on the
+        host as the gradients arrive: bit-identical, and no wait for copies already under way.
         """
         total = self.grad_norm()
         self.norms.clip_norm(total, max_norm)
@@ -312,11 +296,10 @@ class OffloadOptimizer(Optimizer):
     # ---------------------------------------------------------------------------------------------- host rows
     def attach_row_blocks(self, blocks: Sequence[HostRowBlocks],
                           settings: Callable[[], RowAdamSettings]) -> list[RowBlocksSlot]:
-        """Step host row matrices (MEFT's adapter keys and values; ``blocks``: each owner's matrices, accumulators and
-        row layout; ``settings``: their Adam hyper-parameters, read at each step) with everything else: gradients land
-        on this optimizer's worker, their norm joins the global norm, one clip and skip decision covers both. Returns
-        one slot per owner, in order: its gradient hooks hand row gradients to ``slot.gradients.accumulate``, its
-        forward calls ``slot.wait()`` before reading the rows.
+        """Step host row matrices (MEFT's adapter keys and values) with everything else: one worker, one global norm,
+        one clip and skip decision. ``blocks``: each owner's matrices, accumulators and row layout; ``settings``: their
+        Adam hyper-parameters, read at each step. Returns one slot per owner, in order: its gradient hooks hand row
+        gradients to ``slot.gradients.accumulate``, its forward calls ``slot.wait()`` before reading the rows.
 
         Raises:
             ValueError: with data parallelism (row gradients are not reduced between ranks), or when called twice.

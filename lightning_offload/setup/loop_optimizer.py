@@ -1,11 +1,6 @@
 """The engine driven by a training loop that steps it itself: what Lightning Fabric's strategies, a plain PyTorch loop
 and Hugging Face's ``Trainer`` share (:class:`LoopOffloadOptimizer`, set up by :func:`lightning_offload.offload` or
-Fabric's strategies).
-
-It is the engine of the Trainer strategies (:class:`~lightning_offload.engine.optimizer.OffloadOptimizer`), set up
-from the same settings (:mod:`lightning_offload.setup.engine`), plus what a loop has no callback for: clipping at every
-step (``max_grad_norm``), the projector fit and its refits as calls (:meth:`LoopOffloadOptimizer.fit_projectors`),
-and handing the model back (:meth:`LoopOffloadOptimizer.close`).
+Fabric's strategies from the same settings as the Trainer strategies' engine: :mod:`lightning_offload.setup.engine`).
 """
 
 from __future__ import annotations
@@ -71,8 +66,7 @@ class LoopSettings:
 class LoopControl:
     """What a loop's optimizer keeps beside the engine: its set-up, clipping, fits and the step's micro-batches.
 
-    One object the optimizer holds (not attributes of the optimizer), so that Fabric's optimizer wrapper, which
-    forwards reads to the optimizer but keeps writes to itself, sees and changes the same state.
+    One object, not attributes of the optimizer: Fabric's optimizer wrapper forwards reads but keeps writes to itself.
     """
 
     setup: EngineSetup
@@ -98,7 +92,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
     Beside what :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` does, it sends the last micro-batch's
     gradients during its backward (``accumulation_steps``), clips every step to ``max_grad_norm`` unless a clipping
     call came first, fits and refits the projectors when asked (:meth:`fit_projectors`, :attr:`refit_due`), and
-    gives the model back at :meth:`close`.
+    gives the model back at :meth:`close`: what a loop has no callback for.
     """
 
     loop: LoopControl
@@ -112,9 +106,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         if agreement is not None:
             self.loop.agreement = agreement
         if loop.accumulation_steps is not None:
-            # The backward of the step's last micro-batch delivers final gradients: they may cross during it, as in
-            # the Trainer strategies' closure. Its forward is how a loop of one's own says which backward that is.
-            # An EngineHook: a copy of the model (deepcopy, torch.save) holds an inert hook, not this optimizer.
+            # The last micro-batch's forward marks the backward whose final gradients may cross during it; an
+            # EngineHook, so a copy of the model (deepcopy, torch.save) holds an inert hook, not this optimizer.
             self.loop.forward_counter = setup.model.register_forward_pre_hook(EngineHook(self._count_forward))
         else:
             self.orchestrator.routing.measure_every_backward = True  # any backward may be the step's last
@@ -130,8 +123,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     @property
     def steps_taken(self) -> int:
-        """Optimizer steps taken (skipped ones, and one whose host work is still running, included); restored by
-        :meth:`load_state_dict`."""
+        """Optimizer steps taken, skipped ones and one still running included; restored by :meth:`load_state_dict`."""
         return self.telemetry.steps + self.telemetry.skipped_steps + int(self.step_in_flight)
 
     @property
@@ -169,9 +161,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         return loss
 
     def settle(self) -> None:
-        """Apply every pending update, and the decay untouched row-sparse embedding rows owe: the model's weights are
-        then AdamW's (but for those rows' momentum drift). Call before reading or saving the weights outside a
-        forward (with ``pipelined=True`` a step's updates otherwise wait for each module's next forward)."""
+        """Apply every pending update and the decay untouched row-sparse embedding rows owe; call before reading or
+        saving the weights outside a forward (with ``pipelined=True`` updates wait for each module's next forward)."""
         self.synchronize()
         self.settle_row_decay()
 
@@ -183,8 +174,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     @property
     def refit_due(self) -> bool:
-        """Whether ``refit_every`` steps have passed since the latest fit (always ``False`` with ``refit_every=0``
-        or nothing to fit)."""
+        """Whether ``refit_every`` steps have passed since the latest fit (never with ``refit_every=0`` or no fit)."""
         loop = self.loop
         if not loop.wants_fit or not loop.settings.refit_every or loop.last_fit_step < 0:
             return False
@@ -239,10 +229,8 @@ class LoopOffloadOptimizer(OffloadOptimizer):
     def _state_dict(self) -> dict[str, Any]:
         """The engine's state (:meth:`OffloadOptimizer.state_dict`) and when the projectors were last fitted.
 
-        Warns once when the latest step's updates were still pending: reads of the weights through the model
-        (``model.state_dict()``, ``named_parameters()``, ``save_pretrained``) apply them first, so none happened since
-        that step, and a checkpoint that read the weights by other means (tensors held from before) holds the step
-        before.
+        Warns once when the latest step's updates were still pending: reads through the model apply them first, but a
+        checkpoint that read the weights by other means (tensors held from before) holds the step before.
         """
         loop = self.loop
         if not loop.warned_unsettled_save and any(self.orchestrator.pending(slot) for slot in self.slots):
@@ -255,8 +243,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
         return {**super()._state_dict(), "loop": {"last_fit_step": loop.last_fit_step}}
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output. Load the model's weights first: the fp32 masters are refreshed from
-        them."""
+        """Restore :meth:`state_dict` output (after the model's weights: :meth:`OffloadOptimizer.load_state_dict`)."""
         state = dict(state_dict)
         saved = state.pop("loop", {})
         super()._load_state_dict(state)
@@ -277,8 +264,7 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
 @contextmanager
 def _forked_rng(device: torch.device, seed: int) -> Iterator[None]:
-    """The block under a forked RNG seeded with ``seed``: the passes' dropout and shuffling neither disturb the loop's
-    own random stream nor differ between an uninterrupted and a resumed run."""
+    """The block under a forked RNG seeded with ``seed``, as :meth:`LoopOffloadOptimizer.fit_projectors` describes."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
@@ -304,9 +290,8 @@ def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str
     which sets ``forced`` itself.
 
     Raises:
-        ValueError: for a setting the face sets itself, or ``log_telemetry`` (a loop has no logger: it reads
-            ``opt.telemetry``), a projection setting where nothing is projected, or a bad value; an unknown one is a
-            ``TypeError`` naming the closest known one.
+        ValueError: for a setting the face sets itself, ``log_telemetry``, a projection setting where nothing is
+            projected, or a bad value; an unknown one is a ``TypeError`` naming the closest known one.
     """
     refused = sorted((set(forced) | set(LOOP_REFUSED)) & set(settings))
     if refused:

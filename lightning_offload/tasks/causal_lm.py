@@ -17,10 +17,8 @@ from lightning_offload.tasks.schedule import LinearWarmup, OptimSettings  # noqa
 
 
 def count_target_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Number of tokens that contribute to an HF causal-LM loss for ``batch``.
-
-    HF shifts labels left by one inside the model, so the first label of each row is never a target.
-    """
+    """Number of tokens that contribute to an HF causal-LM loss for ``batch`` (HF shifts labels left by one inside
+    the model, so a row's first label is never a target)."""
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
@@ -32,9 +30,8 @@ def _lm_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Splits trainable parameters into a decayed and an undecayed optimizer group.
 
-    Matrices and embeddings (rank >= 2) get ``weight_decay``; biases and norm scales (rank < 2) get 0, as
-    decaying them only pulls activations toward zero. ``named_parameters`` yields a shared (tied)
-    parameter once, so tied embeddings are not stepped twice.
+    Matrices and embeddings (rank >= 2) get ``weight_decay``; biases and norm scales get 0, as decaying them only
+    pulls activations toward zero. ``named_parameters`` yields a tied parameter once, so it is not stepped twice.
 
     Returns:
         ``[{"params": decayed, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]``;
@@ -67,10 +64,10 @@ def with_schedule(module: L.LightningModule, optimizer: torch.optim.Optimizer) -
 class CausalLMModule(L.LightningModule):
     """Trains an HF causal LM on batches of ``{"input_ids", "attention_mask", "labels"}``.
 
-    Logs ``train/loss`` every step and, per validation epoch, ``val/loss`` (mean over target tokens, not
-    over batches, so a short last batch is not over-weighted), ``val/ppl = exp(val/loss)``, ``val/token_acc`` (share
-    of target tokens whose argmax prediction is right) and, with ``exact_match=True``, ``val/exact_match``: the share
-    of sequences whose every target token is predicted right, i.e. that greedy decoding from the prompt reproduces.
+    Logs ``train/loss`` every step and, per validation epoch, ``val/loss`` (mean over target tokens, not over batches,
+    so a short last batch is not over-weighted), ``val/ppl = exp(val/loss)``, ``val/token_acc`` (share of target
+    tokens whose argmax is right) and, with ``exact_match=True``, ``val/exact_match`` (share of sequences whose every
+    target token is right, i.e. that greedy decoding from the prompt reproduces).
 
     Args:
         model: Any HF model whose forward returns ``.loss`` when given ``labels``.
@@ -90,8 +87,8 @@ class CausalLMModule(L.LightningModule):
             are then unused.
         exact_match: Also log ``val/exact_match`` (meaningful for prompt → answer data such as ``bible_qa``).
         loss: ``"chunked"`` computes the head and the loss chunk by chunk of tokens, so the ``tokens × vocabulary``
-            logits never exist (:func:`lightning_offload.causal_lm_loss`; at 4×512 tokens and a 128K vocabulary they
-            are gigabytes); ``"model"`` takes the model's own ``.loss`` (a model without a separate base and head).
+            logits never exist (:func:`lightning_offload.causal_lm_loss`); ``"model"`` takes the model's own ``.loss``
+            (a model without a separate base and head).
     """
 
     def __init__(
@@ -123,8 +120,7 @@ class CausalLMModule(L.LightningModule):
         self.optim_settings = OptimSettings(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                                             warmup_steps=warmup_steps, warmup_ratio=warmup_ratio, decay=decay,
                                             min_lr_ratio=min_lr_ratio)
-        # The model is a constructor argument, not a hyperparameter: pickling it into hparams would
-        # duplicate every weight in checkpoints and loggers.
+        # Pickling the model into hparams would duplicate every weight in checkpoints and loggers.
         self.save_hyperparameters(ignore=["model", "optimizer_factory"])
         self.model = model
         self.optimizer_factory = optimizer_factory
@@ -210,9 +206,7 @@ def evaluate_loss(
     device: torch.device | str | None = None,
     max_batches: int | None = None,
 ) -> float:
-    """Token-weighted mean causal-LM loss of ``model`` over ``dataloader``, outside any Trainer.
-
-    Runs in eval mode without gradients and restores the model's previous mode afterwards.
+    """Token-weighted mean causal-LM loss of ``model`` over ``dataloader``, outside any Trainer, in eval mode.
 
     Args:
         model: HF causal LM.

@@ -4,8 +4,7 @@
 The kinds (one module each): a projected weight (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense
 parameter (:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding stepped row by row
 (:mod:`~lightning_offload.engine.slots.row_slot`), and a tensor another rank steps
-(:mod:`~lightning_offload.engine.slots.remote_slot`). The orchestrator
-(:class:`~lightning_offload.engine.optimizer.OffloadOptimizer`) knows them only through :class:`Slot`.
+(:mod:`~lightning_offload.engine.slots.remote_slot`); the step knows them only through :class:`Slot`.
 """
 
 from __future__ import annotations
@@ -27,16 +26,14 @@ from lightning_offload.engine.slots.weight_fingerprint import fingerprint
 #: How a step clips its gradients: ``("norm", coefficient)`` (a 0-dim CPU tensor) or ``("value", bound)``, or None.
 Clip = Optional[tuple[str, Union[Tensor, float]]]
 
-#: What a host job takes from the user's group, read on the main thread when the step launches: the host
-#: optimizer's hyper-parameters and the weight of the coupled L2 term.
+#: What a host job takes from the user's group, read on the main thread at launch (:meth:`Slot.settings`).
 JobSettings = tuple[dict[str, Any], float]
 
 
 def pinned_zeros(shape: Sequence[int], pin: bool, dtype: torch.dtype = torch.float32) -> Tensor:
     """A preallocated host buffer, page-locked when ``pin``."""
-    # Pinned host memory lets device↔host copies run by DMA (and asynchronously); pinned pages are only worth it
-    # when there is a CUDA device on the other end of the link. Preallocated once: a fresh host allocation costs
-    # several times a copy into an existing buffer.
+    # Pinned pages let device↔host copies run by DMA, asynchronously (worth it with a CUDA device across the link);
+    # preallocated once, as a fresh host allocation costs several times a copy into an existing buffer.
     return torch.zeros(tuple(shape), dtype=dtype, pin_memory=pin)
 
 
@@ -95,8 +92,7 @@ class Slot:
     routed = True
     #: Whether its gradient is its parameter's ``.grad`` (which a user's own clipping call can edit in place).
     gradient_is_param_grad = False
-    #: Whether the whole of ``param.grad`` crosses to the host and nothing on the device needs it after the launch (a
-    #: dense parameter's, a row-sparse embedding's): the orchestrator may drop it then (``free_sent_gradients``).
+    #: Whether ``param.grad`` crosses whole and nothing on the device reads it after launch (``free_sent_gradients``).
     crosses_param_grad = False
     #: Whether its host state is the scaled rule's, and whether it is a row Adam's (what a checkpoint must match).
     steps_scaled = False
@@ -143,9 +139,8 @@ class Slot:
         return True
 
     def clamp_on_device(self, bound: float) -> bool:
-        """Clip by value, at the step: clamp the device gradient itself where the host cannot clamp what crosses (the
-        scaled rule: its projection crosses, its full gradient is applied); returns whether what crossed changed, so
-        it must cross again. Most kinds: nothing here, the host clamps the gradient as it lands."""
+        """Clip by value on the device where the host cannot clamp what crosses (the scaled rule: its projection
+        crosses, its full gradient is applied); returns whether what crossed changed and must cross again."""
         return False
 
     def fetch_started(self) -> bool:
@@ -180,8 +175,7 @@ class Slot:
         return 1.0 - self.group["lr"] * self.group.get("weight_decay", 0.0)
 
     def count_device_buffers(self, step: StepTelemetry) -> None:
-        """Main thread, at the step: add to ``step`` the transient device buffers its gradient took (most kinds:
-        none beyond the gradient itself)."""
+        """Main thread, at the step: add to ``step`` the transient device buffers its gradient took (most: none)."""
 
     def prepare(self, step: StepTelemetry) -> None:
         """Main thread, at the step: count the bytes that cross and capture what applying the update needs."""
@@ -213,16 +207,14 @@ class Slot:
         self.to_host_event = None
 
     def settle(self) -> None:
-        """Bring the parameter up to date with what its host state owes it before anything reads it (most kinds:
-        nothing is owed)."""
+        """Bring the parameter up to date with what its host state owes it before anything reads it (most: none)."""
 
     def owes_settle(self) -> bool:
         """Whether :meth:`settle` may have something to apply (most kinds: never)."""
         return False
 
     def unsettle(self) -> None:
-        """Before a training forward: undo what :meth:`settle` showed that training must not see (most kinds:
-        nothing)."""
+        """Before a training forward: undo what :meth:`settle` showed that training must not see (most kinds: none)."""
 
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> list[Tensor]:
@@ -253,9 +245,8 @@ class Slot:
         """Restore this slot's :meth:`checkpoint_part` from the whole checkpoint ``state``."""
 
     def device_persistent_bytes(self) -> dict[str, int]:
-        """Device bytes this slot keeps between steps, by telemetry category
-        (:attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`; most kinds:
-        none)."""
+        """Device bytes this slot keeps between steps (most kinds: none), by category of
+        :attr:`~lightning_offload.engine.figures.telemetry.OffloadTelemetry.device_persistent_bytes`."""
         return {}
 
     def master_in_checkpoint(self) -> bool:
@@ -263,7 +254,7 @@ class Slot:
         return self.keeps_master and self.param.dtype != torch.float32
 
     def master_state(self) -> Tensor:
-        """A copy of the fp32 master (a checkpoint keeps it where the parameter is narrower: an fp32 one equals it)."""
+        """A copy of the fp32 master, for a checkpoint."""
         return self.host_param.clone()
 
     def load_master(self, master: Tensor | None) -> None:
@@ -272,19 +263,17 @@ class Slot:
         self.watch_weights()
 
     def watch_weights(self) -> None:
-        """Remember the parameter as the engine left it (after each of its writes): its version counter (the engine
-        writes through ``.data``, which leaves it; anyone else's in-place write, ``model.load_state_dict`` or a
-        ``copy_`` under ``no_grad``, moves it) and its fingerprint, which a write through ``.data`` moves too
+        """Remember the parameter as the engine left it: its version counter (moved by others' in-place writes, not by
+        the engine's through ``.data``) and its fingerprint, which a write through ``.data`` moves too
         (:mod:`~lightning_offload.engine.slots.weight_fingerprint`)."""
         self.weights_version = self.param._version
         self.weights_fingerprint = fingerprint(self.param) if self.keeps_master else None
 
     @torch.no_grad()
     def adopt_written_weights(self) -> None:
-        """Before a step, where the parameter was written since the engine last did (the model's weights loaded after
-        the optimizer's state, or after ``offload()``; a write of the user's, through ``.data`` too): the master takes
-        the written value, as ``torch.optim`` would step from it. Not where the written value is the master's own (a
-        checkpoint restoring both, in either order: a narrower parameter's fp32 master is kept)."""
+        """Before a step, where the parameter was written since the engine last did (weights loaded after the
+        optimizer's state or ``offload()``, a user's write, through ``.data`` too): the master takes the written value,
+        as ``torch.optim`` would step from it, unless it is the master's own (a checkpoint restoring both)."""
         self.watch_weights()
         if not self.weights_match_master():
             self.host_param.copy_(self.param.detach())

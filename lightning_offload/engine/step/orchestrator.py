@@ -4,8 +4,7 @@ and each update applied before the module that owns it runs again (``docs/design
 slot's step stands is one record (:class:`~lightning_offload.engine.step.slot_step.SlotStep`) it owns; when a host step
 runs and commits is its commit policy's (:mod:`~lightning_offload.engine.step.commit`).
 
-:class:`~lightning_offload.engine.optimizer.OffloadOptimizer` is its face as a ``torch.optim.Optimizer``: it builds
-the slots and their shared parts, and hands every step to :class:`StepOrchestrator`.
+:class:`~lightning_offload.engine.optimizer.OffloadOptimizer` builds the slots and hands every step to it.
 """
 
 from __future__ import annotations
@@ -68,15 +67,13 @@ class StepOrchestrator:
         self.figures = figures
         self.on_nonfinite = on_nonfinite
         self.pipelined = pipelined
-        # Whether a host-stepped parameter's .grad is dropped once its step is launched (the faces whose loop zeroes
-        # gradients before the next backward anyway): the device then holds none of them into the next forward.
+        # Dropping a host-stepped .grad at its launch keeps it off the device through the next forward.
         self.free_sent_gradients = free_sent_gradients
         self.round = 0  # counts launched steps: tells gradients sent for this step from stale ones
         self.last_step_skipped = False
         self.warned_resent = False  # said once: gradients edited after they crossed cross again
         self._finishing: set[int] = set()  # slots whose update is being applied right now
-        # The hooks on the model: they say whether the closure's backward is running, route each final gradient to
-        # send_gradient, and have each module's next forward finish its pending update.
+        # The model's hooks route each final gradient to send_gradient and finish updates at their module's forward.
         self.routing = GradientRouting(slots, model, lanes.ranks, self.device_params, tied, self.send_gradient,
                                        self.finish, self.pending, norms.edits, lanes.phases)
 
@@ -109,8 +106,7 @@ class StepOrchestrator:
     # ------------------------------------------------------------------------------------------------ backward
     def collect(self, closure: Callable[[], Any]) -> Any:
         """Run the step's forward and backward (``closure``); each gradient is sent as soon as it is final."""
-        # No synchronize before the closure: its forward applies the previous step's updates module by module
-        # (forward pre-hooks), which is where the host work of that step gets hidden.
+        # No synchronize here: the forward applies the previous step's updates module by module, hiding their host work.
         for slot in self.slots:
             slot.begin_collect()
         self.routing.collecting = True
@@ -212,8 +208,7 @@ class StepOrchestrator:
         if unseen:
             self.abandon()  # nothing of this step may stay in the host state
             raise edited_gradients_error(edited, " and ".join(unseen))
-        # Every gradient of the step is a param.grad: the edit saw the true global norm. Those that crossed already
-        # cross again at their launch.
+        # Every gradient is a param.grad, so the edit saw the true norm; those that crossed already cross again.
         resent = [slot for slot in edited if self.is_sent(slot)]
         for slot in resent:
             self.records[id(slot)].sent_round = -1
@@ -254,8 +249,7 @@ class StepOrchestrator:
         record.pending = True
         slot.release_gradient()
         if self.free_sent_gradients and slot.crosses_param_grad:
-            # Its copy to the host was issued from this tensor; the link recorded the copy's stream on it, so its
-            # memory is not reused before the copy has read it.
+            # The link recorded the host copy's stream on this tensor: its memory waits for the copy to read it.
             slot.param.grad = None
 
     def finish(self, slot: Slot) -> None:
