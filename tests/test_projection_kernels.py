@@ -227,3 +227,18 @@ def test_kernel_choices_gather_every_projected_layers_products() -> None:
 
     assert kernel_choices([Layer(), object()]) == {"compress_tokens n=32 d=8 r=2 T=4 float32 cpu": "csr"}
     assert selector.choices["compress_tokens n=32 d=8 r=2 T=4 float32 cpu"].how == "forced"
+
+
+def test_a_changed_kernel_is_timed_anew(isolated_choices: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The choices kept on disk belong to the kernels' sources they were timed with: another version times again.
+    projector, x = _projector(64, 16, 4, seed=3), torch.randn(32, 64)
+    KernelSelector("auto").compress_tokens(projector, x)
+    monkeypatch.setattr(selection_module, "_MEMORY", {})
+    kept = KernelSelector("auto")
+    kept.compress_tokens(projector, x)
+    assert [choice.how for choice in kept.choices.values()] == ["cached"]
+    monkeypatch.setattr(selection_module, "_MEMORY", {})
+    monkeypatch.setattr(selection_module, "_kernel_sources", lambda: "another")
+    changed = KernelSelector("auto")
+    changed.compress_tokens(projector, x)
+    assert [choice.how for choice in changed.choices.values()] == ["timed"]

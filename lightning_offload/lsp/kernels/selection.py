@@ -15,6 +15,7 @@ changes results only at that level; a run that must repeat bit for bit on anothe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -232,10 +233,22 @@ def _time_kernels(kernels: list[ProjectionKernel], device: torch.device,
 
 # ---------------------------------------------------------------------------------------- this machine's choices
 def _machine() -> str:
-    """What the choices kept on disk are keyed by: the CPU, its instructions, torch's threads and version, the GPU."""
+    """What the choices kept on disk are keyed by: the CPU, its instructions, torch's threads and version, the GPU,
+    and the kernels' own sources (a changed kernel is timed anew)."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     features = hashlib.sha256(cpu_features().encode()).hexdigest()[:16]
-    return f"cpu={features} threads={torch.get_num_threads()} torch={torch.__version__} gpu={gpu} v{_CHOICES_VERSION}"
+    return (f"cpu={features} threads={torch.get_num_threads()} torch={torch.__version__} gpu={gpu} "
+            f"kernels={_kernel_sources()} v{_CHOICES_VERSION}")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_sources() -> str:
+    """A digest of the files that define the kernels (this folder's sources and the C kernel's)."""
+    folder = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*folder.glob("*.py"), *(folder / "native").glob("*.c")]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _choices_path() -> Path:
