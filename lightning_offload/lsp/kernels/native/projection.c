@@ -336,6 +336,43 @@ typedef struct {
     int status;
 } ExpandArgs;
 
+/* Column j of O (k sums) into `column`: each sum starts at 0 and adds the column's nonzeros in storage order, 64
+ * rows of O at a time in registers, then 16 (a scratch read and written at every nonzero took up to twice as long). */
+static void expand_column(const ExpandArgs* a, int64_t j, float* column) {
+    const int64_t k = a->k, r = a->r;
+    int64_t e = 0;
+    for (; e + 4 * TILE <= k; e += 4 * TILE) {
+        vec sums[4] = {{0}};
+        for (int64_t s = 0; s < r; s++) {
+            float w = a->val[j * r + s];
+            const float* source = a->mt + index_at(a->idx, a->index_size, j * r + s) * k + e;
+            for (int q = 0; q < 4; q++) {
+                vec x;
+                memcpy(&x, source + q * TILE, sizeof x);
+                sums[q] += w * x;
+            }
+        }
+        memcpy(column + e, sums, sizeof sums);
+    }
+    for (; e + TILE <= k; e += TILE) {
+        vec sum = {0};
+        for (int64_t s = 0; s < r; s++) {
+            vec x;
+            memcpy(&x, a->mt + index_at(a->idx, a->index_size, j * r + s) * k + e, sizeof x);
+            sum += a->val[j * r + s] * x;
+        }
+        memcpy(column + e, &sum, sizeof sum);
+    }
+    if (e < k) {
+        memset(column + e, 0, (size_t)(k - e) * sizeof(float));
+        for (int64_t s = 0; s < r; s++) {
+            float w = a->val[j * r + s];
+            const float* source = a->mt + index_at(a->idx, a->index_size, j * r + s) * k;
+            for (int64_t i = e; i < k; i++) column[i] += w * source[i];
+        }
+    }
+}
+
 static void expand_share(void* raw, int64_t first_tile, int64_t end_tile) {
     ExpandArgs* a = (ExpandArgs*)raw;
     /* One tile of 16 output columns, column-major (16 x k), transposed into O's rows when done. */
@@ -346,17 +383,18 @@ static void expand_share(void* raw, int64_t first_tile, int64_t end_tile) {
     }
     for (int64_t tile = first_tile; tile < end_tile; tile++) {
         int64_t j0 = tile * TILE, width = a->n - j0 < TILE ? a->n - j0 : TILE;
-        for (int64_t c = 0; c < width; c++) {
-            float* column = acc + c * a->k;
-            memset(column, 0, (size_t)a->k * sizeof(float));
-            int64_t j = j0 + c;
-            for (int64_t s = 0; s < a->r; s++) {
-                float w = a->val[j * a->r + s];
-                const float* source = a->mt + index_at(a->idx, a->index_size, j * a->r + s) * a->k;
-                for (int64_t e = 0; e < a->k; e++) column[e] += w * source[e];
+        for (int64_t c = 0; c < width; c++) expand_column(a, j0 + c, acc + c * a->k);
+        int64_t e = 0;
+        if (width == TILE) {
+            /* Whole 16 x 16 blocks transposed in registers into O's rows. */
+            for (; e + TILE <= a->k; e += TILE) {
+                vec block[TILE];
+                for (int c = 0; c < TILE; c++) memcpy(&block[c], acc + c * a->k + e, sizeof(vec));
+                transpose_16x16(block);
+                for (int i = 0; i < TILE; i++) memcpy(a->out + (e + i) * a->n + j0, &block[i], sizeof(vec));
             }
         }
-        for (int64_t e = 0; e < a->k; e++) {
+        for (; e < a->k; e++) {
             float* row = a->out + e * a->n + j0;
             for (int64_t c = 0; c < width; c++) row[c] = acc[c * a->k + e];
         }
