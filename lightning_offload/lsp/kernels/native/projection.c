@@ -336,22 +336,30 @@ typedef struct {
     int status;
 } ExpandArgs;
 
-/* Column j of O (k sums) into `column`: each sum starts at 0 and adds the column's nonzeros in storage order, 64
- * rows of O at a time in registers, then 16 (a scratch read and written at every nonzero took up to twice as long). */
+/* The 64 weighted sums, at column `offset`, of the r rows of `matrix` (rows of `stride` floats) that P's nonzeros
+ * first .. first + r - 1 name, in registers: each sum starts at 0 and adds the nonzeros in storage order. The
+ * expansion and the update sum this way (a scratch row read and written at every nonzero took up to twice as long). */
+static inline void sum_named_rows(const float* matrix, int64_t stride, int64_t offset, const void* idx, int index_size,
+                                  const float* val, int64_t first, int64_t r, vec sums[4]) {
+    for (int q = 0; q < 4; q++) sums[q] = (vec){0};
+    for (int64_t s = 0; s < r; s++) {
+        float w = val[first + s];
+        const float* source = matrix + index_at(idx, index_size, first + s) * stride + offset;
+        for (int q = 0; q < 4; q++) {
+            vec x;
+            memcpy(&x, source + q * TILE, sizeof x);
+            sums[q] += w * x;
+        }
+    }
+}
+
+/* Column j of O (k sums) into `column`, 64 rows of O at a time (sum_named_rows), then 16, then one. */
 static void expand_column(const ExpandArgs* a, int64_t j, float* column) {
     const int64_t k = a->k, r = a->r;
     int64_t e = 0;
     for (; e + 4 * TILE <= k; e += 4 * TILE) {
-        vec sums[4] = {{0}};
-        for (int64_t s = 0; s < r; s++) {
-            float w = a->val[j * r + s];
-            const float* source = a->mt + index_at(a->idx, a->index_size, j * r + s) * k + e;
-            for (int q = 0; q < 4; q++) {
-                vec x;
-                memcpy(&x, source + q * TILE, sizeof x);
-                sums[q] += w * x;
-            }
-        }
+        vec sums[4];
+        sum_named_rows(a->mt, k, e, a->idx, a->index_size, a->val, j * r, r, sums);
         memcpy(column + e, sums, sizeof sums);
     }
     for (; e + TILE <= k; e += TILE) {
@@ -426,8 +434,7 @@ typedef struct {
     int status;
 } UpdateArgs;
 
-/* Columns a pass of one row sums in registers: four vectors. Summing a whole row into a scratch row instead read and
- * wrote the scratch at every nonzero, and the update took about twice as long. */
+/* Columns a pass of one row sums in registers (sum_named_rows): four vectors. */
 #define UPDATE_BLOCK (4 * TILE)
 
 /* The row's update for `count` columns from column c, decayed and added into the weight: two roundings, as
@@ -457,16 +464,8 @@ static void update_share(void* raw, int64_t first_row, int64_t end_row) {
         /* Each column's sum starts at 0 and adds the row's nonzeros in storage order, whatever the block. */
         int64_t c = 0;
         for (; c + UPDATE_BLOCK <= cols; c += UPDATE_BLOCK) {
-            vec sums[4] = {{0}};
-            for (int64_t s = 0; s < r; s++) {
-                float v = a->val[row * r + s];
-                const float* source = a->half + index_at(a->idx, a->index_size, row * r + s) * cols + c;
-                for (int q = 0; q < 4; q++) {
-                    vec x;
-                    memcpy(&x, source + q * TILE, sizeof x);
-                    sums[q] += v * x;
-                }
-            }
+            vec sums[4];
+            sum_named_rows(a->half, cols, c, a->idx, a->index_size, a->val, row * r, r, sums);
             apply_columns(a, row, c, UPDATE_BLOCK, (const float*)sums);
         }
         if (c < cols) {
