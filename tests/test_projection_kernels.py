@@ -3,13 +3,15 @@ the selection that times them on this device and keeps the choice."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_offload.lsp.kernels import checks, reference
+from lightning_offload.lsp.kernels import build, checks, reference
 from lightning_offload.lsp.kernels import native as native_module
 from lightning_offload.lsp.kernels import selection as selection_module
 from lightning_offload.lsp.kernels.candidates import KERNELS
@@ -242,3 +244,29 @@ def test_a_changed_kernel_is_timed_anew(isolated_choices: Path, monkeypatch: pyt
     changed = KernelSelector("auto")
     changed.compress_tokens(projector, x)
     assert [choice.how for choice in changed.choices.values()] == ["timed"]
+
+
+def test_the_avx2_build_gives_the_avx512_build_s_bits(tmp_path: Path) -> None:
+    # A CPU without AVX-512 builds the kernels with 8-float tiles (TILE): the load-time check must pass there too, and
+    # every sum adds in the same order, so the results are the same bits as this machine's build.
+    kernels = native_projection()
+    features = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if kernels is None or " avx2" not in features or " avx512f" not in features:
+        pytest.skip("needs native kernels built for AVX-512 and a CPU that also runs AVX2 code")
+    library = tmp_path / "projection_avx2.so"
+    subprocess.run([build.compiler(), *native_module._FLAGS, "-march=haswell", "-Wno-psabi", str(native_module.SOURCE),
+                    "-o", str(library)], check=True, capture_output=True)
+    avx2 = native_module.NativeProjection(ctypes.CDLL(str(library)), library)
+    assert checks.check_kernels(avx2) == ""
+    projector = _projector(300, 75, 8, seed=5, index_dtype=torch.int32)
+    x = torch.randn(70, 300, generator=torch.Generator().manual_seed(6))
+    half = torch.randn(75, 45, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(avx2.compress_tokens(projector.indices, projector.values, 75, x),
+                       kernels.compress_tokens(projector.indices, projector.values, 75, x))
+    weights = [torch.randn(300, 45, generator=torch.Generator().manual_seed(8)) for _ in range(2)]
+    avx2.update_rows_(weights[0], projector.indices, projector.values, half, 0.99, None)
+    kernels.update_rows_(weights[1], projector.indices, projector.values, half, 0.99, None)
+    assert torch.equal(*weights)
+    small = torch.randn(75, 37, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(avx2.expand_columns(projector.indices, projector.values, 75, small),
+                       kernels.expand_columns(projector.indices, projector.values, 75, small))

@@ -9,10 +9,10 @@
  *   lo_expand_columns   O = M P         given M^T: d x k fp32, O: k x n fp32.                 (the update's small side U B)
  *   lo_update_rows      W = W*decay + P^T H   W: rows x cols (fp32 or bf16), H: d x cols fp32. (the update itself)
  *
- * Each works on tiles of 16 (one 512-bit vector of floats; two 256-bit ones), so that every inner loop is a
- * multiply-add of whole vectors the compiler emits for this CPU (-march=native), and the accumulator tile stays in
- * the first-level cache: a tile of tokens or output columns is gathered into a feature-major scratch once, then each
- * nonzero of P is one vector multiply-add into the accumulator row it names.
+ * Each works on tiles of one vector of floats (TILE: 16 with AVX-512, 8 with AVX2), so that every inner loop is a
+ * multiply-add of whole vectors the compiler emits for this CPU (-march=native), and the sums stay in registers: a
+ * tile of tokens or output columns is gathered into a feature-major scratch once, then each output's sum runs over
+ * the nonzeros of P that name it. Results do not depend on the tile: each sum adds in one fixed order.
  *
  * Every output element is computed by one thread, in one fixed order (the nonzeros in storage order), whatever the
  * number of threads, so a result never depends on the thread count. The weight update is one pass over W (each row
@@ -26,13 +26,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One vector of floats: 16 with AVX-512; 8 elsewhere (AVX2's 256-bit registers: a 16-float vector would take two,
+ * and the kernels' register blocks would spill to the stack). */
+#ifdef __AVX512F__
 #define TILE 16
+#else
+#define TILE 8
+#endif
 #define MAX_THREADS 64
 
 /* One tile's worth of floats as one value: GCC's vector extension, lowered to one 512-bit register with AVX-512 and
  * to two 256-bit ones with AVX2, so every multiply-add below is whole vectors whatever the compiler can prove about
  * aliasing. */
-typedef float vec __attribute__((vector_size(TILE * sizeof(float)), aligned(64)));
+typedef float vec __attribute__((vector_size(TILE * sizeof(float)), aligned(TILE * sizeof(float))));
 
 /* ------------------------------------------------------------------------------------------------------ helpers */
 
@@ -140,12 +146,13 @@ typedef struct {
     int status;
 } CompressArgs;
 
-/* 16 x 16 floats transposed in registers: four stages, stage k swapping bit k of the row and the column index
- * (element (i, c + 2^k) with (i + 2^k, c) where bit k of i and c is clear), each one two-input shuffle per row. The
- * shuffles' index vectors are constants and every loop is unrolled, so the 16 rows stay in registers: with the masks
+/* TILE x TILE floats transposed in registers: log2(TILE) stages, stage k swapping bit k of the row and the column
+ * index (element (i, c + 2^k) with (i + 2^k, c) where bit k of i and c is clear), each one two-input shuffle per row.
+ * The shuffles' index vectors are constants and every loop is unrolled, so the rows stay in registers: with the masks
  * computed in a loop the compiler kept the rows on the stack and the transposition took half of a compression. */
 typedef int32_t lanes __attribute__((vector_size(TILE * sizeof(int32_t))));
 
+#if TILE == 16
 static const lanes KEEP1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
 static const lanes TAKE1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
 static const lanes KEEP2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
@@ -154,6 +161,14 @@ static const lanes KEEP4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26
 static const lanes TAKE4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
 static const lanes KEEP8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
 static const lanes TAKE8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+#else
+static const lanes KEEP1 = {0, 8, 2, 10, 4, 12, 6, 14};
+static const lanes TAKE1 = {1, 9, 3, 11, 5, 13, 7, 15};
+static const lanes KEEP2 = {0, 1, 8, 9, 4, 5, 12, 13};
+static const lanes TAKE2 = {2, 3, 10, 11, 6, 7, 14, 15};
+static const lanes KEEP4 = {0, 1, 2, 3, 8, 9, 10, 11};
+static const lanes TAKE4 = {4, 5, 6, 7, 12, 13, 14, 15};
+#endif
 
 #define TRANSPOSE_STAGE(k)                                   \
     do {                                                     \
@@ -166,11 +181,13 @@ static const lanes TAKE8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29
         }                                                    \
     } while (0)
 
-static inline __attribute__((always_inline)) void transpose_16x16(vec* rows) {
+static inline __attribute__((always_inline)) void transpose_tile(vec* rows) {
     TRANSPOSE_STAGE(1);
     TRANSPOSE_STAGE(2);
     TRANSPOSE_STAGE(4);
+#if TILE == 16
     TRANSPOSE_STAGE(8);
+#endif
 }
 
 static inline vec load_row(const CompressArgs* a, int64_t token, int64_t j0) {
@@ -185,10 +202,10 @@ static inline vec load_row(const CompressArgs* a, int64_t token, int64_t j0) {
     return v;
 }
 
-/* One tile of tokens feature-major: scratch[2j] and scratch[2j + 1] hold feature j of the tile's first and second 16
- * tokens. Whole 16 x 16 blocks are loaded a row (one token's 16 features) at a time and transposed in registers; the
- * ragged edges (a last tile of fewer tokens, a last block of fewer features) are copied element by element, zero past
- * the last token so that no loop needs a tail. */
+/* One tile of tokens feature-major: scratch[2j] and scratch[2j + 1] hold feature j of the tile's first and second
+ * TILE tokens. Whole TILE x TILE blocks are loaded a row (one token's TILE features) at a time and transposed in
+ * registers; the ragged edges (a last tile of fewer tokens, a last block of fewer features) are copied element by
+ * element, zero past the last token so that no loop needs a tail. */
 static void gather_tile(const CompressArgs* a, int64_t t0, int64_t width, vec* scratch) {
     for (int half = 0; half < 2; half++) {
         int64_t first = t0 + half * TILE, count = width - half * TILE;
@@ -198,7 +215,7 @@ static void gather_tile(const CompressArgs* a, int64_t t0, int64_t width, vec* s
             for (; j0 + TILE <= a->n; j0 += TILE) {
                 vec block[TILE];
                 for (int t = 0; t < TILE; t++) block[t] = load_row(a, first + t, j0);
-                transpose_16x16(block);
+                transpose_tile(block);
                 for (int jj = 0; jj < TILE; jj++) scratch[2 * (j0 + jj) + half] = block[jj];
             }
         }
@@ -336,7 +353,7 @@ typedef struct {
     int status;
 } ExpandArgs;
 
-/* The 64 weighted sums, at column `offset`, of the r rows of `matrix` (rows of `stride` floats) that P's nonzeros
+/* The 4 * TILE weighted sums, at column `offset`, of the r rows of `matrix` (rows of `stride` floats) that P's nonzeros
  * first .. first + r - 1 name, in registers: each sum starts at 0 and adds the nonzeros in storage order. The
  * expansion and the update sum this way (a scratch row read and written at every nonzero took up to twice as long). */
 static inline void sum_named_rows(const float* matrix, int64_t stride, int64_t offset, const void* idx, int index_size,
@@ -353,7 +370,7 @@ static inline void sum_named_rows(const float* matrix, int64_t stride, int64_t o
     }
 }
 
-/* Column j of O (k sums) into `column`, 64 rows of O at a time (sum_named_rows), then 16, then one. */
+/* Column j of O (k sums) into `column`, 4 * TILE rows of O at a time (sum_named_rows), then TILE, then one. */
 static void expand_column(const ExpandArgs* a, int64_t j, float* column) {
     const int64_t k = a->k, r = a->r;
     int64_t e = 0;
@@ -383,7 +400,7 @@ static void expand_column(const ExpandArgs* a, int64_t j, float* column) {
 
 static void expand_share(void* raw, int64_t first_tile, int64_t end_tile) {
     ExpandArgs* a = (ExpandArgs*)raw;
-    /* One tile of 16 output columns, column-major (16 x k), transposed into O's rows when done. */
+    /* One tile of TILE output columns, column-major (TILE x k), transposed into O's rows when done. */
     float* acc = (float*)aligned_alloc(64, (size_t)(a->k * TILE) * sizeof(float) + 64);
     if (!acc) {
         a->status = 1;
@@ -394,11 +411,11 @@ static void expand_share(void* raw, int64_t first_tile, int64_t end_tile) {
         for (int64_t c = 0; c < width; c++) expand_column(a, j0 + c, acc + c * a->k);
         int64_t e = 0;
         if (width == TILE) {
-            /* Whole 16 x 16 blocks transposed in registers into O's rows. */
+            /* Whole TILE x TILE blocks transposed in registers into O's rows. */
             for (; e + TILE <= a->k; e += TILE) {
                 vec block[TILE];
                 for (int c = 0; c < TILE; c++) memcpy(&block[c], acc + c * a->k + e, sizeof(vec));
-                transpose_16x16(block);
+                transpose_tile(block);
                 for (int i = 0; i < TILE; i++) memcpy(a->out + (e + i) * a->n + j0, &block[i], sizeof(vec));
             }
         }
