@@ -19,12 +19,11 @@ import ctypes
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from harness import add_standard_arguments, alternate, begin_run, markdown_table, write_json
+from harness import add_standard_arguments, alternate, begin_run, markdown_table, time_steps, write_json
 
 from lightning_offload.lsp.kernels import build, checks, native
 from lightning_offload.lsp.projector import random_projector
@@ -43,13 +42,8 @@ def compile_build(source: Path, arch: str, library: Path) -> native.NativeProjec
 
 
 def median_ms(call: Callable[[], object]) -> float:
-    call()
-    times = []
-    for _ in range(CALLS):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median milliseconds of ``CALLS`` calls after one untimed."""
+    return statistics.median(time_steps(lambda _: call(), CALLS + 1, warmup=1)) * 1e3
 
 
 def time_products(kernels: native.NativeProjection) -> dict[str, float]:

@@ -243,10 +243,12 @@ def _machine() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _kernel_sources() -> str:
-    """A digest of the files that define the kernels (this folder's sources and the C kernel's)."""
+    """A digest of the files that define the kernels (the candidates, the C kernels and their loader, the Triton
+    kernels): a change elsewhere, this module's included, keeps the choices."""
     folder = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([*folder.glob("*.py"), *(folder / "native").glob("*.c")]):
+    for path in sorted([folder / "candidates.py", folder / "native.py", folder / "triton_projection.py",
+                        *(folder / "native").glob("*.c")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
