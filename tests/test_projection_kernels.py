@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,34 @@ def test_the_native_kernels_are_checked_at_load_and_refused_when_they_differ(
         native_projection.cache_clear()
 
 
+def test_the_native_kernels_load_under_a_bf16_default_dtype() -> None:
+    """Lightning's ``bf16-true`` runs the training step with torch's default dtype set to bf16, and the kernels load at
+    their first product there: their checks build their operands in fp32 whatever the default (they once built them
+    in bf16, failed, and left a bf16-true run on torch's kernels; the row Adam's check overran its buffers)."""
+    if native_projection() is None:
+        pytest.skip("no native kernels on this machine")
+    code = ("import torch; torch.set_default_dtype(torch.bfloat16)\n"
+            "from lightning_offload.lsp.kernels.native import native_projection\n"
+            "from lightning_offload.engine.rows.native_row_adam import native_row_adam\n"
+            "print(native_projection() is not None, native_row_adam() is not None)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]
+
+
+def test_an_operand_the_c_code_would_misread_is_refused() -> None:
+    kernels = native_projection()
+    if kernels is None:
+        pytest.skip("no native kernels on this machine")
+    indices, values = checks.random_projector(32, 8, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match="matrix_t .*torch.float32; got torch.bfloat16"):
+        kernels.expand_columns(indices, values, 8, torch.zeros(8, 4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="weight as a contiguous CPU tensor"):
+        kernels.update_rows_(torch.zeros(4, 32).t(), indices, values, torch.zeros(8, 4), 1.0, None)
+    with pytest.raises(TypeError, match="values"):
+        kernels.compress_tokens(indices, values.double(), 8, torch.zeros(4, 32))
+
+
 def test_without_a_compiler_there_is_no_native_kernel_and_it_is_said(
         isolated_choices: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("PATH", str(isolated_choices / "empty"))
@@ -270,3 +300,23 @@ def test_the_avx2_build_gives_the_avx512_build_s_bits(tmp_path: Path) -> None:
     small = torch.randn(75, 37, generator=torch.Generator().manual_seed(9))
     assert torch.equal(avx2.expand_columns(projector.indices, projector.values, 75, small),
                        kernels.expand_columns(projector.indices, projector.values, 75, small))
+
+
+def test_a_product_of_a_dtype_a_kernel_does_not_take_is_never_given_to_it(isolated_choices: Path) -> None:
+    """The native kernels read fp32 or bf16 operands only: an fp64 product (a model in ``.double()``) is timed among
+    the kernels that take it, and forcing native gives that product torch's CSR, said, while fp32 keeps native."""
+    projector = _projector(64, 16, 2, 0)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    for policy in ("auto", "native"):
+        selector = KernelSelector(policy, persist=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = selector.compress_tokens(projector, x)
+        want = reference.compress_tokens(projector.indices, projector.values, 16, x).double()  # summed in fp32
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        chosen = selector.summary()["compress_tokens n=64 d=16 r=2 T=8 float64 cpu"]
+        assert chosen != "native"
+        assert (policy == "native") == any("does not take torch.float64" in str(w.message) for w in caught)
+        if policy == "native" and KERNELS["native"].applies(torch.device("cpu")):
+            selector.compress_tokens(projector, x.float())
+            assert selector.summary()["compress_tokens n=64 d=16 r=2 T=8 float32 cpu"] == "native"

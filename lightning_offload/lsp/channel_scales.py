@@ -97,7 +97,8 @@ class ScaledWeight:
         """``P`` of draw ``number`` (seeded by the seed, the position and the number: a resume redraws it exactly)."""
         if number != self.draw_number:
             generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.position) * 1_000_003 + number)
-            drawn = torch.randn(self.rank, self.projected_side, generator=generator) / math.sqrt(self.rank)
+            drawn = torch.randn(self.rank, self.projected_side, generator=generator, dtype=torch.float32)
+            drawn /= math.sqrt(self.rank)
             self.projection, self.draw_number = drawn.to(self.device), number
         return self.projection
 

@@ -156,7 +156,7 @@ class SparseProjector:
         for start in range(0, dim_in, _INDEX_CHUNK):
             rows = min(_INDEX_CHUNK, dim_in - start)
             # The top-r of i.i.d. uniform scores is a uniformly random r-subset: distinct by construction.
-            scores = torch.rand(rows, dim_out, generator=generator)
+            scores = torch.rand(rows, dim_out, generator=generator, dtype=torch.float32)
             chunks.append(scores.topk(nnz_per_column, dim=1).indices)
         indices = torch.cat(chunks)
         signs = torch.randint(0, 2, (dim_in, nnz_per_column), generator=generator).float().mul_(2).sub_(1)

@@ -60,9 +60,9 @@ class LandedRows:
     def dense(self, num_rows: int) -> Tensor:
         """The gradients as a full-size ``[num_rows, h]`` matrix, zero where none lies (a copy, for reading)."""
         if self.rows is not None:
-            return torch.zeros(num_rows, self.grad.shape[1]).index_copy_(0, self.rows, self.grad)
+            return torch.zeros(num_rows, self.grad.shape[1], dtype=self.grad.dtype).index_copy_(0, self.rows, self.grad)
         assert self.written is not None
-        return torch.where(self.written.unsqueeze(1), self.grad, torch.zeros(()))
+        return torch.where(self.written.unsqueeze(1), self.grad, 0.0)
 
 
 def tail_free(block_elements: int, threads: int) -> bool:
@@ -111,6 +111,13 @@ class NativeRowAdam:
             How many of ``grad_rows`` were read (all of them lie in ``blocks``; 0 with ``written``).
         """
         width = param.shape[1]
+        # The C code reads raw memory: an operand of another dtype or layout would be a write out of bounds.
+        for tensor, dtype in ((param, torch.float32), (exp_avg, torch.float32), (exp_avg_sq, torch.float32),
+                              (grad, torch.float32), (blocks, torch.int64), (hyper, torch.float64),
+                              (grad_rows, torch.int64), (written, torch.bool), (mirror, torch.bfloat16)):
+            if tensor is not None and (tensor.dtype != dtype or not tensor.is_contiguous() or tensor.is_cuda):
+                raise TypeError(f"The row Adam's native kernel takes contiguous CPU {dtype} operands; got "
+                                f"{tensor.dtype} {tuple(tensor.shape)} (contiguous: {tensor.is_contiguous()}).")
         return self._step(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), width, block_rows,
                           blocks.data_ptr(), blocks.numel(), hyper.data_ptr(), beta2, step, int(decoupled),
                           int(maximize), int(bound is not None), 0.0 if bound is None else bound, grad.data_ptr(),
@@ -174,25 +181,26 @@ def _check(kernel: NativeRowAdam) -> str:
              (1e-2, 0.8, 0.99, 0.1, 1e-6, 0.37, False, False, 100), (2e-3, 0.3, 0.999, 0.05, 1e-3, 3.3, False, True, 7),
              (5e-4, 0.6, 0.98, 0.2, 1e-8, 1.7, True, False, 40), (0.0, 0.9, 0.999, 0.0, 1e-8, 1.0, True, False, 2)]
     # Weights lr 0 leaves as they are, whose bf16 copies are rounding edge cases: subnormals, ±0, overflow, ±inf, ties.
-    edges = torch.tensor([1e-39, -1e-39, 3e-40, 0.0, -0.0, 1e38, 3.4e38, math.inf, -math.inf, 1.00390625, 1.01171875])
+    edges = torch.tensor([1e-39, -1e-39, 3e-40, 0.0, -0.0, 1e38, 3.4e38, math.inf, -math.inf, 1.00390625, 1.01171875],
+                         dtype=torch.float32)
     for lr, beta1, beta2, decay, eps, divisor, decoupled, maximize, step in cases:
-        param = torch.randn(rows, width, generator=generator)
+        param = torch.randn(rows, width, generator=generator, dtype=torch.float32)
         if lr == 0.0:
             param[0, :edges.numel()] = edges
-        exp_avg = torch.randn(rows, width, generator=generator) * 0.1
-        exp_avg_sq = torch.rand(rows, width, generator=generator) * 0.01
-        grad = torch.randn(rows, width, generator=generator)
+        exp_avg = torch.randn(rows, width, generator=generator, dtype=torch.float32) * 0.1
+        exp_avg_sq = torch.rand(rows, width, generator=generator, dtype=torch.float32) * 0.01
+        grad = torch.randn(rows, width, generator=generator, dtype=torch.float32)
         kept = torch.tensor([0, 1, 3, 8, 9, 10, 11])  # block 0 in part, block 2 whole
         expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
-        assembled = torch.zeros(rows, width)
+        assembled = torch.zeros(rows, width, dtype=torch.float32)
         assembled[kept] = grad[kept]
         fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
         for block in (0, 2):
             piece = slice(block * block_rows, (block + 1) * block_rows)
             fused([expected[0][piece]], [assembled[piece].clone()], [expected[1][piece]], [expected[2][piece]], [],
-                  [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2, weight_decay=decay, eps=eps,
-                  amsgrad=False, maximize=maximize,
-                  grad_scale=None if divisor == 1.0 else torch.tensor(divisor), found_inf=None)
+                  [torch.tensor(float(step), dtype=torch.float32)], lr=lr, beta1=beta1, beta2=beta2,
+                  weight_decay=decay, eps=eps, amsgrad=False, maximize=maximize,
+                  grad_scale=None if divisor == 1.0 else torch.tensor(divisor, dtype=torch.float32), found_inf=None)
         hyper = torch.tensor([[lr, beta1, decay, eps, divisor]] * 2, dtype=torch.float64)
         mirror = torch.zeros(rows, width, dtype=torch.bfloat16)
         kernel.step_blocks(param, exp_avg, exp_avg_sq, block_rows, torch.tensor([0, 2]), hyper, beta2, step,

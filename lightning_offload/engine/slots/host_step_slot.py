@@ -43,7 +43,8 @@ class HostStepSlot(Slot):
         self.host_optimizer = host_optimizer
         self.host_grad = torch.zeros(host_param.shape, dtype=lanes.link_dtype, pin_memory=lanes.pin)
         self.host_update = host_update
-        self.host_grad_fp32 = torch.zeros(host_param.shape) if lanes.link_dtype != torch.float32 else None
+        self.host_grad_fp32 = torch.zeros(host_param.shape, dtype=torch.float32) \
+            if lanes.link_dtype != torch.float32 else None
         # A projected weight's coupled L2 term λ·A W Bᵀ, landed from the device (dense parameters: the host optimizer
         # adds it).
         self.host_l2: Tensor | None = None

@@ -54,7 +54,8 @@ class RowSlot(Slot):
         # A staging buffer for the new rows: pinned for an async copy to a GPU, or in a narrower parameter dtype.
         # On the CPU an fp32 embedding's rows are read straight from the row Adam's workspace.
         self.host_update = pinned_zeros(param.shape, pin, param.dtype) if pin or param.dtype != torch.float32 else None
-        self.host_grad_fp32 = torch.zeros(param.shape) if lanes.link_dtype != torch.float32 else None
+        self.host_grad_fp32 = torch.zeros(param.shape, dtype=torch.float32) \
+            if lanes.link_dtype != torch.float32 else None
         # Rows whose device values show decay the master has not paid (settle), put back before a training forward.
         self.shown_rows: Tensor | None = None
         self.shown_step = -1  # the step count at the latest settle

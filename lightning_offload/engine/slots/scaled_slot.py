@@ -63,7 +63,8 @@ class ScaledSlot(HostStepSlot):
         self.squares_event: Any = None
         # The scales as they cross back, and their device buffer (on the CPU they are read where the host wrote them).
         self.host_scales = pinned_zeros((weight.channels,), lanes.pin)
-        self.device_scales = torch.zeros(weight.channels, device=lanes.device) if lanes.device.type != "cpu" else None
+        self.device_scales = torch.zeros(weight.channels, device=lanes.device, dtype=torch.float32) \
+            if lanes.device.type != "cpu" else None
         #: The norm of the update last applied (the limiter's reference), and the steps taken (the draw of ``P``).
         self.last_norm: float | None = None
         self.steps_taken = 0

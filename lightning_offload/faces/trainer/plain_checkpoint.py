@@ -55,7 +55,7 @@ def dense_moments_of_rows(state: dict[str, Any], betas: tuple[float, float]) -> 
     scale1, scale2 = (state[key].unsqueeze(1) if key in state else ones for key in ("scale1", "scale2"))
     exp_avg = (exp_avg.double() * scale1 * beta1.pow(missed)).float()
     exp_avg_sq = (exp_avg_sq.double() * scale2 * beta2.pow(missed)).float()
-    return {"step": torch.tensor(float(step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    return {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
 def _user_optimizer(module: pl.LightningModule) -> torch.optim.Optimizer:
@@ -123,14 +123,16 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
             (only,) = host_state["state"].values()
             state[index[slot]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in only.items()}
             report.exact.append(slot)
-    # A device Adam's entries are the remaining trained parameters in group order (embeddings/head="device").
+    # A device Adam's entries (vectors, embeddings/head="device"), named where the checkpoint names them; an older
+    # one's are the remaining trained parameters in group order.
     device_optimizer = offload.get("device_adam")
     if device_optimizer is not None:
-        rest = [names[id(p)] for p in params if names[id(p)] not in slot_params and p.requires_grad]
-        if len(rest) == len(device_optimizer["adam"]):
+        rest = device_optimizer.get("names") or \
+            [names[id(p)] for p in params if names[id(p)] not in slot_params and p.requires_grad]
+        if len(rest) == len(device_optimizer["adam"]) and all(name in index for name in rest):
             for name, entry in zip(rest, device_optimizer["adam"]):
-                (only,) = entry["state"].values()
-                state[index[name]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in only.items()}
+                for only in entry["state"].values():  # none where it never had a gradient: it starts as torch's would
+                    state[index[name]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in only.items()}
                 report.exact.append(name)
         else:
             report.restarted += rest

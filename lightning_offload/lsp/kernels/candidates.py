@@ -63,6 +63,11 @@ class ProjectionKernel(Protocol):
         """Whether this kernel can run on ``device`` in this process."""
         ...
 
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether this kernel computes a product whose operand (``x``, the matrix expanded, the weight) is
+        ``dtype``."""
+        ...
+
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         """``P · xᵀ`` (``d × T``, in :func:`~lightning_offload.lsp.projector.product_dtype` of ``x``)."""
         ...
@@ -86,6 +91,9 @@ class CsrKernel:
     def applies(self, device: torch.device) -> bool:
         return True
 
+    def takes(self, dtype: torch.dtype) -> bool:
+        return True
+
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         return projector.compress_rows(x.t())
 
@@ -104,6 +112,9 @@ class DenseKernel:
     name = "dense"
 
     def applies(self, device: torch.device) -> bool:
+        return True
+
+    def takes(self, dtype: torch.dtype) -> bool:
         return True
 
     @staticmethod
@@ -159,6 +170,9 @@ class NativeKernel:
 
         return native_projection() is not None
 
+    def takes(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16)  # the C code reads fp32 or bf16 operands, nothing else
+
     _loaded = None
 
     def _kernels(self):  # noqa: ANN202  (NativeProjection; imported lazily, kept: a step asks per product and layer)
@@ -195,6 +209,9 @@ class TritonKernel:
         from lightning_offload.lsp.kernels import triton_projection  # noqa: PLC0415  (imports triton)
 
         return triton_projection.available()
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16)  # the kernels' loads and stores are written for these
 
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         from lightning_offload.lsp.kernels import triton_projection  # noqa: PLC0415

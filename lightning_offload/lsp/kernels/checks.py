@@ -22,8 +22,8 @@ _SHAPES = ((37, 53, 19, 3), (16, 128, 32, 8), (5, 40, 40, 1), (70, 33, 64, 16))
 def random_projector(n: int, dim_out: int, r: int, generator: torch.Generator,
                      index_dtype: torch.dtype = torch.int16) -> tuple[Tensor, Tensor]:
     """Indices (``n × r``, distinct and ascending in each row) and values (``n × r`` fp32) of a random projector."""
-    indices = torch.rand(n, dim_out, generator=generator).topk(r, dim=1).indices.sort(dim=1).values
-    return indices.to(index_dtype), torch.randn(n, r, generator=generator)
+    indices = torch.rand(n, dim_out, generator=generator, dtype=torch.float32).topk(r, dim=1).indices.sort(dim=1).values
+    return indices.to(index_dtype), torch.randn(n, r, generator=generator, dtype=torch.float32)
 
 
 def close(got: Tensor, want: Tensor, terms: int) -> bool:
@@ -54,17 +54,17 @@ def _check_one(kernels: Any, indices: Tensor, values: Tensor, dim_out: int, toke
                threads: int, generator: torch.Generator) -> str:
     n = indices.shape[0]
     # A strided view of wider rows: the forward's input is often a slice of a larger activation.
-    x = torch.randn(tokens, n + 3, generator=generator).to(dtype)[:, :n]
+    x = torch.randn(tokens, n + 3, generator=generator, dtype=torch.float32).to(dtype)[:, :n]
     if not close(kernels.compress_tokens(indices, values, dim_out, x, threads=threads),
                  reference.compress_tokens(indices, values, dim_out, x), n * indices.shape[1]):
         return "compress_tokens differs"
-    matrix = torch.randn(tokens, dim_out, generator=generator)
+    matrix = torch.randn(tokens, dim_out, generator=generator, dtype=torch.float32)
     if not close(kernels.expand_columns(indices, values, dim_out, matrix.t().contiguous(), threads=threads),
                  reference.expand_columns(indices, values, dim_out, matrix), indices.shape[1]):
         return "expand_columns differs"
     # The update: rows of the weight are P's columns (n of them), the half has dim_out rows.
-    weight = torch.randn(n, tokens, generator=generator).to(dtype)
-    half = torch.randn(dim_out, tokens, generator=generator) * 1e-2
+    weight = torch.randn(n, tokens, generator=generator, dtype=torch.float32).to(dtype)
+    half = torch.randn(dim_out, tokens, generator=generator, dtype=torch.float32) * 1e-2
     want = reference.updated_rows(weight, indices, values, half, 0.99)
     kernels.update_rows_(weight, indices, values, half, 0.99, None, threads=threads)
     if dtype == torch.float32 and not close(weight, want, indices.shape[1] + 2):
@@ -77,7 +77,7 @@ def _check_one(kernels: Any, indices: Tensor, values: Tensor, dim_out: int, toke
 def bf16_neighbours(rounded: Tensor, exact: Tensor) -> Tensor:
     """Where bf16 ``rounded`` is one of the two bf16 values next to fp32 ``exact`` (or equals it)."""
     nearest = exact.to(torch.bfloat16)
-    towards = torch.where(nearest.float() < exact, torch.tensor(float("inf")), torch.tensor(-float("inf")))
+    towards = torch.where(nearest.float() < exact, float("inf"), -float("inf"))
     other = torch.nextafter(nearest, towards.to(torch.bfloat16))
     return (rounded == nearest) | (rounded == other)
 
@@ -86,8 +86,8 @@ def _check_rounding(kernels: Any, generator: torch.Generator) -> str:
     """bf16 stochastic rounding: each result one of the fp32 value's two bf16 neighbours, the same bits from the
     same seed, other bits from another, and infinities kept."""
     indices, values = random_projector(64, 16, 4, generator)
-    half = torch.randn(16, 48, generator=generator) * 1e-3
-    start = torch.randn(64, 48, generator=generator).to(torch.bfloat16)
+    half = torch.randn(16, 48, generator=generator, dtype=torch.float32) * 1e-3
+    start = torch.randn(64, 48, generator=generator, dtype=torch.float32).to(torch.bfloat16)
     exact = reference.updated_rows(start, indices, values, half, 1.0)
     results = []
     for seed in (7, 7, 8):
@@ -98,7 +98,7 @@ def _check_rounding(kernels: Any, generator: torch.Generator) -> str:
         return "stochastic rounding gave a value that is not a neighbour of the exact one"
     if not torch.equal(results[0], results[1]) or torch.equal(results[0], results[2]):
         return "stochastic rounding is not a function of its seed"
-    infinite = torch.full((4, 48), float("inf")).to(torch.bfloat16)
+    infinite = torch.full((4, 48), float("inf"), dtype=torch.float32).to(torch.bfloat16)
     kernels.update_rows_(infinite, indices[:4], values[:4], half, 1.0, 3, threads=1)
     if not bool(torch.isinf(infinite).all()):
         return "stochastic rounding changed an infinity"

@@ -70,6 +70,8 @@ class NativeProjection:
         tokens, n = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
+        _require_projector(indices, values)
+        _require(x, (torch.float32, torch.bfloat16), "x", contiguous=False)
         out = torch.empty(dim_out, tokens, dtype=torch.float32)
         status = self._compress(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), tokens, n,
                                 indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.shape[1],
@@ -82,6 +84,8 @@ class NativeProjection:
         """``M · P`` (``k × n`` fp32) from ``Mᵀ`` (``dim_out × k`` fp32, contiguous)."""
         k = matrix_t.shape[1]
         n = indices.shape[0]
+        _require_projector(indices, values)
+        _require(matrix_t, (torch.float32,), "matrix_t")
         out = torch.empty(k, n, dtype=torch.float32)
         status = self._expand(matrix_t.data_ptr(), k, dim_out, n, indices.data_ptr(), indices.element_size(),
                               values.data_ptr(), indices.shape[1], out.data_ptr(),
@@ -95,12 +99,29 @@ class NativeProjection:
         rounded stochastically from ``seed``, or to nearest when ``seed`` is ``None``); ``H`` is ``dim_out × cols``
         fp32, contiguous."""
         rows, cols = weight.shape
+        _require_projector(indices, values)
+        _require(weight, (torch.float32, torch.bfloat16), "weight")
+        _require(half, (torch.float32,), "half")
         status = self._update(weight.data_ptr(), int(weight.dtype == torch.bfloat16), rows, cols,
                               indices.data_ptr(), indices.element_size(), values.data_ptr(), indices.shape[1],
                               half.data_ptr(), float(decay), int(seed is not None),
                               0 if seed is None else int(seed) & (2**64 - 1),
                               _threads(threads))
         _raise_on(status, "update_rows")
+
+
+def _require(tensor: Tensor, dtypes: tuple[torch.dtype, ...], name: str, contiguous: bool = True) -> None:
+    """Refuse an operand the C code would read wrongly (another dtype, a non-contiguous layout, another device): it
+    reads raw memory, so a wrong operand would be a wrong result or a write out of bounds, not an error."""
+    if tensor.dtype not in dtypes or tensor.device.type != "cpu" or (contiguous and not tensor.is_contiguous()):
+        raise TypeError(f"The native projection kernels take {name} as a {'contiguous ' if contiguous else ''}CPU "
+                        f"tensor of {', '.join(map(str, dtypes))}; got {tensor.dtype} on {tensor.device} "
+                        f"(contiguous: {tensor.is_contiguous()}).")
+
+
+def _require_projector(indices: Tensor, values: Tensor) -> None:
+    _require(indices, (torch.int16, torch.int32), "indices")
+    _require(values, (torch.float32,), "values")
 
 
 def _threads(threads: int | None) -> int:

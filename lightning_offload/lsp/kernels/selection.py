@@ -140,11 +140,11 @@ class KernelSelector:
         kernel = self._kernels.get(shape)
         if kernel is None:
             key = _key(product, device, operand.dtype, **sizes)
-            choice = self._choose(key, device, call)
+            choice = self._choose(key, device, operand.dtype, call)
             if self.agree is not None and not key.startswith("compress_tokens"):
                 # Compressed gradients are summed between ranks whatever rounds them; an update must round alike.
                 choice = Choice(self.agree(choice.kernel), choice.milliseconds, "rank 0's")
-                if not KERNELS[choice.kernel].applies(device):
+                if not KERNELS[choice.kernel].applies(device) or not KERNELS[choice.kernel].takes(operand.dtype):
                     raise RuntimeError(f"Rank 0 applies {key} with the {choice.kernel!r} kernel, which cannot run on "
                                        f"this rank's {device}; every rank must round an update alike. Pass "
                                        f"kernels='csr' (runs everywhere) to the strategy.")
@@ -157,20 +157,27 @@ class KernelSelector:
                 projector.release_products()
         return kernel
 
-    def _choose(self, key: str, device: torch.device, call: Callable[[ProjectionKernel], Any]) -> Choice:
+    def _choose(self, key: str, device: torch.device, dtype: torch.dtype,
+                call: Callable[[ProjectionKernel], Any]) -> Choice:
         if self.policy != "auto":
             forced = KERNELS[self.policy]
-            if forced.applies(device):
-                timed = _time_kernels([forced], device, call).milliseconds if self.measure else {}
-                return Choice(forced.name, timed, how="forced")
-            warnings.warn(f"kernels={self.policy!r} cannot run on {device} here (see the log for why); the "
-                          f"projections use torch's CSR kernels ('csr') instead.", stacklevel=4)
-            self.policy = "csr"
-            return Choice("csr", how="forced")
+            if not forced.applies(device):
+                warnings.warn(f"kernels={self.policy!r} cannot run on {device} here (see the log for why); the "
+                              f"projections use torch's CSR kernels ('csr') instead.", stacklevel=4)
+                self.policy = "csr"
+                return Choice("csr", how="forced")
+            if not forced.takes(dtype):
+                # Only this product's dtype is refused: products of the dtypes it takes keep the forced kernel.
+                warnings.warn(f"kernels={self.policy!r} does not take {dtype} operands ({key}); that product uses "
+                              f"torch's CSR kernels ('csr').", stacklevel=4)
+                return Choice("csr", how="forced")
+            timed = _time_kernels([forced], device, call).milliseconds if self.measure else {}
+            return Choice(forced.name, timed, how="forced")
+        usable = [k for k in KERNELS.values() if k.applies(device) and k.takes(dtype)]
         stored = _stored_choices().get(key) if self.persist else None
-        if stored is not None and stored.get("kernel") in KERNELS and KERNELS[stored["kernel"]].applies(device):
+        if stored is not None and stored.get("kernel") in {k.name for k in usable}:
             return Choice(stored["kernel"], {stored["kernel"]: stored["ms"]}, how="cached")
-        choice = _time_kernels([k for k in KERNELS.values() if k.applies(device)], device, call)
+        choice = _time_kernels(usable, device, call)
         log.info("lightning_offload kernels: %s -> %s (%s)", key, choice.kernel,
                  ", ".join(f"{name} {ms:.3f} ms" for name, ms in choice.milliseconds.items()))
         if self.persist:
