@@ -91,9 +91,10 @@ def strategy(kind: str, **kwargs: Any) -> Any:
         return LSPOffloadDDPStrategy(rank=1.0, density=1, min_dim=16, projectors="random",
                                      projector_factory=signed_permutation_projector, **{setting: parsed}, **common)
     if kind == "learned":
-        # The kernels pinned: the golden records hold these bits, and "auto" chooses by timing.
+        # The kernels pinned: the golden records hold these bits, and "auto" chooses by timing. The vectors on the
+        # host, as the records were made (their checkpoint holds the host Adam's state of the biases).
         return LSPOffloadDDPStrategy(rank=0.5, density=2, min_dim=16, projectors="learned", kernels="native",
-                                     **common)
+                                     vectors="host", **common)
     if kind == "lsp_all":
         return LSPOffloadDDPStrategy(rank=0.25, density=2, target_modules=[r"net\.\d"], projectors="random", **common)
     if kind == "zero":

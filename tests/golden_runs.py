@@ -90,7 +90,10 @@ class Case:
 
 def _lsp(**settings: Any) -> Callable[[], LSPOffloadStrategy]:
     # The projections' kernels pinned (the CPU's native ones): "auto" picks by timing, and kernels differ in rounding.
-    settings = {"rank": 0.25, "density": 2, "min_dim": 16, "projectors": "random", "kernels": "native", **settings}
+    # The vectors on the host, as these cases were recorded before vectors= existed (the vectors_* cases put them on
+    # the device).
+    settings = {"rank": 0.25, "density": 2, "min_dim": 16, "projectors": "random", "kernels": "native",
+                "vectors": "host", **settings}
     return lambda: LSPOffloadStrategy(**settings)
 
 
@@ -142,12 +145,17 @@ CASES: dict[str, Case] = {
     # of that channel's update: between two CPUs' kernels (AVX-512 against AVX2, one Intel Xeon) the checkpoint moved
     # by 1e-3 of a tensor after 4 steps, ~10⁴ times every other case, and beyond the tolerance across machine kinds.
     "lsp_scaled_accumulated_clipped": Case(lambda: LSPOffloadStrategy(rank=0.5, min_dim=16, update="scaled",
-                                                                      redraw_every=2),
+                                                                      redraw_every=2, vectors="host"),
                                            trainer={"accumulate_grad_batches": 2, **CLIP_NORM}),
-    "lsp_scaled_bf16_true": Case(lambda: LSPOffloadStrategy(rank=0.5, min_dim=16, update="scaled"),
+    "lsp_scaled_bf16_true": Case(lambda: LSPOffloadStrategy(rank=0.5, min_dim=16, update="scaled", vectors="host"),
                                  trainer={"precision": "bf16-true", **CLIP_NORM}),
-    "zero": Case(lambda: ZeroOffloadStrategy(), trainer=CLIP_NORM),
-    "meft": Case(lambda: MEFTOffloadStrategy(device="cpu"), module=_meft_module, data=_meft_data, trainer=CLIP_NORM),
+    "zero": Case(lambda: ZeroOffloadStrategy(vectors="host"), trainer=CLIP_NORM),
+    "meft": Case(lambda: MEFTOffloadStrategy(device="cpu", vectors="host"), module=_meft_module, data=_meft_data,
+                 trainer=CLIP_NORM),
+    # The vectors (norm weights) stepped by the device Adam: otherwise lsp_random, lsp_bf16_true and zero.
+    "vectors_device": Case(_lsp(vectors="device")),
+    "vectors_device_bf16_true": Case(_lsp(vectors="device"), trainer={"precision": "bf16-true", **CLIP_NORM}),
+    "zero_vectors_device": Case(lambda: ZeroOffloadStrategy(vectors="device"), trainer=CLIP_NORM),
 }
 #: Run by tests/ddp_runs.py's "golden" scenario on two gloo ranks (learned projectors, accumulation, norm clipping).
 DDP_CASES = ("ddp_learned_rank0", "ddp_learned_rank1")

@@ -64,11 +64,16 @@ def test_checkpoint_holds_projectors_moments_and_step_counts(tmp_path):
     assert set(state["projectors"]) == {"body.0", "body.3"}
     layer = strategy.projected_layers["body.0"]
     assert torch.equal(state["projectors"]["body.0"]["in"]["indices"], layer.proj_in.indices.cpu())
-    # Forward order, named by module (projected) or parameter (dense).
-    assert state["slots"] == ["body.0", "body.0.bias", "body.2.weight", "body.2.bias", "body.3", "body.3.bias",
-                              "head.weight", "head.bias"]
+    # Forward order, named by module (projected) or parameter (dense); the vectors (biases, the LayerNorm's weight) are
+    # stepped on the device (vectors="device"), their state in the device Adam's part, in their group's order.
+    assert state["slots"] == ["body.0", "body.3", "head.weight"]
     moments = dict(zip(state["slots"], [s["state"][0] for s in state["host_adam"]]))
     assert all(float(m["step"]) == 2 for m in moments.values())
+    vectors = [p for p in module.configure_optimizers().param_groups[1]["params"]]
+    assert [p.dim() for p in vectors] == [1] * 5
+    device_moments = [entry["state"][0] for entry in state["device_adam"]["adam"]]
+    assert [tuple(m["exp_avg"].shape) for m in device_moments] == [tuple(p.shape) for p in vectors]
+    assert all(float(m["step"]) == 2 and m["exp_avg"].abs().sum() > 0 for m in device_moments)
     assert tuple(moments["body.0"]["exp_avg"].shape) == layer.compressed_shape
     assert tuple(moments["body.3"]["exp_avg"].shape) == strategy.projected_layers["body.3"].compressed_shape
     assert list(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == \

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_configs import compose_cfg
-from tiny_modules import TinyClassifier, classification_data, params_of, trainer
+from tiny_modules import (TinyCausalLM, TinyClassifier, classification_data, params_of, tiny_hf_model, token_data,
+                          trainer)
 
 from lightning_offload import ZeroOffloadStrategy
 from lightning_offload.cli.train import train
@@ -106,6 +107,23 @@ def test_a_zero_offload_checkpoint_converted_to_plain_adamw_continues_as_the_uni
     uninterrupted = _resume_plain(TinyClassifier(), tmp_path / "reference.ckpt", steps=6)
     for name, value in params_of(continued).items():  # zero_offload's fused host Adam against torch's for-loop one
         torch.testing.assert_close(value, params_of(uninterrupted)[name], msg=name)
+
+
+def test_the_device_adams_moments_convert_by_name_beside_a_frozen_embedding(tmp_path: Path) -> None:
+    """The vectors' moments (stepped on the device) carry over exactly, matched by the names the checkpoint keeps,
+    though a frozen embedding, also outside the host slots, is a trained parameter of the converted optimizer."""
+    from lightning_offload import to_plain_adamw_checkpoint
+
+    run = trainer(ZeroOffloadStrategy(embeddings="frozen"), max_steps=2)
+    run.fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
+    run.save_checkpoint(tmp_path / "offload.ckpt")
+    report = to_plain_adamw_checkpoint(tmp_path / "offload.ckpt", TinyCausalLM(tiny_hf_model("llama")),
+                                       tmp_path / "plain.ckpt")
+    vectors = [n for n, p in TinyCausalLM(tiny_hf_model("llama")).named_parameters() if p.dim() == 1]
+    assert vectors and set(vectors) <= set(report.exact)
+    assert report.restarted == []
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    assert all(float(plain[i]["step"]) == 2 for i in plain)
 
 
 @pytest.mark.parametrize("update", [dict(density=2, projectors="random"), dict(update="scaled")],

@@ -122,3 +122,33 @@ def test_a_write_after_a_read_of_a_row_sparse_embedding_keeps_what_was_read(thro
     optimizer.step()
     optimizer.close()
     assert torch.equal(model.model.embed_tokens.weight.detach(), shown * 0.9)
+
+
+@pytest.mark.parametrize("through_data", [True, False], ids=["data", "in_place"])
+def test_a_write_into_a_bf16_weight_the_device_adam_steps_stands(through_data: bool) -> None:
+    """Under bf16 weights the device Adam keeps an fp32 master beside each weight it steps (vectors, and an embedding
+    placed on the device); a write into the weight between steps stands as under torch.optim: at lr 0 (AdamW moves
+    nothing) the next step leaves exactly the written values, not the master's."""
+    model = tiny_hf_model("llama").to(torch.bfloat16)
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
+                        strategy="zero_offload", embeddings="device", vectors="device")
+    batches = [ids for (ids,) in token_data(n=12, batch_size=4)]
+    for ids in batches[:2]:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    written = {"norm": model.model.layers[0].input_layernorm.weight, "embedding": model.model.embed_tokens.weight}
+    for weight in written.values():
+        if through_data:
+            weight.data.mul_(0.5)
+        else:
+            with torch.no_grad():
+                weight.mul_(0.5)
+    wanted = {name: weight.detach().clone() for name, weight in written.items()}
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    model(input_ids=batches[2], labels=batches[2]).loss.backward()
+    optimizer.step()
+    optimizer.close()
+    for name, weight in written.items():
+        assert torch.equal(weight.detach(), wanted[name]), name

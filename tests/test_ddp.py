@@ -172,7 +172,8 @@ def test_projectors_identical_across_ranks_after_the_initial_fit_and_refits(equi
 def test_host_state_is_sharded_between_ranks(equivalence_runs):
     rank0, rank1 = _record(equivalence_runs, "lossless", 0), _record(equivalence_runs, "lossless", 1)
     assert rank0["owned"] and rank1["owned"] and not set(rank0["owned"]) & set(rank1["owned"])
-    assert len(rank0["owned"]) + len(rank1["owned"]) == len(list(TinyClassifier().parameters()))
+    # Every matrix is owned by one rank; the biases are stepped on the device by every rank (vectors="device").
+    assert len(rank0["owned"]) + len(rank1["owned"]) == len([p for p in TinyClassifier().parameters() if p.dim() > 1])
 
 
 def test_compressed_gradients_cut_the_bytes_between_ranks(bytes_runs):

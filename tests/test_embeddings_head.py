@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy, signed_permutation_projector
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.models.tiny import tiny_llama
-from tiny_modules import TinyCausalLM, lossless_lsp, params_of, tiny_hf_model, token_data, trainer
+from tiny_modules import (TinyCausalLM, TinyClassifier, classification_data, lossless_lsp, params_of, tiny_hf_model,
+                          token_data, trainer)
 
 EMBEDDING = "model.model.embed_tokens.weight"
 HEAD = "model.lm_head.weight"
@@ -137,8 +138,12 @@ def test_each_option_trains_checkpoints_and_resumes_bit_for_bit(embeddings, head
     # Frozen weights get their gradients back after fit; the user's module is as it was.
     assert all(p.requires_grad for p in straight.parameters())
     assert ("model.lm_head" in strategy.projected_layers) == (head == "projected")
-    telemetry = strategy.offload_optimizer.telemetry
-    assert (telemetry.device_persistent_bytes["device_optimizer"] > 0) == ("device" in (embeddings, head))
+    # The device Adam steps the vectors (vectors="device", the default) and whatever was placed on the device.
+    names = {id(p): name for name, p in straight.named_parameters()}
+    on_device = {names[id(p)] for p in strategy.offload_optimizer.device_optimizer.params}
+    vectors = {name for name, p in straight.named_parameters() if p.dim() == 1}
+    placed = {name for name, where in ((EMBEDDING, embeddings), (HEAD, head)) if where == "device"}
+    assert on_device == vectors | placed
 
 
 class _FirstStepRows(pl.Callback):
@@ -244,6 +249,7 @@ def test_zero_offload_takes_the_placements_but_cannot_project_the_head():
     (dict(embeddings="rows"), r"embeddings='rows' is not one of \('host', 'sparse', 'device', 'frozen'\)"),
     (dict(head="lora"), r"head='lora' is not one of \('host', 'projected', 'device', 'frozen'\)"),
     (dict(head="by size"), r"head='by size' is not one of"),  # the default's own marker is not a user's value
+    (dict(vectors="frozen"), r"vectors='frozen' is not one of \('device', 'host'\)"),
 ])
 def test_bad_placements_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -258,6 +264,44 @@ def test_resuming_with_the_other_embedding_placement_names_the_setting(tmp_path)
     with pytest.raises(ValueError, match="stepped model.model.embed_tokens.weight densely.*embeddings='host'"):
         trainer(_strategy("sparse", "host"), max_steps=2).fit(_module(), token_data(n=4),
                                                               ckpt_path=tmp_path / "dense.ckpt")
+
+
+@pytest.mark.parametrize("vectors", ["device", "host"])
+@pytest.mark.parametrize("strategy", ["zero", "lossless_lsp"])
+def test_vectors_on_either_side_train_as_torch_adamw(strategy, vectors, caplog):
+    """Two param groups (the vectors' with their own lr and no decay), norm clipping, accumulation: the weights equal
+    torch's AdamW's on a separate model whether the vectors are stepped on the device or on the host, and the log says
+    where they went."""
+    settings = dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    reference = TinyClassifier()
+    trainer("auto", **settings).fit(reference, classification_data())
+    module = TinyClassifier()
+    chosen = ZeroOffloadStrategy(vectors=vectors) if strategy == "zero" else lossless_lsp(vectors=vectors)
+    with caplog.at_level(logging.INFO):
+        trainer(chosen, **settings).fit(module, classification_data())
+    for name, value in params_of(reference).items():
+        torch.testing.assert_close(params_of(module)[name], value, msg=lambda m, n=name: f"{n}: {m}")
+    kept = chosen.offload_optimizer.device_optimizer
+    names = {id(p): name for name, p in module.named_parameters()}
+    if vectors == "device":
+        assert sorted(names[id(p)] for p in kept.params) == sorted(n for n, p in module.named_parameters()
+                                                                   if p.dim() == 1)
+        assert "5 vectors (body.0.bias, body.2.weight, body.2.bias, …; 128 elements) are stepped by an Adam on the " \
+               "device (vectors='device': ≤ 1.5 KiB of device state" in caplog.text
+    else:
+        assert kept is None and "vectors" not in caplog.text
+
+
+def test_resuming_a_checkpoint_with_the_vectors_on_the_host_names_the_setting(tmp_path):
+    module = TinyClassifier()
+    run = trainer(ZeroOffloadStrategy(vectors="host"), max_steps=1)
+    run.fit(module, classification_data(n=8))
+    run.save_checkpoint(tmp_path / "host.ckpt")
+    with pytest.raises(ValueError, match="resume it with vectors='host'"):
+        trainer(ZeroOffloadStrategy(), max_steps=2).fit(TinyClassifier(), classification_data(n=8),
+                                                       ckpt_path=tmp_path / "host.ckpt")
+    trainer(ZeroOffloadStrategy(vectors="host"), max_steps=2).fit(TinyClassifier(), classification_data(n=8),
+                                                                  ckpt_path=tmp_path / "host.ckpt")
 
 
 def test_amsgrad_is_refused_for_a_row_sparse_embedding():

@@ -1,4 +1,5 @@
-"""``free_sent_gradients``: a host-stepped parameter's ``.grad`` dropped once it has crossed and its step is launched.
+"""``free_sent_gradients``: a parameter's ``.grad`` dropped once its step is launched (crossed to the host, or queued on
+the device for the vectors ``vectors="device"`` keeps there).
 On by default under the Trainer and Fabric (their loops zero gradients before the next backward anyway), off for
 ``offload()`` in a loop of one's own (torch's ``p.grad`` stays readable after ``step()``); either way the training is
 the same as plain AdamW's on a separate model, and the planner counts what the device holds."""
@@ -38,7 +39,7 @@ def test_the_trainer_drops_crossed_gradients_and_trains_as_plain_adamw() -> None
     kept, kept_seen = _fit(ZeroOffloadStrategy(free_sent_gradients=False))
     names = {n for n, p in plain.named_parameters() if p.requires_grad}
     assert plain_seen.held == [names] * 3  # torch keeps them until the next zero_grad
-    assert freed_seen.held == [set()] * 3  # every parameter of zero_offload is stepped on the host
+    assert freed_seen.held == [set()] * 3  # host-stepped, or a vector stepped on the device: none holds one
     assert kept_seen.held == [names] * 3
     want = params_of(plain)
     for got in (params_of(freed), params_of(kept)):

@@ -74,8 +74,9 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_opti
     if state["slots"] != names:
         raise ValueError(
             f"Checkpoint has offloaded tensors {state['slots'][:3]}… ({len(state['slots'])}), but this run has "
-            f"{names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, patterns) "
-            f"and optimizer groups."
+            f"{names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, patterns, "
+            f"embeddings, head, vectors) and optimizer groups. A checkpoint written before the vectors= setting "
+            f"existed stepped the norm weights and biases on the host: resume it with vectors='host'."
         )
     saved_rule = state.get("host_rule", "Adam")  # written before other host rules existed: Adam's
     if saved_rule != rule.name:
@@ -86,9 +87,12 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_opti
                          "rank's share of a data-parallel checkpoint. Resume from the checkpoint rank 0 wrote.")
     for slot, adam_state in zip(slots, state["host_adam"]):
         slot.check_saved_state(adam_state)
-    if (state.get("device_adam") is None) != (device_optimizer is None):
+    saved_device = state.get("device_adam")
+    if (saved_device is None) != (device_optimizer is None) or (
+            device_optimizer is not None and len(saved_device["adam"]) != len(device_optimizer.entries)):
         raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
-                         "the same embeddings= and head= settings.")
+                         "the same embeddings=, head= and vectors= settings (vectors='host' for a checkpoint written "
+                         "before that setting existed).")
 
 
 def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups: list[dict[str, Any]],

@@ -75,8 +75,9 @@ class OffloadOptimizer(Optimizer):
         speculative: step each tensor's host Adam during backward, as soon as its gradient has landed
             (:mod:`~lightning_offload.engine.step.speculation`; results equal the other path's bit for bit). Costs a
             host copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU).
-        free_sent_gradients: a host-stepped parameter's ``.grad`` is set to ``None`` once its host step is launched
-            (its gradient has crossed). Default: ``False`` (torch's semantics: readable after :meth:`step`).
+        free_sent_gradients: a parameter's ``.grad`` is set to ``None`` once its step is launched (its gradient has
+            crossed to the host, or the device Adam's step is queued). Default: ``False`` (torch's semantics: readable
+            after :meth:`step`).
         keep_on_device: parameters stepped on the device instead of the host (``DeviceOptimizer``): clipped and
             checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross each
@@ -142,6 +143,8 @@ class OffloadOptimizer(Optimizer):
 
         self._build_slots(optimizer, projected, model, keep_on_device, frozen, row_sparse, rounding_seed)
         self.norms = GradientNorms(self.device, self.ranks)
+        self.norms.positions = {id(p): i for i, p in enumerate(p for group in self.param_groups
+                                                                for p in group["params"])}
         if self.ranks is None:
             self.norms.edits = GradientEdits(self.slots)
         # Speculation is for accelerators: on the CPU, host work during backward competes with it for the cores.
@@ -182,7 +185,10 @@ class OffloadOptimizer(Optimizer):
             layer.phases = self.phases
         kept = [(p, group, is_decoupled(optimizer, group)) for group in self.param_groups for p in group["params"]
                 if id(p) in on_device]
-        self.device_optimizer: DeviceOptimizer | None = DeviceOptimizer(kept, self.lanes.rule) if kept else None
+        names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+        self.device_optimizer: DeviceOptimizer | None = DeviceOptimizer(
+            kept, self.lanes.rule, [names.get(id(p), f"param{i}") for i, (p, _, _) in enumerate(kept)]) \
+            if kept else None
 
     # ----------------------------------------------------------------------------------------------- the parts
     @property

@@ -122,7 +122,8 @@ def inventory(model: nn.Module, settings: OffloadSettings | None, param_dtype: t
     if settings.projection and settings.update == "scaled":
         refuse_rule_without_scales(host_rule_of(optimizer))
     reasons = rows_stepped_densely(optimizer(trained), placements.embeddings_by_default) if trained else {}
-    placement = plan_placement(model, ids, placements.embeddings, placements.head, dense_reasons=reasons)
+    placement = plan_placement(model, ids, placements.embeddings, placements.head, dense_reasons=reasons,
+                               vectors=placements.vectors)
     found.messages = list(placement.messages)
     kinds: dict[int, Entry] = {}
     if settings.projection:

@@ -1,4 +1,5 @@
-"""Where an offload strategy trains a model's embeddings and output head: the strategies' ``embeddings`` and ``head``.
+"""Where an offload strategy trains a model's embeddings, output head and vectors: the strategies' ``embeddings``,
+``head`` and ``vectors``.
 
 At a 1.3B LLaMA shape the input embedding and the untied LM head are 131M of the 207M elements a dense host path
 steps each step, and most of the link bytes. These settings move them off that path:
@@ -11,6 +12,10 @@ steps each step, and most of the link bytes. These settings move them off that p
   :data:`PROJECTED_HEAD_ELEMENTS` elements on (today's 128K–256K vocabularies: Llama-3.2-1B's tied head has 262M,
   Llama-3.1-8B's 525M, whose dense host state and speculation backups alone would be 14.7 GiB), else ``"host"``
   (SmolLM2's 28M; projecting a head cost a fifth of AdamW's gain on the measured small models).
+* ``vectors``: the 1-D (and 0-D) parameters, norm weights and biases: ``"device"`` (a device Adam) or ``"host"``. Each
+  host-stepped tensor costs the step a fixed share of engine work (its hook, its crossing, its launch and its host
+  job: ~0.15 ms on a 2-core CPU whatever its size), most of a norm's step, while their state on the device is at most
+  12 bytes an element (about 3 MB for all of Llama-3.1-8B's 266K). By default they stay on the device.
 
 Embeddings are the model's ``nn.Embedding`` modules (token and learned position embeddings); the head is what
 Hugging Face's ``get_output_embeddings`` returns. Task heads (classifiers) are small and always stay on the host.
@@ -28,6 +33,7 @@ from torch import Tensor, nn
 
 EMBEDDING_PLACEMENTS = ("host", "sparse", "device", "frozen")
 HEAD_PLACEMENTS = ("host", "projected", "device", "frozen")
+VECTOR_PLACEMENTS = ("device", "host")
 #: The default head placement of a strategy that projects (``head=None``): each head's by its size.
 HEAD_BY_SIZE = "by size"
 #: Elements from which ``head=None`` projects a head (2**27, 134M: at ~30 host bytes an element, its dense state and
@@ -35,14 +41,17 @@ HEAD_BY_SIZE = "by size"
 PROJECTED_HEAD_ELEMENTS = 2**27
 
 
-def validate_placements(embeddings: str, head: str) -> None:
-    """Raise a ValueError naming the accepted values when ``embeddings`` or ``head`` is not one of them."""
+def validate_placements(embeddings: str, head: str, vectors: str = "device") -> None:
+    """Raise a ValueError naming the accepted values when ``embeddings``, ``head`` or ``vectors`` is not one of them."""
     if embeddings not in EMBEDDING_PLACEMENTS:
         raise ValueError(f"embeddings={embeddings!r} is not one of {EMBEDDING_PLACEMENTS}: 'host' steps them densely "
                          f"on the host (exact), 'sparse' only the batch's rows.")
     if head not in HEAD_PLACEMENTS:
         raise ValueError(f"head={head!r} is not one of {HEAD_PLACEMENTS}: 'host' steps it densely on the host "
                          f"(exact), 'projected' compresses it like any Linear.")
+    if vectors not in VECTOR_PLACEMENTS:
+        raise ValueError(f"vectors={vectors!r} is not one of {VECTOR_PLACEMENTS}: 'device' steps the norm weights and "
+                         f"biases by an Adam on the device, 'host' on the host like the other dense parameters.")
 
 
 @dataclass
@@ -68,8 +77,8 @@ class Placement:
 
 
 def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: str,
-                   dense_reasons: Mapping[int, str] | None = None) -> Placement:
-    """Decide where ``model``'s embeddings and output head train.
+                   dense_reasons: Mapping[int, str] | None = None, vectors: str = "host") -> Placement:
+    """Decide where ``model``'s embeddings, output head and vectors train.
 
     Args:
         model: the LightningModule (or any module holding the network).
@@ -78,9 +87,10 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         head: see the module docstring.
         dense_reasons: embeddings that ``embeddings="sparse"`` steps densely on the host instead, by identity, each
             with the reason said in the log (the row step cannot follow their param group's settings).
+        vectors: see the module docstring. Default: ``"host"``.
     """
     dense_reasons = dense_reasons or {}
-    validate_placements(embeddings, "host" if head == HEAD_BY_SIZE else head)  # the default is no user's value
+    validate_placements(embeddings, "host" if head == HEAD_BY_SIZE else head, vectors)  # no user's value: by size
     plan = Placement()
     names = {id(module): name for name, module in model.named_modules()}
     heads: dict[int, tuple[str, nn.Module]] = {}
@@ -126,11 +136,30 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         elif embeddings == "frozen":
             plan.frozen.append(weight)
             plan.messages.append(f"{name}.weight is frozen while training (embeddings='frozen').")
+    if vectors == "device":
+        _vectors_on_device(model, trained, plan)
     if embeddings != "host" and not any(w not in heads for w in embedding_weights):
         plan.messages.append(f"embeddings={embeddings!r} found no trainable nn.Embedding of its own to apply to.")
     if asked not in ("host", HEAD_BY_SIZE) and not heads:
         plan.messages.append(f"head={asked!r} found no trainable output head (get_output_embeddings) to apply to.")
     return plan
+
+
+def _vectors_on_device(model: nn.Module, trained: set[int], plan: Placement) -> None:
+    """Put the trainable 1-D and 0-D parameters of the user's groups on the device Adam, said in one line."""
+    placed = {id(p) for p in plan.device + plan.frozen + plan.row_sparse}
+    names = [name for name, p in model.named_parameters()
+             if p.dim() <= 1 and p.requires_grad and id(p) in trained and id(p) not in placed]
+    by_name = dict(model.named_parameters())
+    plan.device += [by_name[name] for name in names]
+    if names:
+        elements = sum(by_name[name].numel() for name in names)
+        shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        state = elements * 12  # at most: two fp32 moments, and an fp32 master beside a bf16 weight
+        size = f"{state / 2**20:.1f} MiB" if state >= 2**20 else f"{state / 2**10:.1f} KiB"
+        plan.messages.append(f"{len(names)} vectors ({shown}; {elements:,} elements) are stepped by an Adam on the "
+                             f"device (vectors='device': ≤ {size} of device state, no host job each); vectors='host' "
+                             f"steps them on the host.")
 
 
 def _by_size(name: str, weight: Tensor, plan: Placement) -> str:

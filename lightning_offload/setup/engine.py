@@ -26,11 +26,12 @@ from lightning_offload.setup.settings import OffloadSettings
 
 @dataclass(frozen=True)
 class Placements:
-    """Where the embeddings and the output head train, with the strategy's defaults filled in.
+    """Where the embeddings, the output head and the vectors train, with the strategy's defaults filled in.
 
     Attributes:
         embeddings: ``"host"``, ``"sparse"``, ``"device"`` or ``"frozen"``.
         head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``.
+        vectors: ``"device"`` or ``"host"`` (norm weights and biases).
         embeddings_by_default: whether ``embeddings`` is the default (which gives way where it cannot apply:
             ``amsgrad``), not the user's choice (which is refused there instead).
     """
@@ -38,6 +39,7 @@ class Placements:
     embeddings: str
     head: str
     embeddings_by_default: bool
+    vectors: str = "device"
 
     @classmethod
     def of(cls, settings: OffloadSettings, sparse_embeddings_by_default: bool = True) -> Placements:
@@ -50,8 +52,11 @@ class Placements:
         default = "sparse" if settings.projection and sparse_embeddings_by_default else "host"
         # A large head is projected (memory, and the GPU step's floor); a small one stays dense (quality).
         head = HEAD_BY_SIZE if settings.projection else "host"
+        # Vectors on the device whatever the strategy (docs/benchmarks/2026-12-07.md, "Vectors on the device"): a
+        # host job costs a tiny tensor more than its Adam, and their state is a few MB at most.
         return cls(settings.embeddings if settings.embeddings is not None else default,
-                   settings.head if settings.head is not None else head, settings.embeddings is None)
+                   settings.head if settings.head is not None else head, settings.embeddings is None,
+                   settings.vectors if settings.vectors is not None else "device")
 
 
 @dataclass
@@ -183,7 +188,8 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     user_optimizer = validate_user_optimizer(user_optimizer)
     trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
     placement = plan_placement(model, trained, placements.embeddings, placements.head,
-                               dense_reasons=rows_stepped_densely(user_optimizer, placements.embeddings_by_default))
+                               dense_reasons=rows_stepped_densely(user_optimizer, placements.embeddings_by_default),
+                               vectors=placements.vectors)
     for weight in placement.frozen:
         weight.requires_grad_(False)  # no gradient is computed for it at all; restored at release
     for message in placement.messages:

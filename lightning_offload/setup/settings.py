@@ -66,9 +66,10 @@ class OffloadSettings:
         speculative: start each tensor's host Adam in backward once its gradient has landed, rolled back (then redone or
             skipped) if the step is clipped or non-finite; results are bit-identical. Default: ``None`` (on for a GPU,
             off on the CPU, where host and device share the cores).
-        free_sent_gradients: set a host-stepped parameter's ``.grad`` to ``None`` once it has crossed and its step is
-            launched, freeing its device memory before the next forward. Default: ``None`` (on under the Trainer and
-            Fabric, whose loops zero gradients anyway; off for ``offload()``, where ``p.grad`` stays readable).
+        free_sent_gradients: set a parameter's ``.grad`` to ``None`` once its step is launched (crossed to the host,
+            or queued on the device), freeing its device memory before the next forward. Default: ``None`` (on under
+            the Trainer and Fabric, whose loops zero gradients anyway; off for ``offload()``, where ``p.grad`` stays
+            readable).
         embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam), ``"sparse"`` (only rows with
             a nonzero gradient cross and are stepped; a row's moments and decay catch up over missed steps, without
             dense Adam's momentum drift; one process only), ``"device"`` or ``"frozen"``
@@ -77,6 +78,10 @@ class OffloadSettings:
         head: where the output head (``get_output_embeddings``, and a weight tied to it) trains: ``"host"``,
             ``"projected"`` (needs projection), ``"device"`` or ``"frozen"``. Default: ``None`` (with projection,
             ``"projected"`` for a head of 2**27 elements or more, else ``"host"``; without, ``"host"``).
+        vectors: where the 1-D and 0-D parameters (norm weights, biases) train: ``"device"`` (a device Adam: their
+            state is 8 bytes an element there, 12 for bf16 weights, and their step needs no host job, whose fixed
+            cost outweighs a small tensor's Adam) or ``"host"`` (dense host Adam, like every other dense parameter).
+            Default: ``None`` (``"device"``).
         update: how a projected weight's host moments become its update: ``"projected"``, LSP's low-rank ``c·AᵀUB`` (no
             dense gradient on the device); ``"scaled"``, APOLLO's rule (:mod:`lightning_offload.lsp.channel_scales`):
             the full gradient ``G``, kept until the scales return, scaled per channel from Adam's moments of
@@ -116,6 +121,7 @@ class OffloadSettings:
     free_sent_gradients: bool | None = None
     embeddings: str | None = None
     head: str | None = None
+    vectors: str | None = None
     update: str = "projected"
     redraw_every: int = 200
     norm_growth_limit: float | None = 1.01
@@ -145,7 +151,7 @@ class OffloadSettings:
                             f"in a loop of one's own), got {self.free_sent_gradients!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}.")
-        validate_placements(self.embeddings or "host", self.head or "host")
+        validate_placements(self.embeddings or "host", self.head or "host", self.vectors or "device")
         self._validate_update_rule()
         if self.head == "projected" and not self.projection:
             raise ValueError("head='projected' needs projection, which this strategy does not do. Use head='host', "

@@ -50,14 +50,17 @@ def build_slots(
     by_param = {id(layer.weight): layer for layer in projected}
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
+    # Each parameter's place in the user's groups, whatever is left out of the slots (stepped on the device, frozen).
+    positions = {id(param): i for i, param in enumerate(param for group in param_groups for param in group["params"])}
     entries = [(param, group, by_param.pop(id(param), None)) for group in param_groups
                for param in group["params"] if id(param) not in left_out]
     here = lanes.ranks.rank if lanes.ranks is not None else 0
     slots: list[Slot] = []
     for (param, group, layer), owner in zip(entries, _owners(entries, order, lanes)):
         name = layer.name if layer is not None else names.get(id(param), f"param{len(slots)}")
-        # Seeded by position, so every rank draws the same roundings for the same tensor.
-        generator = torch.Generator(device=lanes.device).manual_seed(rounding_seed * 100_003 + len(slots)) \
+        # Seeded by its place in the user's groups, so every rank, and every placement of the other parameters, draws
+        # the same roundings for the same tensor.
+        generator = torch.Generator(device=lanes.device).manual_seed(rounding_seed * 100_003 + positions[id(param)]) \
             if layer is not None else None
         if owner != here:
             slots.append(RemoteSlot(name, param, group, lanes, decoupled(group), layer, generator, owner))

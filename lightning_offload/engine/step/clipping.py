@@ -48,6 +48,10 @@ class GradientNorms:
         #: The in-place edits of ``param.grad`` after backward, and the norms backward left (one process only: between
         #: ranks the reduction itself writes the gradients back).
         self.edits: GradientEdits | None = None
+        #: Each parameter's place in the user's groups, by identity: the per-tensor norms are combined in that order,
+        #: as ``torch.nn.utils.clip_grad_norm_`` combines them, wherever each tensor is stepped (a device-kept vector
+        #: between two host-stepped matrices gives the norm the bits it had on the host). A tensor not in it goes last.
+        self.positions: dict[int, int] = {}
 
     @torch.no_grad()
     def global_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
@@ -61,28 +65,30 @@ class GradientNorms:
             norm = torch.linalg.vector_norm(torch.stack([norm.float().cpu(), self.rows.norm()]))
         return norm
 
+    def _in_parameter_order(self, entries: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
+        """``entries`` (each led by its parameter) sorted by :attr:`positions` (stable: unknown ones keep their order,
+        last)."""
+        last = len(self.positions)
+        return sorted(entries, key=lambda entry: self.positions.get(id(entry[0]), last))
+
     def _device_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
-        grads, ratios, known = [], [], []
+        entries = []
         for slot in slots:
             grad = slot.gradient()
             if grad is not None:
-                grads.append(grad)
-                ratios.append(slot.norm_ratio)
                 # Measured when backward left it (as it crossed), if unchanged since: not measured twice.
-                known.append(self.edits.norm(slot) if self.edits is not None else None)
-        for param in device_params:
-            if param.grad is not None:
-                grads.append(param.grad)
-                ratios.append(1.0)
-                known.append(None)
-        if not grads:
-            return torch.zeros((), device=self.device)
+                entries.append((slot.param, grad, slot.norm_ratio, self.edits.norm(slot) if self.edits is not None
+                                else None))
+        entries += [(param, param.grad, 1.0, None) for param in device_params if param.grad is not None]
+        if not entries:
+            return torch.zeros((), device=self.device, dtype=torch.float32)
+        _, grads, ratios, known = zip(*self._in_parameter_order(entries))
         # One foreach kernel for every norm not known yet (the same kernel measured the known ones: same bits).
         unknown = [grad for grad, norm in zip(grads, known) if norm is None]
         measured = iter(torch._foreach_norm(unknown) if unknown else ())
         norms = torch.stack([(norm if norm is not None else next(measured)).float().to(self.device) for norm in known])
         if any(ratio != 1.0 for ratio in ratios):
-            norms = norms / torch.tensor(ratios, device=self.device)
+            norms = norms / torch.tensor(ratios, device=self.device, dtype=torch.float32)
         return torch.linalg.vector_norm(norms)
 
     def _data_parallel_norm(self, slots: Sequence[Slot], device_params: Sequence[Tensor]) -> Tensor:
@@ -90,22 +96,21 @@ class GradientNorms:
         which every rank holds, counted on rank 0), summed in one all-reduce that also carries, per tensor, how many
         ranks had a gradient for it."""
         self.ranks.finish()
-        grads, ratios, present = [], [], []
+        entries, present = [], []
         for slot in slots:
             local = slot.has_grad()
             present.append(1.0 if local else 0.0)
             if slot.owned and local:
-                grads.append(slot.gradient())
-                ratios.append(slot.norm_ratio)
+                entries.append((slot.param, slot.gradient(), slot.norm_ratio))
         if self.ranks.rank == 0:
-            device_grads = [p.grad for p in device_params if p.grad is not None]
-            grads, ratios = grads + device_grads, ratios + [1.0] * len(device_grads)
-        total = torch.zeros(1, device=self.device)
-        if grads:
+            entries += [(p, p.grad, 1.0) for p in device_params if p.grad is not None]
+        total = torch.zeros(1, device=self.device, dtype=torch.float32)
+        if entries:
+            _, grads, ratios = zip(*self._in_parameter_order(entries))
             # One foreach kernel for every owned tensor's norm, as the single-process norm does.
             norms = torch.stack([n.float().to(self.device) for n in torch._foreach_norm(grads)])
-            total = (norms / torch.tensor(ratios, device=self.device)).square().sum().reshape(1)
-        vector = torch.cat([total, torch.tensor(present, device=self.device)])
+            total = (norms / torch.tensor(ratios, device=self.device, dtype=torch.float32)).square().sum().reshape(1)
+        vector = torch.cat([total, torch.tensor(present, device=self.device, dtype=torch.float32)])
         self.ranks.all_reduce_(vector)
         counts = vector[1:].tolist()
         partial = [slot.name for slot, count in zip(slots, counts) if 0 < count < self.ranks.world]

@@ -182,7 +182,11 @@ class StepOrchestrator:
             self._launch(slot, clip, compute_done, step, id(slot) in written)
         if self.device_optimizer is not None:
             # Queued on the device after backward, like a native optimizer step: nothing waits for it.
-            self.device_optimizer.step(clip)
+            self.device_optimizer.step(clip, written)
+            if self.free_sent_gradients:
+                # As the host-stepped ones: no gradient is held past its step (the step's kernels were queued first).
+                for param in self.device_optimizer.params:
+                    param.grad = None
         self.commit.launched(clip)
         if self.lanes.ranks is not None:
             # This step's reductions and norm, and the broadcasts of the previous step's updates.
@@ -217,11 +221,15 @@ class StepOrchestrator:
             warnings.warn(resent_warning(resent), stacklevel=4)
 
     def _written_through_data(self) -> set[int]:
-        """The master-keeping slots whose parameter was written through ``.data`` since the engine's last write (its
-        fingerprint moved: :mod:`~lightning_offload.engine.slots.weight_fingerprint`), read with one synchronisation."""
+        """The master-keeping slots, and the device Adam's master-keeping parameters, whose parameter was written
+        through ``.data`` since the engine's last write (its fingerprint moved:
+        :mod:`~lightning_offload.engine.slots.weight_fingerprint`), by identity, read with one synchronisation."""
         watched = [slot for slot in self.slots if slot.owned and slot.keeps_master]
-        changed = changed_since([slot.param for slot in watched], [slot.weights_fingerprint for slot in watched])
-        return {id(slot) for slot, moved in zip(watched, changed) if moved}
+        kept = self.device_optimizer.watched if self.device_optimizer is not None else []
+        kept_fingerprints = self.device_optimizer.watched_fingerprints() if self.device_optimizer is not None else []
+        changed = changed_since([slot.param for slot in watched] + kept,
+                                [slot.weights_fingerprint for slot in watched] + kept_fingerprints)
+        return {id(what) for what, moved in zip([*watched, *kept], changed) if moved}
 
     def _launch(self, slot: Slot, clip: Clip, compute_done: Any, step: StepTelemetry, written: bool) -> None:
         """Main thread, at the step: start (or confirm) ``slot``'s host step, or expect its update from its owner

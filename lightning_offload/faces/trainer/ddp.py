@@ -154,6 +154,7 @@ class LSPOffloadDDPStrategy(DDPOffload):
         free_sent_gradients: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        vectors: str | None = None,
         update: str = "projected",
         kernels: str = "auto",
         **unknown: Any,
@@ -216,6 +217,7 @@ class ZeroOffloadDDPStrategy(DDPOffload):
         free_sent_gradients: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        vectors: str | None = None,
         **unknown: Any,
     ) -> None:
         # The projection settings are not parameters here: nothing is projected, and they are refused by name.

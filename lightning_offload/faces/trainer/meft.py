@@ -36,10 +36,11 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
     Registered as ``strategy="meft_offload"``. Call :func:`~lightning_offload.meft.injection.inject_meft` on the
     model first; ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW`` over the trainable parameters
     (the routers), whose first param group also sets the rows' hyper-parameters unless ``lr``/``weight_decay`` do.
-    The other settings are ``zero_offload``'s, for the dense parameters (``embeddings`` and ``head`` when left
-    trainable); the projection settings do not apply. For the rows: ``on_nonfinite`` applies to them as to the dense
-    parameters, ``log_telemetry`` logs their ``meft/*`` figures too, ``pipelined`` also lets their updates run on the
-    host while the next forward starts, and fetched rows cross in the forward's compute dtype whatever ``link_dtype``.
+    The other settings are ``zero_offload``'s, for the dense parameters (``embeddings``, ``head`` and ``vectors`` when
+    left trainable); the projection settings do not apply. For the rows: ``on_nonfinite`` applies to them as to the
+    dense parameters, ``log_telemetry`` logs their ``meft/*`` figures too, ``pipelined`` also lets their updates run on
+    the host while the next forward starts, and fetched rows cross in the forward's compute dtype whatever
+    ``link_dtype``.
 
     Args:
         device: the training device. Default: ``None`` (CUDA when present, else CPU).
@@ -75,13 +76,14 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
                  precision_plugin: Precision | None = None, seed: int = 0, on_nonfinite: NonFinitePolicy = "skip",
                  log_telemetry: bool = True, pipelined: bool = True, link_dtype: str = "fp32",
                  speculative: bool | None = None, free_sent_gradients: bool | None = None,
-                 embeddings: str | None = None, head: str | None = None, **unknown: Any) -> None:
+                 embeddings: str | None = None, head: str | None = None, vectors: str | None = None,
+                 **unknown: Any) -> None:
         # A projection setting given at all (whatever its value) does not apply; a misspelt one is named.
         refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
         settings = OffloadSettings(projection=False, seed=seed, on_nonfinite=on_nonfinite,
                                    log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
                                    speculative=speculative, free_sent_gradients=free_sent_gradients,
-                                   embeddings=embeddings, head=head)
+                                   embeddings=embeddings, head=head, vectors=vectors)
         super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._configure_offload(settings)

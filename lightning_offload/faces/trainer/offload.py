@@ -146,6 +146,7 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         free_sent_gradients: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        vectors: str | None = None,
         update: str = "projected",
         redraw_every: int = 200,
         norm_growth_limit: float | None = 1.01,
@@ -199,6 +200,7 @@ class ZeroOffloadStrategy(SingleDeviceOffload):
         free_sent_gradients: bool | None = None,
         embeddings: str | None = None,
         head: str | None = None,
+        vectors: str | None = None,
         **unknown: Any,
     ) -> None:
         # The projection settings are not parameters here: nothing is projected, and they are refused by name.
