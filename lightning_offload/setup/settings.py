@@ -55,8 +55,9 @@ class OffloadSettings:
             (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
         seed: seeds the projector draw (the same on every rank) and stochastic rounding. Default: ``0``.
         on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers every step (pipelined: the latest
-            *completed* step's); a loop of one's own refuses it (it reads ``opt.telemetry``). Default: ``True``.
+        log_telemetry: log the ``offload/*`` figures through the trainer's loggers at the steps it writes its logs
+            (every ``log_every_n_steps``; pipelined: the latest *completed* step's); a loop of one's own refuses it
+            (it reads ``opt.telemetry``). Default: ``True``.
         pipelined: overlap host work with device compute, each update applied right before its module's next forward;
             ``False`` applies every update before the optimizer step returns (same results). Default: ``True``.
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back (and
