@@ -53,3 +53,27 @@ def test_its_own_path_is_taken_after_the_first_step(monkeypatch: pytest.MonkeyPa
         tensor.grad = torch.ones(8)
         step_unhooked(one)
     assert generic == [1] and float(one.state[tensor]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("hparams", CASES.values(), ids=CASES.keys())
+def test_tensors_stepped_together_are_each_torch_s_fused_adam_bit_for_bit(hparams: dict[str, Any]) -> None:
+    """The device Adam steps a group's vectors in one fused call (step_together): each tensor, of its own size, gets
+    torch's fused Adam's bits over that tensor alone, the first step (torch's own, creating the state) included."""
+    from lightning_offload.engine.rules.adam import step_together
+
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(256,), (37,), (1,), (64, 3)]
+    starts = [torch.randn(shape, generator=generator) for shape in shapes]
+    ours = [start.clone().requires_grad_() for start in starts]
+    theirs = [start.clone().requires_grad_() for start in starts]
+    mine = [OneTensorAdam([{"params": [p], **hparams}], fused=True) for p in ours]
+    reference = [torch.optim.Adam([{"params": [p], **hparams}], fused=True) for p in theirs]
+    for index in range(4):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        step_together(mine)
+        for optimizer in reference:
+            optimizer.step()
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b), f"step {index}"

@@ -14,7 +14,7 @@ new host optimizer is one module that builds its :class:`HostRule` and calls :fu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,8 @@ class HostRule:
         one_step_size: whether every element's step has one size (Lion's sign): a projected weight's expanded update
             then takes the host update's per-element RMS, which the expansion does not keep
             (:meth:`~lightning_offload.lsp.linear.ProjectedWeight.apply_update`).
+        step_together: ``(optimizers) -> None``: step several of its optimizers that share a group's hyper-parameters
+            at once, with each one's own results (the device Adam's vectors); ``None``: one after another.
     """
 
     name: str
@@ -59,6 +61,7 @@ class HostRule:
     rows: bool = False
     scaled: bool = False
     one_step_size: bool = False
+    step_together: Callable[[Sequence[Optimizer]], None] | None = None
 
     def hparams_of(self, group: dict[str, Any]) -> dict[str, Any]:
         """The hyper-parameters of a user group that the stepping optimizer copies before each step."""

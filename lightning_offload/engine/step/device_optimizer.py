@@ -73,6 +73,7 @@ class DeviceOptimizer:
             written: identities of :attr:`watched` parameters written since the engine's last write (their
                 fingerprints moved): their masters step from what they hold now.
         """
+        by_group: dict[int, list[Optimizer]] = {}
         for param, master, group, optimizer in self.entries:
             if master is not None and id(param) in written:
                 master.copy_(param)
@@ -84,8 +85,16 @@ class DeviceOptimizer:
                 # Clipped in fp32, as the host jobs clip a gradient that crossed: the same bits on either side.
                 master.grad = grad.float()
             clip_(master.grad if master is not None else grad, clip)
-            step_unhooked(optimizer)  # the user's optimizer hooks are for their step (inner_optimizers.py)
-            if master is not None:
+            by_group.setdefault(id(group), []).append(optimizer)
+        for optimizers in by_group.values():
+            # The user's optimizer hooks are for their step (inner_optimizers.py): these steps run without them.
+            if self.rule.step_together is not None:
+                self.rule.step_together(optimizers)  # one fused call for a group's vectors, each one's own bits
+            else:
+                for optimizer in optimizers:
+                    step_unhooked(optimizer)
+        for param, master, _, _ in self.entries:
+            if master is not None and master.grad is not None:
                 master.grad = None
                 param.copy_(master)
         self._fingerprint_written()
