@@ -28,7 +28,7 @@ from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.rules.host_rule import MEFT_ROWS, host_rule_for
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.engine.slots.slot import Slot
-from lightning_offload.engine.slots.slot_building import build_slots
+from lightning_offload.engine.slots.slot_building import build_slots, group_positions
 from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import GradientEdits
@@ -143,8 +143,7 @@ class OffloadOptimizer(Optimizer):
 
         self._build_slots(optimizer, projected, model, keep_on_device, frozen, row_sparse, rounding_seed)
         self.norms = GradientNorms(self.device, self.ranks)
-        self.norms.positions = {id(p): i for i, p in enumerate(p for group in self.param_groups
-                                                                for p in group["params"])}
+        self.norms.positions = group_positions(self.param_groups)
         if self.ranks is None:
             self.norms.edits = GradientEdits(self.slots)
         # Speculation is for accelerators: on the CPU, host work during backward competes with it for the cores.

@@ -22,6 +22,12 @@ from lightning_offload.lsp.channel_scales import ScaledWeight
 from lightning_offload.lsp.linear import ProjectedWeight
 
 
+def group_positions(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """Each parameter's place in the user's groups (as torch's optimizer numbers them), by identity: what rounding
+    seeds and the order of the global norm's terms follow, wherever a tensor is stepped."""
+    return {id(param): i for i, param in enumerate(param for group in param_groups for param in group["params"])}
+
+
 def build_slots(
     param_groups: list[dict[str, Any]], projected: Sequence[ProjectedWeight | ScaledWeight], lanes: Lanes,
     model: torch.nn.Module | None, left_out: set[int], row_sparse: set[int], rounding_seed: int,
@@ -51,7 +57,7 @@ def build_slots(
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else {}
     # Each parameter's place in the user's groups, whatever is left out of the slots (stepped on the device, frozen).
-    positions = {id(param): i for i, param in enumerate(param for group in param_groups for param in group["params"])}
+    positions = group_positions(param_groups)
     entries = [(param, group, by_param.pop(id(param), None)) for group in param_groups
                for param in group["params"] if id(param) not in left_out]
     here = lanes.ranks.rank if lanes.ranks is not None else 0
