@@ -36,8 +36,8 @@ def _timed_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     keys: list[str] = []
     choose = selection_module.KernelSelector._choose
 
-    def recording(self, key, device, dtype, call):  # noqa: ANN001, ANN202
-        choice = choose(self, key, device, dtype, call)
+    def recording(self, key, device, dtype, call, budget):  # noqa: ANN001, ANN202
+        choice = choose(self, key, device, dtype, call, budget)
         if choice.how == "timed":
             keys.append(key)
         return choice

@@ -20,6 +20,7 @@ The ``S = (A Δᵀ)(B Xᵀ)ᵀ`` GEMM is not here: the cost model counts its FLO
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,10 @@ from lightning_offload.planning.inventory import Entry
 
 #: Bytes of one projector nonzero as the kernels read it (its index and fp32 value).
 _NONZERO_BYTES = 8
+#: Elements of the largest operand a plan times a product on (64 MiB in fp32): a larger layer (a 152K-vocabulary head:
+#: 233M weight elements, 311M gradient elements a step) is timed with its larger side cut, so that planning takes
+#: seconds and never needs the memory of the model it plans.
+TIMED_ELEMENTS = 2**24
 
 
 def projection_seconds(projected: list[Entry], tokens: int, density: int, hw: Hardware, compute_dtype: torch.dtype,
@@ -53,8 +58,8 @@ def projection_seconds(projected: list[Entry], tokens: int, density: int, hw: Ha
         weight_dtype = torch.bfloat16 if entry.itemsize == 2 else torch.float32
         transposed = tuple(entry.shape) == (i, o) and i != o  # a Conv1D's storage: its rows are input features
         if timed:
-            total += _timed_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, transposed,
-                                    hw.device, policy)
+            total += _bounded_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, transposed,
+                                      hw.device, policy)
         else:
             total += _floor_bytes(o, i, d_o, d_i, density, tokens, compute_dtype.itemsize, entry.itemsize) \
                 / hw.device_bandwidth
@@ -71,12 +76,36 @@ def _floor_bytes(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int, 
     return compress + expand + update
 
 
+def _bounded_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int, compute_dtype: torch.dtype,
+                     weight_dtype: torch.dtype, transposed: bool, device_type: str, policy: str) -> float:
+    """One layer's four products as :func:`_timed_seconds` times them, at a size whose operands stay within
+    :data:`TIMED_ELEMENTS`: the larger side ``n`` (and its compressed size) is cut by a factor ``f``, and each product
+    whose work is linear in that side is counted ``f`` times (the compression of the other side's tokens is not)."""
+    cut = max(1, math.ceil(max(o * i, tokens * max(o, i)) / TIMED_ELEMENTS))
+    if cut == 1:
+        return sum(_timed_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, transposed,
+                                  device_type, policy))
+    output_cut = o >= i
+    if output_cut:
+        o, d_o = math.ceil(o / cut), max(density, math.ceil(d_o / cut))
+    else:
+        i, d_i = math.ceil(i / cut), max(density, math.ceil(d_i / cut))
+    forward, backward, expand, apply = _timed_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype,
+                                                      transposed, device_type, policy)
+    # The forward compresses the input side's tokens, the backward the output side's: each is linear in its own side
+    # only. The update's two products are linear in either side.
+    forward, backward = (forward, backward * cut) if output_cut else (forward * cut, backward)
+    return forward + backward + (expand + apply) * cut
+
+
 @functools.lru_cache(maxsize=256)
 def _timed_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int, compute_dtype: torch.dtype,
-                   weight_dtype: torch.dtype, transposed: bool, device_type: str, policy: str) -> float:
+                   weight_dtype: torch.dtype, transposed: bool, device_type: str,
+                   policy: str) -> tuple[float, float, float, float]:
     """One layer's four products on this device as ``lsp/linear.py`` runs them (the same products, so the same keys
-    in the kept choices), each by the kernel the selection chooses, at its best timed call; kept for the process, as
-    the selection keeps its choices."""
+    in the kept choices), each by the kernel the selection chooses, at its best timed call: the seconds of the
+    forward's compression, the backward's, the update's expansion and its application. Kept for the process, as the
+    selection keeps its choices."""
     device = torch.device(device_type)
     generator = torch.Generator().manual_seed(0)
     proj_in = random_projector(i, d_i, density, generator, device)
@@ -106,4 +135,4 @@ def _timed_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int
     half, expand = timed(lambda selector: selector.expand_columns(columns_projector, small_side))
     rounding = torch.Generator(device=device).manual_seed(0)
     _, apply = timed(lambda selector: selector.update_rows_(weight, rows_projector, half, 1.0, rounding))
-    return (forward + backward + expand + apply) / 1e3
+    return forward / 1e3, backward / 1e3, expand / 1e3, apply / 1e3

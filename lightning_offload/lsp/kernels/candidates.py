@@ -68,6 +68,11 @@ class ProjectionKernel(Protocol):
         ``dtype``."""
         ...
 
+    def working_bytes(self, product: str, projector: SparseProjector, operand: Tensor) -> int:
+        """Bytes this kernel allocates for one ``product`` (``"compress_tokens"``, ``"expand_columns"`` or
+        ``"update_rows"``) of ``projector`` beyond its operands and its result: what its trial and its use cost."""
+        ...
+
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         """``P · xᵀ`` (``d × T``, in :func:`~lightning_offload.lsp.projector.product_dtype` of ``x``)."""
         ...
@@ -91,6 +96,10 @@ class CsrKernel:
     def applies(self, device: torch.device) -> bool:
         return True
 
+    def working_bytes(self, product: str, projector: SparseProjector, operand: Tensor) -> int:
+        # The projector's CSR forms (and their transposes): row pointers, column indices and values per nonzero.
+        return 2 * (projector.dim_in * projector.nnz_per_column * 12 + (projector.dim_out + projector.dim_in) * 8)
+
     def takes(self, dtype: torch.dtype) -> bool:
         return True
 
@@ -113,6 +122,11 @@ class DenseKernel:
 
     def applies(self, device: torch.device) -> bool:
         return True
+
+    def working_bytes(self, product: str, projector: SparseProjector, operand: Tensor) -> int:
+        # The dense projector, in the product's dtype (compressions) or fp32 (the update's two products).
+        itemsize = product_dtype(operand).itemsize if product == "compress_tokens" else 4
+        return projector.dim_out * projector.dim_in * itemsize
 
     def takes(self, dtype: torch.dtype) -> bool:
         return True
@@ -173,6 +187,9 @@ class NativeKernel:
     def takes(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16)  # the C code reads fp32 or bf16 operands, nothing else
 
+    def working_bytes(self, product: str, projector: SparseProjector, operand: Tensor) -> int:
+        return projector.dim_in * 8  # the compression's counting sort of the indices; nothing else beside the result
+
     _loaded = None
 
     def _kernels(self):  # noqa: ANN202  (NativeProjection; imported lazily, kept: a step asks per product and layer)
@@ -212,6 +229,9 @@ class TritonKernel:
 
     def takes(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16)  # the kernels' loads and stores are written for these
+
+    def working_bytes(self, product: str, projector: SparseProjector, operand: Tensor) -> int:
+        return 0  # each program reads the operands and writes its share of the result
 
     def compress_tokens(self, projector: SparseProjector, x: Tensor) -> Tensor:
         from lightning_offload.lsp.kernels import triton_projection  # noqa: PLC0415

@@ -7,7 +7,13 @@ timing every kernel that applies on the first call, on that call's own operands 
 in-place update, and a generator of its own, so that timing changes neither the weight nor the layer's rounding).
 The choice is logged once and kept: in the process, and on disk per machine (``<cache root>/kernels/``), so a later
 run on the same machine starts with it. ``kernels=`` forces one kernel (where it cannot run here, torch's CSR
-product is used and a warning says so); ``"auto"`` (the default) never uses a kernel it has not timed here.
+product is used and a warning says so); ``"auto"`` (the default) never uses a kernel it has not timed here, but
+for a product whose trial cannot fit in memory.
+
+A trial must not exhaust the machine: a kernel whose own working set (the ``dense`` kernel's projector, 23 GB for a
+projected 152K head) exceeds a share of the device's free memory (:mod:`.memory_budget`) is neither tried nor used,
+and the choice records why. Where not even the trial's copy of an updated weight fits, the product runs untimed on
+the first of :data:`UNTIMED_ORDER` that runs here, said in a warning.
 
 Kernels agree within fp32 summation-order rounding (bf16 weights: within their stochastic rounding), so a choice
 changes results only at that level; a run that must repeat bit for bit on another machine forces one kernel.
@@ -33,6 +39,7 @@ from torch import Tensor
 from lightning_offload.cache import cache_root
 from lightning_offload.lsp.kernels.build import cpu_features
 from lightning_offload.lsp.kernels.candidates import KERNELS, ProjectionKernel
+from lightning_offload.lsp.kernels.memory_budget import TRIAL_SHARE, trial_budget_bytes
 from lightning_offload.lsp.projector import SparseProjector
 
 log = logging.getLogger("lightning_offload")
@@ -43,6 +50,9 @@ KERNEL_POLICIES = ("auto", *KERNELS)
 _ROUNDS = 3
 #: Bump when the kernels change: choices kept on disk for older kernels are timed anew (2: each kept with its time).
 _CHOICES_VERSION = 2
+#: The kernel a product runs on when not even its trial fits in memory (the trial copies an updated weight): the
+#: first of these that runs here, none of which allocates a working set of its own.
+UNTIMED_ORDER = ("native", "triton", "csr")
 
 
 @dataclass
@@ -53,13 +63,40 @@ class Choice:
         kernel: the chosen kernel's name.
         milliseconds: each timed kernel's milliseconds (the fastest of its rounds); read from disk, the chosen
             kernel's alone; empty when forced, unless the selector measures forced kernels.
-        how: ``"timed"``, ``"cached"`` (read from this machine's choices), ``"forced"`` or ``"rank 0's"`` (under
-            data parallelism, an update's kernel as rank 0 chose it).
+        how: ``"timed"``, ``"cached"`` (read from this machine's choices), ``"forced"``, ``"rank 0's"`` (under
+            data parallelism, an update's kernel as rank 0 chose it) or ``"untimed"`` (no trial fits the memory
+            budget: the first of :data:`UNTIMED_ORDER` that runs here).
+        not_tried: kernels left out because their working set exceeds the memory budget, each with why.
     """
 
     kernel: str
     milliseconds: dict[str, float] = field(default_factory=dict)
     how: str = "timed"
+    not_tried: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What one product's kernel trial may allocate (:mod:`.memory_budget`).
+
+    Attributes:
+        bytes: the budget: a share of the device's free memory.
+        trial: bytes the trial itself allocates for any kernel (the update's copy of the weight).
+        working: each kernel's own working set for this product (a dense projector).
+    """
+
+    bytes: int
+    trial: int
+    working: Callable[[ProjectionKernel], int]
+
+    def why(self, kernel: ProjectionKernel) -> str:
+        """Why ``kernel`` is not tried, in words."""
+        return (f"needs {_gib(self.working(kernel) + self.trial)} of the {_gib(self.bytes)} this device can spare "
+                f"({TRIAL_SHARE:.0%} of its free memory)")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
 
 
 def validate_policy(policy: str) -> str:
@@ -129,18 +166,22 @@ class KernelSelector:
             own = torch.Generator(device=weight.device).manual_seed(0)
             kernel.update_rows_(scratch, projector, half, decay, own)
 
-        self._kernel("update_rows", sizes, weight, timed, projector).update_rows_(weight, projector, half, decay,
-                                                                                 generator)
+        # The trial's own copy of the weight counts against the memory budget of every candidate.
+        self._kernel("update_rows", sizes, weight, timed, projector,
+                     trial_bytes=weight.numel() * weight.element_size()).update_rows_(weight, projector, half, decay,
+                                                                                      generator)
 
     # --------------------------------------------------------------------------------------------- choosing
     def _kernel(self, product: str, sizes: dict[str, int], operand: Tensor, call: Callable[[ProjectionKernel], Any],
-                projector: SparseProjector) -> ProjectionKernel:
+                projector: SparseProjector, trial_bytes: int = 0) -> ProjectionKernel:
         device = operand.device
         shape = (product, *sizes.values(), operand.dtype, device)
         kernel = self._kernels.get(shape)
         if kernel is None:
             key = _key(product, device, operand.dtype, **sizes)
-            choice = self._choose(key, device, operand.dtype, call)
+            budget = MemoryBudget(trial_budget_bytes(device), trial_bytes,
+                                  lambda k: k.working_bytes(product, projector, operand))
+            choice = self._choose(key, device, operand.dtype, call, budget)
             if self.agree is not None and not key.startswith("compress_tokens"):
                 # Compressed gradients are summed between ranks whatever rounds them; an update must round alike.
                 choice = Choice(self.agree(choice.kernel), choice.milliseconds, "rank 0's")
@@ -158,7 +199,7 @@ class KernelSelector:
         return kernel
 
     def _choose(self, key: str, device: torch.device, dtype: torch.dtype,
-                call: Callable[[ProjectionKernel], Any]) -> Choice:
+                call: Callable[[ProjectionKernel], Any], budget: MemoryBudget) -> Choice:
         if self.policy != "auto":
             forced = KERNELS[self.policy]
             if not forced.applies(device):
@@ -171,15 +212,33 @@ class KernelSelector:
                 warnings.warn(f"kernels={self.policy!r} does not take {dtype} operands ({key}); that product uses "
                               f"torch's CSR kernels ('csr').", stacklevel=4)
                 return Choice("csr", how="forced")
+            if budget.working(forced) > budget.bytes:
+                # Its use, not only its trial, would take that memory at every step.
+                warnings.warn(f"kernels={self.policy!r} would allocate {_gib(budget.working(forced))} for {key}, "
+                              f"over the {_gib(budget.bytes)} this device can spare ({TRIAL_SHARE:.0%} of its free "
+                              f"memory); that product uses torch's CSR kernels ('csr').", stacklevel=4)
+                return Choice("csr", how="forced", not_tried={forced.name: budget.why(forced)})
             timed = _time_kernels([forced], device, call).milliseconds if self.measure else {}
             return Choice(forced.name, timed, how="forced")
         usable = [k for k in KERNELS.values() if k.applies(device) and k.takes(dtype)]
+        not_tried = {k.name: budget.why(k) for k in usable if budget.working(k) > budget.bytes}
+        fitting = [k for k in usable if k.name not in not_tried]
         stored = _stored_choices().get(key) if self.persist else None
-        if stored is not None and stored.get("kernel") in {k.name for k in usable}:
-            return Choice(stored["kernel"], {stored["kernel"]: stored["ms"]}, how="cached")
-        choice = _time_kernels(usable, device, call)
-        log.info("lightning_offload kernels: %s -> %s (%s)", key, choice.kernel,
-                 ", ".join(f"{name} {ms:.3f} ms" for name, ms in choice.milliseconds.items()))
+        if stored is not None and stored.get("kernel") in {k.name for k in fitting}:
+            return Choice(stored["kernel"], {stored["kernel"]: stored["ms"]}, how="cached", not_tried=not_tried)
+        trials = [k for k in fitting if budget.working(k) + budget.trial <= budget.bytes]
+        if not trials:
+            # Not even the trial's copy fits: no timing, a kernel that allocates nothing of its own.
+            kernel = next((KERNELS[name] for name in UNTIMED_ORDER if KERNELS[name] in fitting), KERNELS["csr"])
+            log.warning("lightning_offload kernels: %s -> %s, untimed: a trial would copy %s, over the %s this device "
+                        "can spare", key, kernel.name, _gib(budget.trial), _gib(budget.bytes))
+            return Choice(kernel.name, how="untimed", not_tried={k.name: budget.why(k) for k in usable})
+        not_tried.update({k.name: budget.why(k) for k in fitting if k not in trials})
+        choice = _time_kernels(trials, device, call)
+        choice.not_tried = not_tried
+        log.info("lightning_offload kernels: %s -> %s (%s)%s", key, choice.kernel,
+                 ", ".join(f"{name} {ms:.3f} ms" for name, ms in choice.milliseconds.items()),
+                 "".join(f"; {name} not tried: {why}" for name, why in not_tried.items()))
         if self.persist:
             _store_choice(key, choice.kernel, choice.milliseconds[choice.kernel])
         return choice
