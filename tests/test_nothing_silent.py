@@ -53,6 +53,57 @@ def test_nothing_to_project_is_warned():
     assert strategy.projected_layers == {}
 
 
+class _LoRALinear(torch.nn.Module):
+    """A frozen Linear with a trainable low-rank adapter beside it, as LoRA (or PEFT) puts it."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def _lora_model() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    model[0], model[2] = _LoRALinear(model[0]), _LoRALinear(model[2])
+    return model
+
+
+class _NoLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(300, 256)
+        self.norm = torch.nn.LayerNorm(256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.embedding(ids))
+
+
+@pytest.mark.parametrize("build, found, fix", [
+    (_lora_model, r"the 4 trainable Linear/Conv1D layers are all below min_dim=128 \(the largest 4×256: out × in\), "
+                  r"and the other 2 are frozen: adapters such as LoRA's", r"Fix: use zero_offload instead"),
+    (_NoLinear, r"_NoLinear has no nn.Linear or Conv1D layer", r"Fix: use zero_offload instead"),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(64, 8)),
+     r"the 2 trainable Linear/Conv1D layers are all below min_dim=128 \(the largest 64×256", r"Fix: lower min_dim \(to "
+     r"64 for the largest\), or use zero_offload instead"),
+], ids=["lora", "no_linear", "small"])
+def test_nothing_to_project_says_what_was_found_and_the_fix_for_that_model(build, found, fix):
+    import lightning_offload
+
+    model = build()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with pytest.warns(UserWarning, match=rf"found no layer to project: {found}.*as with zero_offload\. {fix} "
+                                         rf"\(strategy='zero_offload', FabricZeroOffload, or "
+                                         rf"lightning_offload.offload\(model, optimizer, 'zero_offload'\)\)") as caught:
+        lightning_offload.offload(model, torch.optim.AdamW(trained)).close()
+    said = [str(w.message) for w in caught if "no layer to project" in str(w.message)]
+    # Lowering min_dim is the fix only where the trainable layers are merely small.
+    assert ("lower min_dim" in said[0].lower()) == (fix.startswith("Fix: lower")), said[0]
+
+
 def test_the_default_refit_callback_is_announced(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer(LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16), max_steps=1).fit(

@@ -191,6 +191,12 @@ class OffloadOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------------------------------- the parts
     @property
+    def projected_names(self) -> list[str]:
+        """The qualified names of the modules whose weights are projected (under ``update="scaled"``: scaled), in
+        the order the set-up found them; a weight several modules hold gives each module's name."""
+        return [name for layer in self.projected_layers for name in getattr(layer, "names", [layer.name])]
+
+    @property
     def worker(self) -> HostWorker:
         """The host worker thread that runs every slot's host job."""
         return self.lanes.worker

@@ -96,6 +96,14 @@ class FabricOffloadMixin:
         self.offload_optimizer = optimizer
         return module, [optimizer], scheduler
 
+    @property
+    def projected_layers(self) -> dict[str, Any]:
+        """The projected (or scaled) weights of the module set up, by the qualified name of each module using one."""
+        if self.offload_optimizer is None:
+            return {}
+        return {name: layer for layer in self.offload_optimizer.projected_layers
+                for name in getattr(layer, "names", [layer.name])}
+
     def _after_engine(self, module: torch.nn.Module, optimizer: LoopOffloadOptimizer) -> None:
         """What a strategy adds to the engine once it is built (MEFT's adapter rows)."""
 

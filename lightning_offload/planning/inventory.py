@@ -123,8 +123,8 @@ def inventory(model: nn.Module, settings: OffloadSettings | None, param_dtype: t
         refuse_rule_without_scales(host_rule_of(optimizer))
     reasons = rows_stepped_densely(optimizer(trained), placements.embeddings_by_default) if trained else {}
     placement = plan_placement(model, ids, placements.embeddings, placements.head, dense_reasons=reasons,
-                               vectors=placements.vectors)
-    found.messages = list(placement.messages)
+                               vectors=placements.vectors, explicit=placements.explicit)
+    found.messages = list(placement.messages) + list(placement.warnings)
     kinds: dict[int, Entry] = {}
     if settings.projection:
         groups = SimpleNamespace(param_groups=[{"params": trained}])

@@ -18,18 +18,20 @@ steps each step, and most of the link bytes. These settings move them off that p
   12 bytes an element (about 3 MB for all of Llama-3.1-8B's 266K). By default they stay on the device.
 
 Embeddings are the model's ``nn.Embedding`` modules (token and learned position embeddings); the head is what
-Hugging Face's ``get_output_embeddings`` returns. Task heads (classifiers) are small and always stay on the host.
-A weight tied between the input embedding and the head is one parameter whose gradient is dense in every row (the
-head's share), so it takes the ``head`` setting.
+:func:`~lightning_offload.lsp.output_heads.output_heads` finds: what Hugging Face's ``get_output_embeddings``
+returns (through PEFT's wrappers), else the layer mapping hidden features to an embedding's vocabulary. Task heads
+(classifiers) are small and always stay on the host. A weight tied between the input embedding and the head is one
+parameter whose gradient is dense in every row (the head's share), so it takes the ``head`` setting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
+
+from lightning_offload.lsp.output_heads import output_heads
 
 EMBEDDING_PLACEMENTS = ("host", "sparse", "device", "frozen")
 HEAD_PLACEMENTS = ("host", "projected", "device", "frozen")
@@ -66,6 +68,7 @@ class Placement:
         tied_projected: identities of projected head weights also used by an embedding lookup (their lookup's
             gradient is compressed into the head's ``S`` as well).
         messages: what was decided, one line each, for the log.
+        warnings: settings the user gave that apply to nothing, one line each.
     """
 
     device: list[Tensor] = field(default_factory=list)
@@ -74,10 +77,12 @@ class Placement:
     projected_heads: dict[str, nn.Module] = field(default_factory=dict)
     tied_projected: set[int] = field(default_factory=set)
     messages: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: str,
-                   dense_reasons: Mapping[int, str] | None = None, vectors: str = "host") -> Placement:
+                   dense_reasons: Mapping[int, str] | None = None, vectors: str = "host",
+                   explicit: Collection[str] = ()) -> Placement:
     """Decide where ``model``'s embeddings, output head and vectors train.
 
     Args:
@@ -88,17 +93,17 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         dense_reasons: embeddings that ``embeddings="sparse"`` steps densely on the host instead, by identity, each
             with the reason said in the log (the row step cannot follow their param group's settings).
         vectors: see the module docstring. Default: ``"host"``.
+        explicit: which of ``"embeddings"`` and ``"head"`` the user set (not the strategy's default): one that finds
+            nothing to apply to is a warning. Default: neither.
     """
     dense_reasons = dense_reasons or {}
     validate_placements(embeddings, "host" if head == HEAD_BY_SIZE else head, vectors)  # no user's value: by size
     plan = Placement()
-    names = {id(module): name for name, module in model.named_modules()}
     heads: dict[int, tuple[str, nn.Module]] = {}
-    for module in model.modules():
-        getter = getattr(module, "get_output_embeddings", None)
-        output = getter() if callable(getter) else None
-        if isinstance(output, nn.Linear) and output.weight.requires_grad and id(output.weight) in trained:
-            heads.setdefault(id(output.weight), (names[id(output)], output))
+    for found in output_heads(model).values():
+        weight = found.module.weight
+        if weight.requires_grad and id(weight) in trained:
+            heads.setdefault(id(weight), (found.name, found.module))
     embedding_weights = {id(m.weight): name for name, m in model.named_modules()
                          if isinstance(m, nn.Embedding) and m.weight.requires_grad and id(m.weight) in trained}
     asked = head
@@ -118,6 +123,10 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
         elif head == "frozen":
             plan.frozen.append(module.weight)
             plan.messages.append(f"{name}.weight is frozen while training (head='frozen').")
+        elif head == "host":
+            why = (f"head=None keeps a head under {PROJECTED_HEAD_ELEMENTS / 1e6:.0f}M elements dense"
+                   if asked == HEAD_BY_SIZE else "head='host'")
+            plan.messages.append(f"{name}.weight is the output head: stepped densely on the host ({why}).")
     by_id = {id(p): p for p in model.parameters()}
     for weight_id, name in embedding_weights.items():
         if weight_id in heads:
@@ -138,10 +147,18 @@ def plan_placement(model: nn.Module, trained: set[int], embeddings: str, head: s
             plan.messages.append(f"{name}.weight is frozen while training (embeddings='frozen').")
     if vectors == "device":
         _vectors_on_device(model, trained, plan)
-    if embeddings != "host" and not any(w not in heads for w in embedding_weights):
-        plan.messages.append(f"embeddings={embeddings!r} found no trainable nn.Embedding of its own to apply to.")
-    if asked not in ("host", HEAD_BY_SIZE) and not heads:
-        plan.messages.append(f"head={asked!r} found no trainable output head (get_output_embeddings) to apply to.")
+    # A placement the user asked for that applies to nothing is a warning: the setting has no effect.
+    if "embeddings" in explicit and not any(w not in heads for w in embedding_weights):
+        tied = [name for weight_id, name in embedding_weights.items() if weight_id in heads]
+        plan.warnings.append(f"embeddings={embeddings!r} has no effect: "
+                             + (f"the model's trainable embedding {', '.join(tied)} is tied to the output head and "
+                                f"takes head={asked if asked != HEAD_BY_SIZE else None!r}." if tied else
+                                "the model has no trainable nn.Embedding to apply it to."))
+    if "head" in explicit and not heads:
+        plan.warnings.append(f"head={asked!r} found no trainable output head to apply to (none is returned by a "
+                             f"get_output_embeddings() nor maps hidden features to an nn.Embedding's vocabulary): the "
+                             f"setting has no effect. Place a head of another kind by name with "
+                             f"target_modules/exclude_modules.")
     return plan
 
 

@@ -20,7 +20,8 @@ from lightning_offload.engine.rules.host_rule import host_rule_for
 from lightning_offload.engine.user_optimizer import is_decoupled, validate_user_optimizer
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.setup.embeddings_head import HEAD_BY_SIZE, Placement, plan_placement
-from lightning_offload.setup.projection import attach_projections
+from lightning_offload.setup.nothing_projected import nothing_projected_message
+from lightning_offload.setup.projection import attach_projections, projection_of
 from lightning_offload.setup.settings import OffloadSettings
 
 
@@ -31,15 +32,17 @@ class Placements:
     Attributes:
         embeddings: ``"host"``, ``"sparse"``, ``"device"`` or ``"frozen"``.
         head: ``"host"``, ``"projected"``, ``"device"`` or ``"frozen"``.
-        vectors: ``"device"`` or ``"host"`` (norm weights and biases).
         embeddings_by_default: whether ``embeddings`` is the default (which gives way where it cannot apply:
             ``amsgrad``), not the user's choice (which is refused there instead).
+        vectors: ``"device"`` or ``"host"`` (norm weights and biases).
+        explicit: which of ``"embeddings"`` and ``"head"`` the user set (one that applies to nothing is a warning).
     """
 
     embeddings: str
     head: str
     embeddings_by_default: bool
     vectors: str = "device"
+    explicit: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, settings: OffloadSettings, sparse_embeddings_by_default: bool = True) -> Placements:
@@ -56,7 +59,8 @@ class Placements:
         # host job costs a tiny tensor more than its Adam, and their state is a few MB at most.
         return cls(settings.embeddings if settings.embeddings is not None else default,
                    settings.head if settings.head is not None else head, settings.embeddings is None,
-                   settings.vectors if settings.vectors is not None else "device")
+                   settings.vectors if settings.vectors is not None else "device",
+                   tuple(key for key in ("embeddings", "head") if getattr(settings, key) is not None))
 
 
 @dataclass
@@ -159,6 +163,20 @@ def _scaled_layers_message(name: str, layers: list[Any]) -> str:
                if whole else ""))
 
 
+def _project(model: torch.nn.Module, user_optimizer: Any, settings: OffloadSettings, placement: Placement,
+             device: torch.device, name: str, say: Callable[[str], None]) -> list[Any]:
+    """The projected (or scaled) weights the settings select, attached to ``model``; what is projected, and why the
+    other layers are not, said in one line."""
+    if not settings.projection:
+        return []
+    selection = projection_of(model, user_optimizer, settings, placement)
+    say(f"{name} {selection.describe()}.")
+    layers = attach_projections(selection.selected, settings, device)
+    if settings.update == "scaled" and layers:
+        say(_scaled_layers_message(name, layers))
+    return layers
+
+
 def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadSettings, placements: Placements,
                  device: torch.device, name: str, say: Callable[[str], None], warn: Callable[[str], None],
                  rank_shards: RankShards | None = None,
@@ -189,18 +207,16 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     trained = {id(p) for group in user_optimizer.param_groups for p in group["params"]}
     placement = plan_placement(model, trained, placements.embeddings, placements.head,
                                dense_reasons=rows_stepped_densely(user_optimizer, placements.embeddings_by_default),
-                               vectors=placements.vectors)
+                               vectors=placements.vectors, explicit=placements.explicit)
     for weight in placement.frozen:
         weight.requires_grad_(False)  # no gradient is computed for it at all; restored at release
     for message in placement.messages:
         say(f"{name}: {message}")
-    layers = attach_projections(model, user_optimizer, settings, placement, device) if settings.projection else []
-    if settings.update == "scaled" and layers:
-        say(_scaled_layers_message(name, layers))
+    for message in placement.warnings:
+        warn(f"{name}: {message}")
+    layers = _project(model, user_optimizer, settings, placement, device, name, say)
     if settings.projection and not layers:
-        warn(f"strategy {name!r} found no layer to project: no trainable Linear/Conv1D has both dims ≥ "
-             f"min_dim={settings.min_dim} outside the output and task heads and exclude_modules. Every gradient "
-             f"crosses the link in full, as with zero_offload. Lower min_dim or name layers in target_modules.")
+        warn(nothing_projected_message(model, trained, settings.min_dim, name))
     try:
         optimizer = optimizer_class(
             user_optimizer,

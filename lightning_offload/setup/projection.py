@@ -10,20 +10,19 @@ import torch
 from lightning_offload.lsp.channel_scales import ScaledRule, ScaledWeight
 from lightning_offload.lsp.kernels.selection import KernelSelector
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.targets import compressed_size, select_projected_modules
+from lightning_offload.lsp.targets import ProjectionSelection, compressed_size, projection_selection
 from lightning_offload.setup.embeddings_head import Placement
 from lightning_offload.setup.settings import OffloadSettings
 
 
-def attach_projections(model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: OffloadSettings,
-                       placement: Placement, device: torch.device) -> list[ProjectedWeight] | list[ScaledWeight]:
-    """Project the selected layers of ``model`` whose weights ``optimizer`` trains; returns their projected weights
+def attach_projections(modules: dict[str, torch.nn.Module], settings: OffloadSettings,
+                       device: torch.device) -> list[ProjectedWeight] | list[ScaledWeight]:
+    """Project ``modules`` (:func:`projection_of`'s selection, by qualified name); returns their projected weights
     (under ``update="scaled"``: their scaled weights, whose modules are left as they are).
 
     Raises:
-        ValueError: when ``target_modules`` matches no trained weight, or a rank or density does not fit a layer.
+        ValueError: when a rank or density does not fit a layer.
     """
-    modules = projected_modules(model, optimizer, settings, placement)
     if settings.update == "scaled":
         return scaled_weights(modules, settings, device)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -64,25 +63,42 @@ def scaled_weights(modules: dict[str, torch.nn.Module], settings: OffloadSetting
 
 def projected_modules(model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: OffloadSettings,
                       placement: Placement) -> dict[str, torch.nn.Module]:
-    """The modules whose weights the settings project: selected by ``min_dim`` and the patterns, trained by
-    ``optimizer``, not placed elsewhere by ``embeddings=``/``head=``, plus a head placed for projection.
+    """The modules whose weights the settings project: :func:`projection_of`'s ``selected``."""
+    return projection_of(model, optimizer, settings, placement).selected
+
+
+def projection_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: OffloadSettings,
+                  placement: Placement) -> ProjectionSelection:
+    """Which modules' weights the settings project, and why each other Linear/Conv1D is not: selected by ``min_dim``
+    and the patterns, trained by ``optimizer``, not placed elsewhere by ``embeddings=``/``head=``, plus a head placed
+    for projection.
 
     Raises:
         ValueError: when ``target_modules`` matches no trained weight.
     """
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     target = list(settings.target_modules) if settings.target_modules is not None else None
-    modules = select_projected_modules(model, settings.min_dim, target, list(settings.exclude_modules))
-    placed = {id(p) for p in (*placement.device, *placement.frozen, *placement.row_sparse)}
-    # A weight that embeddings=/head= put elsewhere is not projected, even when a target pattern matches it.
-    modules = {name: m for name, m in modules.items() if id(m.weight) in in_optimizer and id(m.weight) not in placed}
-    modules.update(placement.projected_heads)
-    if target is not None and not modules:
+    selection = projection_selection(model, settings.min_dim, target, list(settings.exclude_modules))
+    placed = {id(p): kind for kind, tensors in (("device", placement.device), ("frozen", placement.frozen),
+                                                 ("row_sparse", placement.row_sparse)) for p in tensors}
+    for name, module in list(selection.selected.items()):
+        # A weight that embeddings=/head= put elsewhere is not projected, even when a target pattern matches it.
+        if id(module.weight) not in in_optimizer:
+            selection.left_out[name] = "not in the optimizer's param groups"
+        elif id(module.weight) in placed:
+            selection.left_out[name] = f"placed by embeddings=/head= ({placed[id(module.weight)]})"
+        else:
+            continue
+        del selection.selected[name]
+    for name, module in placement.projected_heads.items():
+        selection.left_out.pop(name, None)
+        selection.selected[name] = module
+    if target is not None and not selection.selected:
         raise ValueError(
             f"target_modules={target} matched no weight that the optimizer trains. Match modules whose weights are in "
             f"configure_optimizers' param groups."
         )
-    return modules
+    return selection
 
 
 def compressed_dim(settings: OffloadSettings, name: str, side: str, size: int, density: int | None = None) -> int:
@@ -93,15 +109,20 @@ def compressed_dim(settings: OffloadSettings, name: str, side: str, size: int, d
         ValueError: when an integer rank exceeds the size, or the density the compressed size.
     """
     dim = compressed_size(size, settings.rank)
+    # An int rank is an absolute size, which rank=1 (not 1.0, the full size) or a rank meant as a fraction is not.
+    absolute = (f" rank={settings.rank!r} is an int: an absolute size, {dim} features of each side whatever its dim "
+                f"(a float in (0, 1] is a fraction of each dim, rank=1.0 the full size)."
+                if isinstance(settings.rank, int) else "")
     if dim > size:  # an integer rank; a fraction in (0, 1] never exceeds the size
         raise ValueError(
-            f"rank={dim} is larger than the {side} dim {size} of {name} allows. Use rank ≤ {size}, a fraction such as "
-            f"rank=0.25, or raise min_dim / exclude_modules to skip that layer."
+            f"rank={dim} is larger than the {side} dim {size} of {name} allows.{absolute} Use rank ≤ {size}, a "
+            f"fraction such as rank=0.25, or raise min_dim / exclude_modules to skip that layer."
         )
     density = settings.density if density is None else density
     if density > dim:
         raise ValueError(
             f"density={density} is larger than the compressed {side} size {dim} of {name} allows (each column "
-            f"needs {density} distinct rows). Use density ≤ {dim} or a larger rank."
+            f"needs {density} distinct rows).{absolute} Use density ≤ {dim} or a larger rank"
+            f"{' (rank=1.0 for the full size)' if absolute and dim == 1 else ''}."
         )
     return dim

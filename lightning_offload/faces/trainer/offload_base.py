@@ -162,10 +162,12 @@ class OffloadMixin:
 
     @property
     def projected_layers(self) -> dict[str, ProjectedWeight]:
-        """The projected weights of the current fit, by module name."""
+        """The projected weights of the current fit, by the qualified name of each module using one (a weight several
+        modules hold: under each name)."""
         if self.offload_optimizer is None:
             return {}
-        return {layer.name: layer for layer in self.offload_optimizer.projected_layers}
+        return {name: layer for layer in self.offload_optimizer.projected_layers
+                for name in getattr(layer, "names", [layer.name])}
 
     # ---------------------------------------------------------------------------------------------- training
     @override
@@ -248,7 +250,8 @@ class OffloadMixin:
         scaled = sum(slot.steps_scaled for slot in self.offload_optimizer.slots) \
             if self.offload_optimizer is not None else 0
         return OffloadFacts(gradients_offloaded=self.offload_optimizer is not None,
-                            projected_layers=len(self.projected_layers) + scaled,
+                            projected_layers=len(self.offload_optimizer.projected_layers if self.offload_optimizer
+                                                 is not None else []) + scaled,
                             kernels=kernel_choices(self.projected_layers.values()))
 
     def figures_at_step_end(self) -> dict[str, float]:
