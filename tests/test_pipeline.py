@@ -41,6 +41,17 @@ def test_pipelined_equals_synchronous_exactly(kind, model_kind, precision, link_
     assert strategy.offload_optimizer.telemetry.steps == 8
 
 
+@pytest.mark.parametrize("kernels", ["dense", "csr"])
+def test_pipelined_equals_synchronous_under_autocast_whatever_the_kernel(kernels):
+    # Pipelined, a layer's update is applied by its module's forward pre-hook, inside the user's autocast region:
+    # the update's products must still run in the engine's dtypes (a dense kernel's matmul was rounded to bf16 there).
+    synchronous, _ = _fit_llm("lsp", "llama", False, "bf16-mixed", steps=4, kernels=kernels)
+    pipelined, _ = _fit_llm("lsp", "llama", True, "bf16-mixed", steps=4, kernels=kernels)
+    a, b = params_of(synchronous), params_of(pipelined)
+    assert all(torch.equal(a[name], b[name]) for name in a), [name for name in a if not torch.equal(a[name], b[name])]
+    assert synchronous.losses == pipelined.losses
+
+
 @pytest.mark.parametrize("model_kind, buffers", [("llama", 1), ("gpt2", 3)])
 def test_updates_through_a_small_ring_of_device_buffers_equal_the_direct_path(model_kind, buffers):
     # On the CPU updates are read in place by default; forcing the ring exercises the accelerator's path: claims,

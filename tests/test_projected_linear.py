@@ -50,6 +50,29 @@ def test_backward_yields_exact_compressed_gradient_and_no_weight_grad(make, kern
     torch.testing.assert_close(layer.grad_buffer, expected)
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_a_backward_run_inside_an_autocast_region_computes_what_one_outside_computes(kernel):
+    # S is the engine's fp32 product of forward's dtypes: an autocast the loss's backward happens to run under (the
+    # user's, around forward and backward both) must not round it to bf16.
+    def compressed(backward_inside: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        module = nn.Linear(64, 48)
+        a, b = _projectors(48, 64, 16, 16, 2)
+        layer = ProjectedWeight("layer", module, a, b, KernelSelector(kernel, persist=False))
+        x = torch.randn(4, 9, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = module(x).float().square().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return layer.grad_buffer, x.grad
+
+    (s_inside, x_inside), (s_outside, x_outside) = compressed(True), compressed(False)
+    assert s_inside.dtype == torch.float32
+    assert torch.equal(s_inside, s_outside) and torch.equal(x_inside, x_outside)
+
+
 def test_compressed_gradients_accumulate_across_backward_passes():
     torch.manual_seed(1)
     module = nn.Linear(8, 6, bias=False)

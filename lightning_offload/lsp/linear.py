@@ -5,6 +5,9 @@ gradient). LSP-Offload needs only ``S = A G Bᵀ = (Δ Aᵀ)ᵀ (X Bᵀ)``, so f
 per token instead of ``i``) and backward does one small ``d_o × d_i`` GEMM; ``G`` is never formed and
 ``W.grad`` stays ``None``. The module object, its parameters and so its ``state_dict`` keys are untouched: only
 its ``forward`` is rebound, so a checkpoint loads into the plain model.
+
+Its products are in :mod:`~lightning_offload.lsp.linear_ops`, where a ``torch.compile``'d model reaches them through
+custom operators.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_offload.lsp.kernels.selection import KernelSelector
+from lightning_offload.lsp.linear_ops import backward_products, compiled_forward, compute_dtype, forward_products, \
+    register_layer
 from lightning_offload.lsp.model_attachments import CopiedAsAbsent
 from lightning_offload.lsp.norm_probe import NormProbe, is_isometry
-from lightning_offload.lsp.projector import SparseProjector
+from lightning_offload.lsp.projector import SparseProjector, product_dtype_of
 from lightning_offload.lsp.update_size import match_element_rms_, update_scale
 from lightning_offload.lsp.weight_hooks import WeightHooks
 
@@ -57,6 +61,8 @@ class ProjectedWeight(CopiedAsAbsent):
     def __init__(self, name: str, module: nn.Module, proj_out: SparseProjector, proj_in: SparseProjector,
                  kernels: KernelSelector | None = None) -> None:
         self.name = name
+        #: Every module's qualified name whose forward uses this weight (the first is ``name``).
+        self.names = [name]
         self.module = module
         self.transposed = is_hf_conv1d(module)
         out_features, in_features = self.weight_shape(module)
@@ -88,8 +94,15 @@ class ProjectedWeight(CopiedAsAbsent):
         self.grad_version = 0  # bumped by every accumulation: tells whether a copy already sent is still current
         # While a fit samples full gradients, the plain forward runs so autograd produces W.grad (lsp/sampling.py).
         self.sampling = False
-        # The user's gradient hooks on the weight, which a projected weight cannot call (lsp/weight_hooks.py).
+        # The user's gradient hooks on the weight, which a projected weight cannot call (lsp/weight_hooks.py). Its
+        # anchor is made now: made inside a compiled forward, a tensor that requires grad would break the graph.
         self.hooks = WeightHooks()
+        self.hooks.anchor(self.weight.device)
+        # The key a compiled forward passes its operators in place of this object (lsp/linear_ops.py).
+        self.key = register_layer(self)
+        # The products' dtypes under autocast, settled now: a compiled forward's shape inference cannot probe them.
+        for dtype in (torch.bfloat16, torch.float16):
+            product_dtype_of(self.weight.device, dtype)
         # The engine's phase clock, charging the projections below to their phases; untimed until an engine drives it.
         self.phases: Any = _UNTIMED
         # Every module whose forward uses this weight (shared weights: each use's backward adds into the one S).
@@ -117,6 +130,7 @@ class ProjectedWeight(CopiedAsAbsent):
         if module.weight is not self.weight or is_hf_conv1d(module) != self.transposed:
             raise ValueError(f"{name} cannot share the projection of {self.name}: it must hold the same weight "
                              f"tensor in the same layout (both nn.Linear or both Conv1D).")
+        self.names.append(name)
         self._bind(module)
 
     @staticmethod
@@ -284,19 +298,15 @@ def _projected_forward(self: nn.Module, x: Tensor) -> Tensor:
     if state.sampling or not (torch.is_grad_enabled() and self.weight.requires_grad):
         # No weight gradient can be asked of this call (or a fit samples full ones): the plain forward.
         return state._original_forwards[id(self)](x)
+    if torch.compiler.is_compiling():
+        return compiled_forward(self, state, x)
     # A layer called twice is complete after both backwards; a checkpoint's recomputation is not counted again.
-    if torch.is_grad_enabled() and self.weight.requires_grad and torch._C._current_graph_task_id() == -1:
+    if torch._C._current_graph_task_id() == -1:
         state.open_backwards += 1
+    # Said here, at the forward after the hook was registered; a compiled forward leaves it to the step.
     state.hooks.check(state.name, self.weight)
     # The Function takes the layer's anchor, not the weight: autograd would call the weight's hooks with None.
     return _ProjectedLinearFunction.apply(x, state.hooks.anchor(x.device), self.bias, state)
-
-
-def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
-    """The dtype ``F.linear`` would compute in here: the autocast dtype when autocast is on, else the weight's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return weight.dtype
 
 
 class _ProjectedLinearFunction(torch.autograd.Function):
@@ -306,25 +316,8 @@ class _ProjectedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, anchor: Tensor, bias: Tensor | None, state: ProjectedWeight) -> Tensor:
         weight = state.weight
-        dtype = _compute_dtype(x, weight)
-        # Autocast does not reach inside a custom Function, so cast explicitly; backward then sees forward's dtypes.
-        with torch.autocast(x.device.type, enabled=False):
-            x_c = x.to(dtype)
-            w_c = weight.to(dtype)
-            w_math = w_c.t() if state.transposed else w_c  # o × i
-            b_c = bias.to(dtype) if bias is not None else None
-            out = F.linear(x_c, w_math, b_c)
-            # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i.
-            x_proj = x_probe = None
-            if weight.requires_grad:
-                with state.phases.phase("forward_projection"):
-                    x_flat = x_c.detach().reshape(-1, x_c.shape[-1])
-                    x_proj = state.kernels.compress_tokens(state.proj_in, x_flat)
-                    state.saved_projection_bytes += x_proj.numel() * x_proj.element_size()
-                    if state.norm_probe.active:
-                        # X z (tokens × m), for the norm of G = Δᵀ X while clipping is in use (lsp/norm_probe.py).
-                        x_probe = x_flat @ state.norm_probe.probe(x_flat.shape[1], x_flat.device, x_flat.dtype)
-                        state.saved_projection_bytes += x_probe.numel() * x_probe.element_size()
+        out, w_c, x_proj, x_probe = forward_products(state, x, weight, bias, compute_dtype(x, weight),
+                                                     keep=weight.requires_grad, probing=state.norm_probe.active)
         ctx.state = state
         ctx.has_bias = bias is not None
         ctx.save_for_backward(w_c, x_proj, x_probe)
@@ -333,23 +326,7 @@ class _ProjectedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
         w_c, x_proj, x_probe = ctx.saved_tensors
-        state: ProjectedWeight = ctx.state
-        grad_out = grad_out.to(w_c.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            w_math = w_c.t() if state.transposed else w_c
-            grad_x = grad_out @ w_math
-        with state.phases.phase("backward_projection"):
-            if x_probe is not None:
-                # G z = Δᵀ (X z), o × m: added before S, whose completion may start the step's send.
-                state.norm_probe.add(
-                    (grad_out.reshape(-1, grad_out.shape[-1]).t() @ x_probe.to(grad_out.dtype)).float())
-            if x_proj is not None:
-                # S = (A Δᵀ)(B Xᵀ)ᵀ in fp32: a fresh tensor, which the layer keeps as its S.
-                delta_proj = state.kernels.compress_tokens(state.proj_out, grad_out.reshape(-1, grad_out.shape[-1]))
-                state.accumulate(delta_proj.float() @ x_proj.float().t())
-        grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        grad_x, grad_bias = backward_products(ctx.state, grad_out, w_c, x_proj, x_probe, ctx.needs_input_grad[0],
+                                              ctx.has_bias and ctx.needs_input_grad[2])
         # No gradient for the weight (nor its anchor): its .grad stays None; S is its gradient in the compressed space.
         return grad_x, None, grad_bias, None

@@ -292,21 +292,27 @@ def product_dtype(matrix: Tensor) -> torch.dtype:
     fp32 on the CPU (no bf16/fp16 sparse kernels) and for fp32/fp64 input. On CUDA, bf16 and fp16 run in their own
     dtype (cuSPARSE accumulates in fp32) unless a probe product shows the build refuses it: then fp32, warned once.
     """
-    dtype = matrix.dtype
-    if matrix.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    return product_dtype_of(matrix.device, matrix.dtype)
+
+
+def product_dtype_of(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """:func:`product_dtype` of a matrix of ``dtype`` on ``device`` (the probe product runs once per device and
+    dtype; a projected layer runs it at set-up, so a compiled forward's shape inference never has to)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return torch.float32
-    key = (str(matrix.device), dtype)
+    key = (str(device), dtype)
     if key not in _SPARSE_DTYPE_SUPPORT:
         try:
-            probe = _csr(torch.tensor([0, 1], dtype=torch.int32, device=matrix.device),
-                         torch.zeros(1, dtype=torch.int32, device=matrix.device),
-                         torch.ones(1, dtype=dtype, device=matrix.device), (1, 1))
-            torch.sparse.mm(probe, torch.ones(1, 1, dtype=dtype, device=matrix.device))
+            probe = _csr(torch.tensor([0, 1], dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.int32, device=device),
+                         torch.ones(1, dtype=dtype, device=device), (1, 1))
+            torch.sparse.mm(probe, torch.ones(1, 1, dtype=dtype, device=device))
             _SPARSE_DTYPE_SUPPORT[key] = True
         except RuntimeError as error:
             _SPARSE_DTYPE_SUPPORT[key] = False
-            warnings.warn(f"Sparse products in {dtype} are not available on {matrix.device} ({error}); projections "
-                          f"run in fp32 there (slower, and twice the bytes).", stacklevel=2)
+            warnings.warn(f"Sparse products in {dtype} are not available on {device} ({error}); projections "
+                          f"run in fp32 there (slower, and twice the bytes).", stacklevel=3)
     return dtype if _SPARSE_DTYPE_SUPPORT[key] else torch.float32
 
 

@@ -7,7 +7,9 @@ layer's autograd Function; it is not: the Function takes a one-element *anchor* 
 requires grad, so the layer's backward runs even where ``x`` needs no gradient), and the weight's own hooks are called
 only when it gets a real gradient (a use outside its module's forward). Each such hook is said once, when the layer's
 first forward after it was registered runs (a hook cannot be seen as it is registered), naming the layer and the ways
-to get a full gradient; hooks on every other parameter (``wandb.watch``'s, say) are called as torch calls them.
+to get a full gradient; hooks on every other parameter (``wandb.watch``'s, say) are called as torch calls them. A
+compiled forward does not look (a hook's dict would be guarded per layer, and past 8 layers the compiler gives up on
+the frame): the engine's step does, for every projected layer, once a forward ran compiled.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ class WeightHooks:
             anchor = self._anchors[device] = torch.zeros((), device=device, requires_grad=True)
         return anchor
 
-    def check(self, name: str, weight: Tensor) -> None:
-        """Say once of each user hook on ``weight`` that it is not called (two dict reads when there is none)."""
+    def check(self, name: str, weight: Tensor, stacklevel: int = 4) -> None:
+        """Say once of each user hook on ``weight`` that it is not called (two dict reads when there is none).
+
+        Args:
+            name: the layer's qualified name.
+            weight: its weight.
+            stacklevel: where the warning points (the default: the call of the model, from the layer's forward).
+        """
         tensor_hooks: Any = weight._backward_hooks or {}
         post_hooks: Any = weight._post_accumulate_grad_hooks or {}
         if not tensor_hooks and len(post_hooks) <= len(self.engine_ids):
@@ -59,4 +67,4 @@ class WeightHooks:
             f"compressed on the device and never formed in full, so there is no gradient to hand them. Hooks on the "
             f"other parameters are called as usual. For a full gradient of this weight leave the layer unprojected "
             f"(exclude_modules=[{name!r}]) or train with strategy='zero_offload'.",
-            ProjectedWeightHookWarning, stacklevel=4)
+            ProjectedWeightHookWarning, stacklevel=stacklevel)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +18,10 @@ from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 from lightning_offload.engine.step.module_reads import conceal, expose
 from lightning_offload.lsp.model_attachments import EngineHook
+
+
+#: Source files whose frames a warning about the user's code looks past.
+_INTERNAL = re.compile(r"[\\/](lightning_offload|torch|lightning|transformers)[\\/]")
 
 
 def final_twice_error(name: str) -> RuntimeError:
@@ -59,6 +65,9 @@ class GradientRouting:
         # Whether gradients cross only at the step (a loop with accumulation_steps=None): any backward may be the last,
         # so each one's gradient norms are measured (the step compares them with what it finds).
         self.measure_every_backward = False
+        #: Whether a module's forward ran under torch.compile: its pre-hook was traced, and so cannot wait for the host.
+        #: From then on the step applies every update before it returns (:meth:`Orchestrator.decide_and_launch`).
+        self.compiled_forward = False
         self._hooks: list[Any] = []
         self._slots_by_module: dict[int, list[Slot]] = {}
         self._modules: list[torch.nn.Module] = []  # those with slots, in model order
@@ -99,8 +108,7 @@ class GradientRouting:
                 # sees the updated weights, as it sees them after torch's step.
                 # An EngineHook: a copy of the model (an EMA's deepcopy, torch.save) holds an inert hook, not the
                 # engine.
-                self._hooks.append(module.register_forward_pre_hook(
-                    EngineHook(lambda module, args: self._timed(self._before_forward, module, args)), prepend=True))
+                self._hooks.append(module.register_forward_pre_hook(EngineHook(self._forward_pre_hook), prepend=True))
                 served.update(id(slot) for slot in owned)
         return [slot for slot in slots if id(slot) not in served]
 
@@ -125,6 +133,27 @@ class GradientRouting:
         """Run one of the engine's hooks, charged to the phase clock's ``hooks`` (what it calls, to its own phases)."""
         with self._phases.phase("hooks"):
             hook(*args)
+
+    def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Traced, untimed (the phase clock is a context manager the compiler cannot enter). The step applies the
+            # updates from now on, so the trace finds nothing pending and compiles to nothing; whatever a module does
+            # owe (the first compiled forward after eager steps) is still applied here, at a graph break.
+            self.compiled_forward = True
+            self._before_forward(module, args)
+        else:
+            self._timed(self._before_forward, module, args)
+
+    def check_user_hooks(self) -> None:
+        """Say each user's gradient hook on a projected weight (:mod:`~lightning_offload.lsp.weight_hooks`): the
+        layer's forward says it in eager mode; a compiled forward leaves it to the step, which calls this."""
+        # The warning points at the first caller outside this package, torch and Lightning: the loop's step() call,
+        # or trainer.fit(...).
+        level, frame = 2, sys._getframe()
+        while frame.f_back is not None and _INTERNAL.search(frame.f_code.co_filename):
+            frame, level = frame.f_back, level + 1
+        for layer in self._layers:
+            layer.hooks.check(layer.name, layer.weight, stacklevel=level)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         owed = conceal(module)  # its own dict back first: applying the update reads the weights through it

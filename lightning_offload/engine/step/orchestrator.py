@@ -33,6 +33,7 @@ from lightning_offload.engine.step.norm_probes import measure_norm_ratios
 from lightning_offload.engine.step.sizes import device_persistent_bytes, host_state_bytes
 from lightning_offload.engine.step.slot_step import SlotStep
 from lightning_offload.engine.step.update_prefetch import UpdatePrefetch
+from lightning_offload.lsp.linear_ops import without_autocast
 
 
 class StepOrchestrator:
@@ -160,6 +161,8 @@ class StepOrchestrator:
     def _decide_and_launch(self) -> None:
         # Updates of modules this forward did not run, and last step's figures, are settled before the next launch.
         self.synchronize()
+        if self.routing.compiled_forward:
+            self.routing.check_user_hooks()  # the compiled forwards did not say them
         self.figures.backward_ended()
         clip, norm = self.norms.take()
         edited = self.norms.edits.find() if self.norms.edits is not None else []
@@ -196,7 +199,8 @@ class StepOrchestrator:
         self.round += 1
         for slot in self.routing.eager:
             self.finish(slot)
-        if not self.pipelined:
+        if not self.pipelined or self.routing.compiled_forward:
+            # A compiled forward cannot wait for each module's update (lsp/linear.py): they are all applied now.
             self.synchronize()
         self.routing.expose()  # reads through the modules until their next forwards settle first
         self.figures.restart_clock()
@@ -272,7 +276,9 @@ class StepOrchestrator:
             if slot.owned:
                 with phases.phase("waits"):
                     self.lanes.worker.wait(record.job)
-            with phases.phase("apply_update"):
+            # Under the user's autocast too (a module's forward pre-hook applies it): the update's products are the
+            # engine's own, in their own dtypes, whenever they run (a bf16 autocast would round a dense kernel's).
+            with phases.phase("apply_update"), without_autocast(slot.param.device.type):
                 slot.finish(start)
                 self.update_prefetch.after(slot)  # the next layers' updates start crossing while this layer computes
             record.pending, record.job = False, None
