@@ -70,6 +70,63 @@ def test_config_rejects_bad_values_with_the_fix() -> None:
         MEFTConfig(**{**SMALL, "expert_choice": "batch"})
 
 
+class _ReadsItsChild(torch.nn.Module):
+    """A module of a user's that reads its child's weight rather than calling it (a hand-fused kernel would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.proj.weight, self.proj.bias)
+
+
+def _encoder_layer(dim_feedforward: int = 32) -> torch.nn.Module:
+    return torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=dim_feedforward, batch_first=True)
+
+
+@pytest.mark.parametrize("build, pattern, target, reader, fix", [
+    (lambda: torch.nn.Sequential(_encoder_layer()), r"linear2$", "0.linear2", "'0' (TransformerEncoderLayer)",
+     r"target_modules=r'^\d+$'"),
+    (lambda: torch.nn.Sequential(torch.nn.MultiheadAttention(32, 4)), r"out_proj$", "0.out_proj",
+     "'0' (MultiheadAttention)", "write the FFN as a module"),
+    (lambda: torch.nn.TransformerEncoder(_encoder_layer(), 2, enable_nested_tensor=False), r"layers\.\d+$",
+     "layers.0", "the model (TransformerEncoder)", "write the FFN as a module"),
+    (lambda: torch.nn.Sequential(_ReadsItsChild()), r"proj$", "0.proj", "'0' (_ReadsItsChild)",
+     r"target_modules=r'^\d+$'"),
+], ids=["encoder_layer_linear2", "attention_out_proj", "encoder_first_layer", "users_module"])
+def test_a_target_read_directly_by_a_module_above_it_is_refused_naming_the_reader_and_the_fix(
+        build, pattern: str, target: str, reader: str, fix: str) -> None:
+    model = build()
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    with pytest.raises(ValueError) as caught:
+        inject_meft(model, MEFTConfig(**{**SMALL, "target_modules": pattern}))
+    message = str(caught.value)
+    assert f"beside {target!r}" in message and reader in message and "instead of calling it" in message, message
+    assert "weight" in message or "self_attn" in message, message
+    assert fix in message, message
+    # Refused before anything changed: no wrapper, nothing frozen.
+    assert not meft_adapters(model) and {n: p.requires_grad for n, p in model.named_parameters()} == before
+
+
+def test_the_block_a_refusal_names_takes_an_adapter_and_evaluates_on_torchs_fast_path() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_encoder_layer()).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        base = model(x)
+    adapters = inject_meft(model, MEFTConfig(**{**SMALL, "target_modules": r"^\d+$"}))
+    assert len(adapters) == 1
+    with torch.no_grad():  # the encoder layer's own fast path reads its children: they are untouched
+        torch.testing.assert_close(model(x), base)  # values start at zero: the base model's output
+
+
+def test_a_linear_whose_output_is_not_its_input_size_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    with pytest.raises(ValueError, match=r"beside '0'.*maps 32 features to 16.*Target the whole FFN"):
+        inject_meft(model, MEFTConfig(**{**SMALL, "target_modules": r"^0$"}))
+
+
 def test_sequence_routing_keeps_its_row_bound_and_the_top_neurons_inside_its_experts() -> None:
     config = MEFTConfig(**SMALL, experts_per_sequence=5)
     g = torch.Generator().manual_seed(3)

@@ -31,7 +31,9 @@ class MEFTConfig:
             code: the router steers the choice) rather than by key score alone (off by default: its effect on
             quality is not measured yet). Default: ``False``.
         target_modules: Regular expression matched (``re.search``) against module names; every match is an FFN
-            to put an adapter beside. Default: ``r"(^|\\.)mlp$"`` (the ``mlp`` of each LLaMA / GPT-2 block).
+            to put an adapter beside: a module its parent calls, with hidden states in and out (one a module above
+            reads instead of calling, ``nn.TransformerEncoderLayer``'s ``linear2``, is refused by ``inject_meft``).
+            Default: ``r"(^|\\.)mlp$"`` (the ``mlp`` of each LLaMA / GPT-2 block).
         freeze_base: Freeze every pre-existing parameter, so only adapters (and their routers) train.
             Default: ``True``.
         routing: ``"device"``: key scores from a bf16 copy of the keys on the device (fast, ``N·h·2`` bytes per

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.config import MEFTConfig
+from lightning_offload.meft.target_checks import check_target
 
 
 class MEFTFFN(nn.Module):
@@ -79,7 +80,9 @@ def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
         config: the adapters' settings; ``MEFTConfig()`` for its defaults.
 
     Raises:
-        ValueError: If no module matches, or the model already has adapters.
+        ValueError: If no module matches, the model already has adapters, or a match cannot have an adapter beside
+            it: a module above it reads its weights instead of calling it (``nn.TransformerEncoderLayer``'s
+            ``linear2``: :mod:`~lightning_offload.meft.target_checks`), or it maps one size to another.
 
     Example::
 
@@ -93,6 +96,8 @@ def inject_meft(model: nn.Module, config: MEFTConfig) -> list[MEFTAdapter]:
     if any(isinstance(m, MEFTFFN) for m in model.modules()):
         raise ValueError("This model already has MEFT adapters; inject_meft once per model.")
     targets = find_ffns(model, config.target_modules)
+    for name, ffn in targets:
+        check_target(model, name, ffn)  # before anything is changed
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     if config.freeze_base:
         for p in model.parameters():
