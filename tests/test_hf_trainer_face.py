@@ -121,3 +121,26 @@ def test_learned_projectors_resume_bit_for_bit_from_a_trainer_checkpoint(tmp_pat
     resumed = run(tmp_path / "resumed", tmp_path / "straight" / "checkpoint-2")
     for name in straight:
         assert torch.equal(resumed[name], straight[name]), name
+
+
+def test_accumulating_more_micro_batches_than_the_offload_was_told_is_refused_before_the_first_step(
+        tmp_path: Path) -> None:
+    from lightning_offload.faces.hf import OffloadCallback
+
+    model = tiny_hf_model("llama")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = offload(model, torch.optim.AdamW(model.parameters(), lr=3e-3))  # accumulation_steps=1, the default
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_grad_norm=0.0, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDicts(), optimizers=(optimizer, None),
+                                   callbacks=[OffloadCallback(optimizer)])
+    with pytest.raises(ValueError, match=r"TrainingArguments\(gradient_accumulation_steps=2\) and offload\(\.\.\., "
+                                         r"accumulation_steps=1\) disagree.*Pass offload\(\.\.\., "
+                                         r"accumulation_steps=2\).*or accumulation_steps=None"):
+        trainer.train()
+    optimizer.close()
+    assert forwards == [] and optimizer.steps_taken == 0  # at train begin: no micro-batch ran
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())

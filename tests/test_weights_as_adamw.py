@@ -236,3 +236,39 @@ def test_an_evaluation_forward_sees_the_decay_idle_rows_owe_and_training_after_i
         optimizer.close()
         runs.append(params_of(model))
     assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0])
+
+
+def test_the_readmes_exact_recipe_equals_adamw_where_rank_one_alone_does_not() -> None:
+    """The README's settings table names the settings under which lsp_offload is torch's AdamW: run them as written
+    there, against torch's AdamW on a tiny LLaMA whose layers the default min_dim projects."""
+    import re
+
+    import lightning_offload
+    from lightning_offload.models.tiny import tiny_llama
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (recipe,) = re.findall(r"exact, within fp32 rounding of torch's AdamW: `([^`]+)`", readme)
+    exact = eval(f"dict({recipe})", {"lightning_offload": lightning_offload})  # noqa: S307  (the README's own text)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 200, (4, 16), generator=generator) for _ in range(6)]
+
+    def run(settings: dict | None) -> dict[str, torch.Tensor]:
+        model = tiny_llama(hidden=128, intermediate=256, layers=2, tie_word_embeddings=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        if settings is not None:
+            optimizer = offload(model, optimizer, **settings)
+            assert len(optimizer.projected_layers) == 14  # every Linear of the blocks: the recipe is tested, not idle
+        for ids in batches:
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if settings is not None:
+            optimizer.close()
+        return params_of(model)
+
+    want = run(None)
+    got = run(exact)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
+    rank_one_alone = run(dict(rank=1.0))
+    assert max((rank_one_alone[n] - want[n]).abs().max().item() for n in want) > 1e-3

@@ -38,6 +38,7 @@ from lightning_offload.cli.plan_run import (
 from lightning_offload.cli.policies import OffloadPolicy
 from lightning_offload.cli.precision import resolve_precision
 from lightning_offload.cli.resume import check_checkpoint_fits_strategy, read_checkpoint, resume_command
+from lightning_offload.cli.trainer_checks import check_trainer_counts
 from lightning_offload.models.builders import LanguageModel, check_hf_name_or_path
 from lightning_offload.reporting.summary import RunNames, summarize
 from lightning_offload.tasks.causal_lm import CausalLMModule
@@ -214,6 +215,7 @@ def _checked_settings(cfg: DictConfig) -> tuple[OptimSettings, OffloadPolicy, Ru
         SettingsError: naming the setting refused.
     """
     optim = check_optim(cfg.optim)
+    check_trainer_counts(cfg.trainer)
     if cfg.trainer.get("strategy") is not None:
         # The offload policy sets the Trainer's strategy: a trainer.strategy (or a sweep over it) would go unread.
         groups = ", ".join(sorted(path.stem for path in (CONFIG_DIR / "offload").glob("*.yaml")))

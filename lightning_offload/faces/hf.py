@@ -12,6 +12,8 @@
   gradient (projected ones included, which the Trainer's ``clip_grad_norm_`` over ``model.parameters()`` cannot see),
   said in one log line; the Trainer's own clipping call is turned off for the run (``max_grad_norm`` is put back at
   its end). So the default run equals the same Trainer with torch's AdamW.
+* **Accumulation.** ``TrainingArguments.gradient_accumulation_steps`` above the offload's ``accumulation_steps`` is
+  refused when training begins (the optimizer would send gradients before the last micro-batch).
 * **The end.** After training it settles the optimizer; call ``optimizer.close()`` when done with it.
 """
 
@@ -68,10 +70,28 @@ class OffloadCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        self._check_accumulation(args)
         self._take_over_clipping(args)
         # A resumed run has its fit back from the optimizer's state: only a fresh one fits first.
         if self.optimizer.needs_first_fit:
             self.optimizer.fit_projectors(kwargs["train_dataloader"], self.loss_fn)
+
+    def _check_accumulation(self, args: TrainingArguments) -> None:
+        """Refuse a Trainer that accumulates more micro-batches than the offload was told, before the first step (the
+        engine itself would see it only at the second micro-batch of the first step).
+
+        Raises:
+            ValueError: when ``args.gradient_accumulation_steps`` exceeds the offload's ``accumulation_steps``.
+        """
+        trainer_steps = args.gradient_accumulation_steps
+        own = self.optimizer.loop.settings.accumulation_steps
+        if own is not None and trainer_steps > own:
+            raise ValueError(
+                f"TrainingArguments(gradient_accumulation_steps={trainer_steps}) and offload(..., "
+                f"accumulation_steps={own}) disagree: the offload would send the gradients to the host after "
+                f"micro-batch {own} of each step, before the Trainer's last. Pass offload(..., "
+                f"accumulation_steps={trainer_steps}) (the Trainer's gradient_accumulation_steps), or "
+                f"accumulation_steps=None to send every gradient at the step.")
 
     def _take_over_clipping(self, args: TrainingArguments) -> None:
         """``args.max_grad_norm`` becomes the offload's clipping; the Trainer's own call is off until the run ends.

@@ -77,9 +77,16 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, num_items_in_b
         The scalar loss, differentiable with respect to the model's parameters.
 
     Raises:
-        TypeError: for a model with no separate base model and head, or one wrapped by ``DistributedDataParallel``.
+        TypeError: for a ``batch`` that is not a mapping of the model's inputs, a model with no separate base model and
+            head, or one wrapped by ``DistributedDataParallel``.
         ValueError: when ``batch`` has no ``labels``.
     """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"causal_lm_loss(model, batch): batch must be a mapping of the model's inputs, as a Hugging "
+                        f"Face tokenizer or collator makes it, with 'input_ids' (or 'inputs_embeds') and 'labels' (the "
+                        f"token ids to predict, -100 where ignored; shifted here as Hugging Face shifts them), and any "
+                        f"other input such as 'attention_mask'; got {_described(batch)}. For a tensor of token ids: "
+                        f"causal_lm_loss(model, {{'input_ids': ids, 'labels': ids}}).")
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         raise TypeError("causal_lm_loss() runs the model's base and head directly, which would bypass "
                         f"{type(model).__name__}'s gradient synchronisation: pass the model it wraps, under a "
@@ -90,6 +97,15 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, num_items_in_b
     hidden, head = hidden_and_head(model, batch)
     return head_loss(hidden, head, batch["labels"], transform=LogitTransform.of(model.config),
                      num_items_in_batch=num_items_in_batch, chunk_tokens=chunk_tokens)
+
+
+def _described(value: object) -> str:
+    """A value as an error names it: a tensor by its shape and dtype, a sequence by its items' kinds."""
+    if isinstance(value, Tensor):
+        return f"a Tensor of shape {tuple(value.shape)} ({value.dtype})"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(item).__name__ for item in value[:4])})"
+    return f"a {type(value).__name__}"
 
 
 def hidden_and_head(model: nn.Module, batch: Mapping[str, Any]) -> tuple[Tensor, nn.Module]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
@@ -223,6 +224,15 @@ def _patterns(name: str, value: object) -> list[str]:
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"{name} must be a list of regular expressions (strings), got {value!r}; wrap a single "
                         f"pattern in a list.")
+    for pattern in value:
+        # Compiled here, where the setting is given: a bad one would otherwise fail at set-up as a bare re.error.
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(
+                f"{name}: {pattern!r} is not a regular expression ({error}). The patterns are matched with re.search "
+                f"against module names such as 'model.layers.0.mlp.up_proj': escape a literal '[', '(', '.' or '*' "
+                f"with a backslash (re.escape(name) does it for a whole name).") from error
     return list(value)
 
 
