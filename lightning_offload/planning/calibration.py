@@ -67,16 +67,59 @@ class Hardware:
 
 
 _GIB = 2**30
-#: Named hardware, assumed from vendors' figures (not measured): plan for a machine you do not have. Matmul rates are
-#: ~70% of the dense bf16 peak, links what pinned copies reach on their PCIe generation, host Adam ~4× this
-#: project's 2-core figure for a 16-core host, the engine's fixed cost per tensor a guess.
+
+# The rate a named profile's matmuls are assumed to run at is an achieved one, not the chip's peak: the cost model
+# divides every FLOP of a step by it and models nothing else of the model's own work (norms, activations, softmax,
+# the loss, kernel launches, Python), so the rate has to carry those too. The one GPU calibration there is, the
+# H200 run of 2026-11-30 (DESIGN.md §10, docs/benchmarks.md's GPU section): LLaMA 1.3B shape (hidden 2048, 24
+# layers, MLP 5504, vocabulary 32000 untied), bf16-true, 4×512 tokens, no checkpointing, the model's own loss,
+# native fused AdamW: 0.101 s a step. The cost model counts that step's matmuls (T = 2048 tokens, M = 1,279,787,008
+# Linear weight elements: 24 × (4·2048² + 3·2048·5504) + 32000·2048):
+#   forward 2·T·M = 5.242e12, input gradients as much, weight gradients as much: 3 × 5.242e12 = 15.726e12
+#   attention 4·T·s·h per block forward (s = 512, h = 2048, 24 blocks) = 0.206e12, twice that backward: 0.618e12
+#   in all 16.344e12 FLOP; 16.344e12 / 0.101 s = 161.8e12 FLOP/s; / 989e12 (the H200's dense bf16 peak) = 16.4% MFU.
+# (tests/test_planner_profiles.py holds NATIVE_1B3_FLOPS to the cost model's own count of that step.)
+#: Matmul FLOPs the cost model counts for the H200 run's native 1.3B step at 4×512 (see above).
+NATIVE_1B3_FLOPS = 16.344e12
+#: That run's measured native step (seconds): one H200, 2026-11-30.
+NATIVE_1B3_SECONDS = 0.101
+#: The H200's dense bf16 tensor-core peak (NVIDIA's data sheet, without sparsity).
+H200_PEAK_FLOPS = 989e12
+#: The model FLOPs utilisation that run achieved (~0.164): what each profile assumes of its own peak. A larger model's
+#: wider matmuls usually run nearer peak, so for 7–8B shapes this errs on the slow side; a GPU run will tell (owed).
+ACHIEVED_MFU = NATIVE_1B3_FLOPS / NATIVE_1B3_SECONDS / H200_PEAK_FLOPS
+#: Each profile's dense bf16 peak (FP32 accumulation, as torch's bf16 matmuls run): the H200's data sheet; the RTX
+#: 4090's 165.2 TFLOP/s (Ada's whitepaper, GeForce rate with FP32 accumulate); the 4 GiB laptop GPU taken as an RTX
+#: 3050 Ti Laptop (GA107, 80 tensor cores × 128 FLOP a clock with FP32 accumulation × 1.695 GHz boost = 17.4e12;
+#: its 128-bit GDDR6 gives the profile's 190 GB/s).
+PEAK_FLOPS = {"h200": H200_PEAK_FLOPS, "rtx4090": 165.2e12, "laptop-4gb": 17.4e12}
+
+
+def _profile(key: str, label: str, memory_note: str, **figures: float) -> Hardware:
+    """A named profile whose matmul rate is :data:`ACHIEVED_MFU` of its peak, said in its name (the plan's table)."""
+    peak = PEAK_FLOPS[key]
+    rate = ACHIEVED_MFU * peak
+    name = (f"{label} (assumed: {rate / 1e12:.3g} TFLOP/s = {ACHIEVED_MFU:.1%} of its {peak / 1e12:.3g} TFLOP/s bf16 "
+            f"peak, the MFU of the H200 run of 2026-11-30; {memory_note})")
+    return Hardware(name, "cuda", rate, measured=False, **figures)
+
+
+#: Named hardware, assumed (not measured): plan for a machine you do not have. Matmul rates are :data:`ACHIEVED_MFU`
+#: of each chip's dense bf16 peak (:data:`PEAK_FLOPS`), links what pinned copies reach on their PCIe generation,
+#: host Adam ~4× this project's 2-core figure for a 16-core host, the engine's fixed cost per tensor a guess.
 PROFILES: dict[str, Hardware] = {
-    "h200": Hardware("NVIDIA H200 (assumed: 700 TFLOP/s bf16, 4.8 TB/s, PCIe 5 ~50 GB/s)", "cuda", 700e12,
-                     1.2e-10, 20e-6, 40e9, 4.0e12, 50e9, 50e9, 141 * 10**9, 1024 * _GIB, 50e-6, False),
-    "rtx4090": Hardware("RTX 4090 (assumed: 150 TFLOP/s bf16, 1 TB/s, PCIe 4 ~25 GB/s)", "cuda", 150e12,
-                        2.5e-10, 20e-6, 25e9, 0.9e12, 25e9, 25e9, 24 * _GIB, 64 * _GIB, 50e-6, False),
-    "laptop-4gb": Hardware("4 GiB laptop GPU (assumed: 20 TFLOP/s fp16, 190 GB/s, PCIe 3 ~12 GB/s)", "cuda", 20e12,
-                           5e-10, 30e-6, 15e9, 0.19e12, 12e9, 12e9, 4 * _GIB, 16 * _GIB, 80e-6, False),
+    "h200": _profile("h200", "NVIDIA H200", "4.8 TB/s, PCIe 5 ~50 GB/s", adam_seconds_per_element=1.2e-10,
+                     adam_seconds_per_call=20e-6, host_bandwidth=40e9, device_bandwidth=4.0e12, link_to_host=50e9,
+                     link_to_device=50e9, device_memory=141 * 10**9, host_memory=1024 * _GIB,
+                     seconds_per_offloaded_tensor=50e-6),
+    "rtx4090": _profile("rtx4090", "RTX 4090", "1 TB/s, PCIe 4 ~25 GB/s", adam_seconds_per_element=2.5e-10,
+                        adam_seconds_per_call=20e-6, host_bandwidth=25e9, device_bandwidth=0.9e12, link_to_host=25e9,
+                        link_to_device=25e9, device_memory=24 * _GIB, host_memory=64 * _GIB,
+                        seconds_per_offloaded_tensor=50e-6),
+    "laptop-4gb": _profile("laptop-4gb", "4 GiB laptop GPU", "190 GB/s, PCIe 3 ~12 GB/s",
+                           adam_seconds_per_element=5e-10, adam_seconds_per_call=30e-6, host_bandwidth=15e9,
+                           device_bandwidth=0.19e12, link_to_host=12e9, link_to_device=12e9,
+                           device_memory=4 * _GIB, host_memory=16 * _GIB, seconds_per_offloaded_tensor=80e-6),
 }
 
 

@@ -7,7 +7,10 @@ and the machine's speeds.
   products of ``lsp/linear.py`` (``B Xᵀ`` in forward, ``A Δᵀ`` in backward, then a ``d_o × d_i`` GEMM), and its
   update is expanded and added on the device: the products' time comes timed per shape by the kernels a run chooses
   (:mod:`~lightning_offload.planning.projection_time`), the GEMM's from its FLOPs.
-  Gradient checkpointing runs the blocks' forward twice. A plain run adds its device AdamW.
+  Gradient checkpointing runs the blocks' forward twice. A plain run adds its device AdamW. The FLOPs run at the
+  hardware's ``matmul_flops``: measured on this machine, or for a named profile an achieved rate (the chip's peak
+  times the MFU the H200 run of 2026-11-30 reached, :data:`~lightning_offload.planning.calibration.ACHIEVED_MFU`),
+  because the model's elementwise work, its loss and its launches are not counted apart.
 - **Link.** Bytes each way over the calibrated pinned-copy bandwidth (on the CPU, memcpy).
 - **Host.** One fused Adam call per tensor (per-call cost) plus its elements; row-sparse embeddings' rows at twice the
   per-element cost (gathered, caught up, scattered), MEFT's rows likewise (both factors assumed, not measured).
@@ -71,6 +74,8 @@ class StepTime:
         host: host Adam.
         exposed: what does not overlap the device's compute (the step minus ``device``).
         step: the predicted step.
+        flops: the matmul FLOPs ``device`` counts (:func:`device_flops`); over the hardware's ``matmul_flops`` they
+            are its matmul part.
     """
 
     device: float
@@ -78,22 +83,40 @@ class StepTime:
     host: float
     exposed: float
     step: float
+    flops: float = 0.0
+
+
+def forward_flops(work: Workload) -> float:
+    """Matmul FLOPs of one forward: ``2·T`` per weight element and attention's ``4·T·s·h`` per block."""
+    return 2 * work.tokens * work.matmul_elements + 4 * work.tokens * work.seq_len * work.hidden * work.blocks
+
+
+def device_flops(found: Inventory, work: Workload) -> float:
+    """Matmul FLOPs of a step on the device: the forward (twice under checkpointing), the input gradients (attention
+    twice its forward), the weight gradients autograd forms, a projected head's recomputed logits and each projected
+    weight's ``S`` GEMM.
+
+    Args:
+        found: the run's inventory (its projected weights).
+        work: the step's shape.
+    """
+    attention = 4 * work.tokens * work.seq_len * work.hidden * work.blocks
+    forward = forward_flops(work)
+    flops = forward + (2 * work.tokens * work.matmul_elements + 2 * attention) + 2 * work.tokens * work.formed_elements
+    if work.checkpointing:
+        flops += forward
+    flops += 2 * work.tokens * work.recomputed_elements
+    flops += sum(2 * work.tokens * e.host_numel for e in found.of("projected"))  # S = (AΔᵀ)(BXᵀ)ᵀ
+    return float(flops)
 
 
 def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool,
                    projections: float) -> tuple[float, float]:
     """Device compute of a step: ``(total, forward)`` seconds (``projections``: the projected weights' products,
-    :func:`~lightning_offload.planning.projection_time.projection_seconds`)."""
-    projected = found.of("projected")
-    attention = 4 * work.tokens * work.seq_len * work.hidden * work.blocks
-    forward = 2 * work.tokens * work.matmul_elements + attention
-    # Backward: input gradients (attention twice its forward), and the weight gradients autograd forms.
-    flops = forward + (2 * work.tokens * work.matmul_elements + 2 * attention) + 2 * work.tokens * work.formed_elements
-    if work.checkpointing:
-        flops += forward
-    flops += 2 * work.tokens * work.recomputed_elements
-    flops += sum(2 * work.tokens * e.host_numel for e in projected)  # S = (AΔᵀ)(BXᵀ)ᵀ
-    seconds = flops / hw.matmul_flops + projections
+    :func:`~lightning_offload.planning.projection_time.projection_seconds`). The matmuls run at ``hw.matmul_flops``,
+    which for a named profile is an achieved rate (its peak times a measured MFU), since nothing else of the model's
+    own work is counted."""
+    seconds = device_flops(found, work) / hw.matmul_flops + projections
     # A scaled weight's update: one pass over the weight (read it, the update, write it).
     seconds += sum(3 * e.numel * e.itemsize for e in found.of("scaled")) / hw.device_bandwidth
     if not plain:  # the engine's fixed cost per offloaded tensor (hooks, sends, the slot's step, Python)
@@ -106,7 +129,7 @@ def device_seconds(found: Inventory, work: Workload, hw: Hardware, plain: bool,
             seconds += calls * hw.adam_seconds_per_call + elements * hw.adam_seconds_per_element
         else:
             seconds += elements * DEVICE_ADAM_BYTES / hw.device_bandwidth
-    return seconds, forward / hw.matmul_flops
+    return seconds, forward_flops(work) / hw.matmul_flops
 
 
 def host_seconds(entries: list[Entry], hw: Hardware, rows_touched: int,
@@ -123,17 +146,18 @@ def host_seconds(entries: list[Entry], hw: Hardware, rows_touched: int,
 
 
 def step_time(device: float, forward: float, host: float, largest_host: float, to_host: int, to_device: int,
-              largest_link: int, hw: Hardware, plain: bool, speculative: bool) -> StepTime:
-    """Combine the parts into a step (see the module docstring for the overlap rules)."""
+              largest_link: int, hw: Hardware, plain: bool, speculative: bool, flops: float = 0.0) -> StepTime:
+    """Combine the parts into a step (see the module docstring for the overlap rules; ``flops``: the matmul FLOPs
+    ``device`` counts, kept with the step)."""
     if plain:
-        return StepTime(device, 0.0, 0.0, 0.0, device)
+        return StepTime(device, 0.0, 0.0, 0.0, device, flops)
     if hw.device == "cpu":
         link = (to_host + to_device) / hw.host_bandwidth
-        return StepTime(device, link, host, link + host, device + link + host)
+        return StepTime(device, link, host, link + host, device + link + host, flops)
     link = max(to_host / hw.link_to_host, to_device / hw.link_to_device)
     tail = largest_host + largest_link / hw.link_to_host + largest_link / hw.link_to_device
     if speculative:
         step = max(device, link, host) + tail
     else:  # host work starts after backward; it overlaps the next forward only
         step = device + max(0.0, host + link - forward) + tail
-    return StepTime(device, link, host, step - device, step)
+    return StepTime(device, link, host, step - device, step, flops)

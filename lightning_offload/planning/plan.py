@@ -23,7 +23,7 @@ from lightning_offload.lsp.linear import is_hf_conv1d
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.planning.activations import Activations, blocks_of, measure_activations, network_of
 from lightning_offload.planning.calibration import Hardware, hardware as hardware_of
-from lightning_offload.planning.cost import Workload, device_seconds, host_seconds, step_time
+from lightning_offload.planning.cost import Workload, device_flops, device_seconds, host_seconds, step_time
 from lightning_offload.planning.device_bytes import DeviceParts, device_parts
 from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes, speculation_bytes
 from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
@@ -265,7 +265,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
     largest_link = max((link_bytes(e, link)[0] for e in found.entries), default=0)
     step = step_time(device_s, forward_s, host_s, largest_host, to_host, to_device, largest_link, hw, plain,
-                     link.speculative)
+                     link.speculative, device_flops(found, work))
     device_peak = peaks[work.checkpointing]
     shares_memory = not link.pinned  # a CPU device's memory is the host's
     host_needed = host + meft_host + (device_peak if shares_memory else 0)
@@ -279,7 +279,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
                 fits_host=host_memory == 0 or host_needed <= host_memory, step=step, hardware=hw.name,
                 persistent=dict(parts.persistent), projected_layers=len(found.of("projected", "scaled")),
                 notes=tuple(found.messages), step_is_lower_bound=hw.device == "cpu",
-                device_shares_host_memory=shares_memory)
+                device_shares_host_memory=shares_memory, headroom=headroom)
 
 
 def _device_peak(parts: DeviceParts, activations: Activations, checkpointing: bool, plain: bool,

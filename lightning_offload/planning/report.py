@@ -32,7 +32,8 @@ class Plan:
             is on for a GPU by default; ``speculative=False`` saves them and overlaps less).
         link_bytes_to_host, link_bytes_to_device: bytes over the link per step, each way.
         device_memory, host_memory: what the plan was checked against (0: unknown).
-        fits_device, fits_host: whether it fits.
+        fits_device, fits_host: whether it fits (the device: within ``device_memory × (1 − headroom)``; the host:
+            ``host_needed_bytes`` within ``host_memory``).
         step: the predicted step and its parts.
         hardware: the machine the step time is for.
         persistent: the offload machinery's device bytes between steps, by category.
@@ -43,6 +44,7 @@ class Plan:
             autograd and elementwise work), so a run takes longer; said in the table.
         device_shares_host_memory: the device is the CPU, whose memory is the host's: ``fits_host`` counts both, and
             the table says so.
+        headroom: the share of ``device_memory`` kept free (the allocator's fragmentation, the CUDA context).
     """
 
     strategy: str
@@ -72,6 +74,7 @@ class Plan:
     step_is_lower_bound: bool = False
     optimizer: str = "AdamW"
     device_shares_host_memory: bool = False
+    headroom: float = 0.0
 
     def _host_line(self, verdict: str) -> str:
         """The host memory row: on a CPU device, the device's bytes are in the same memory and counted with it."""
@@ -88,6 +91,16 @@ class Plan:
     def fits(self) -> bool:
         """Fits the device and the host."""
         return self.fits_device and self.fits_host
+
+    @property
+    def device_usable_bytes(self) -> float:
+        """The device bytes a run may reach and fit: ``device_memory`` less the headroom."""
+        return self.device_memory * (1 - self.headroom)
+
+    @property
+    def host_needed_bytes(self) -> int:
+        """The host bytes ``fits_host`` counts: the optimizer's, and a CPU device's own in the same memory."""
+        return self.host_bytes + (self.device_bytes if self.device_shares_host_memory else 0)
 
     @property
     def link_bytes_per_step(self) -> int:
