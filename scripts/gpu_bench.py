@@ -23,9 +23,15 @@ versions of the pipeline, equivalence and checkpoint tests (``LIGHTNING_OFFLOAD_
 The report is written as it goes (``--out``: the JSON, and a Markdown table beside it), so a run cut short keeps
 what it measured.
 
+``--simulated-link SPEC`` (``gbps=G[,jitter_ms=J][,seed=S]``) runs every method's engine with the CPU as the device
+behind the simulated asynchronous link (lightning_offload/engine/lanes/simulated_link.py), and without a GPU runs the
+test list a GPU runs first on the CPU under it: the GPU path's own schedule end to end, so that a lent device's minutes
+go to measuring.
+
     python scripts/gpu_bench.py --out gpu_bench.json            # on a GPU machine (not yet timed in this form;
                                                                  # trim with --methods, --no-cap-search)
     python scripts/gpu_bench.py --smoke                          # tiny shape on the CPU: checks the script runs
+    python scripts/gpu_bench.py --smoke --simulated-link gbps=2,jitter_ms=2   # and the GPU path's schedule, tests too
 """
 
 from __future__ import annotations
@@ -96,11 +102,12 @@ def _results(runs: list[tuple[str, int, bool, bool]], args: argparse.Namespace) 
         yield from pool.map(result, runs)
 
 
-def _gpu_tests(timeout: int) -> dict[str, Any]:
+def _gpu_tests(timeout: int, accelerator: str = "cuda") -> dict[str, Any]:
     """The CUDA versions of the pipeline, equivalence and checkpoint tests (the tests' Trainer takes its accelerator
-    from ``LIGHTNING_OFFLOAD_TEST_ACCELERATOR``)."""
+    from ``LIGHTNING_OFFLOAD_TEST_ACCELERATOR``); with ``accelerator="cpu"``, the same tests on the CPU (under the
+    simulated link the environment names)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "LIGHTNING_OFFLOAD_TEST_ACCELERATOR": "cuda"}
+    env = {**os.environ, "LIGHTNING_OFFLOAD_TEST_ACCELERATOR": accelerator}
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not smollm2", *GPU_TESTS],
                               cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -206,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=int, default=240, help="seconds per method run (and for the GPU tests)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--no-gpu-tests", action="store_true", help="skip the CUDA tests before the benchmark")
+    parser.add_argument("--simulated-link", default=None, metavar="SPEC",
+                        help="gbps=G[,jitter_ms=J][,seed=S]: the CPU as the device behind the simulated link, for "
+                             "every run (and, without a GPU, the GPU test list on the CPU under it)")
     parser.add_argument("--no-cap-search", action="store_true", help="skip the largest-shape search under caps")
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--phases", action="store_true", help=argparse.SUPPRESS)
@@ -220,13 +230,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     if args.smoke:
         args.shape, args.steps, args.batches, args.seq = "tiny", 4, [2], 32
+    if args.simulated_link:
+        # Read by every engine's set-up, in this process and in each method's subprocess.
+        os.environ["LIGHTNING_OFFLOAD_SIMULATED_LINK"] = args.simulated_link
     begin_run(args, __file__, argv)
 
     report: dict[str, Any] = {"shape": args.shape, "seq": args.seq, "methods": [], "largest_under_cap": {}}
     import torch
 
-    if torch.cuda.is_available() and not args.no_gpu_tests:
-        report["gpu_tests"] = _gpu_tests(args.timeout)
+    if not args.no_gpu_tests and (torch.cuda.is_available() or args.simulated_link):
+        # On the CPU the list takes about a minute under the simulated link; on a GPU the device's minutes are short.
+        on_gpu = torch.cuda.is_available()
+        report["gpu_tests"] = _gpu_tests(args.timeout if on_gpu else max(args.timeout, 900),
+                                         "cuda" if on_gpu else "cpu")
         print(f"GPU tests: {report['gpu_tests']}", flush=True)
         _write(report, args.json)
     # Where a projected layer's device time goes, before the whole steps: a few seconds, and it explains them.

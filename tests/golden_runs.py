@@ -210,6 +210,18 @@ def run_case(name: str) -> dict[str, list[float]]:
     return checkpoint_sketches(checkpoint)
 
 
+_SKETCHES: dict[tuple[str, str | None], dict[str, list[float]]] = {}
+
+
+def run_case_cached(name: str) -> dict[str, list[float]]:
+    """:func:`run_case`'s sketches, computed once per process for the link the environment asks for: the golden test
+    and the simulated link's test (tests/test_simulated_link.py) share the synchronous runs."""
+    key = (name, os.environ.get("LIGHTNING_OFFLOAD_SIMULATED_LINK"))
+    if key not in _SKETCHES:
+        _SKETCHES[key] = run_case(name)
+    return _SKETCHES[key]
+
+
 def run_ddp() -> dict[str, dict[str, list[float]]]:
     """The two-rank case, through Lightning's own launcher: each rank's checkpoint sketches."""
     with tempfile.TemporaryDirectory() as folder:

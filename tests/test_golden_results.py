@@ -61,7 +61,7 @@ def test_every_record_is_of_its_own_machine_kind() -> None:
 
 @pytest.mark.parametrize("case", list(golden_runs.CASES))
 def test_each_offload_path_reproduces_its_recorded_results(case: str) -> None:
-    _compare(case, golden_runs.run_case(case))
+    _compare(case, golden_runs.run_case_cached(case))
 
 
 def test_two_gloo_ranks_reproduce_their_recorded_results() -> None:

@@ -43,21 +43,24 @@ def _allocates(op: str) -> bool:
         "detach", "view", "alias", "slice", "unsqueeze", "select")
 
 
+# Every case but the speculated one says speculative=False: a job per tensor per step on any link (speculation's default
+# is on where the link copies asynchronously: a GPU, or the simulated link).
 CASES = {
-    "zero-fp32": (lambda: ZeroOffloadStrategy(), "32-true"),
-    "zero-bf16-link-bf16-true": (lambda: ZeroOffloadStrategy(link_dtype="bf16"), "bf16-true"),
+    "zero-fp32": (lambda: ZeroOffloadStrategy(speculative=False), "32-true"),
+    "zero-bf16-link-bf16-true": (lambda: ZeroOffloadStrategy(link_dtype="bf16", speculative=False), "bf16-true"),
     # Dense embeddings here (every tensor a dense or projected job); the row-sparse one has its own case below.
     "lsp-bf16-link-bf16-mixed": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
-                                                            link_dtype="bf16", embeddings="host"), "bf16-mixed"),
+                                                            link_dtype="bf16", embeddings="host", speculative=False),
+                                 "bf16-mixed"),
     "lsp-bf16-true-l2": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
-                                                    embeddings="host"), "bf16-true"),
+                                                    embeddings="host", speculative=False), "bf16-true"),
     # Clipping that never fires: every step is speculated (backups, working copies) and confirmed.
     "lsp-fp32-l2-speculated": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
                                                           speculative=True, embeddings="host"), "32-true"),
     # The row-sparse embedding's workspace is sized at the first step; the same batch at every step touches the
     # same rows (more rows than ever before would grow it once).
     "lsp-sparse-embedding-bf16-true": (lambda: LSPOffloadStrategy(projectors="random", rank=0.5, density=2, min_dim=16,
-                                                                  embeddings="sparse"), "bf16-true"),
+                                                                  embeddings="sparse", speculative=False), "bf16-true"),
 }
 
 
@@ -88,8 +91,7 @@ def test_host_jobs_allocate_nothing_after_the_first_step(case, monkeypatch):
         module, data)
     per_step = len(strategy.offload_optimizer.slots)
     steps = [ops for _, ops in jobs.values()]
-    # One job per tensor per step: speculated and confirmed (clipping never fires), or not speculated (the CPU's
-    # default).
+    # One job per tensor per step: speculated and confirmed (clipping never fires), or not speculated.
     assert len(steps) == 4 and all(len(step) == per_step for step in steps)
     confirmed = [m["offload/speculative_steps"] for _, m in strategy.offload_optimizer.telemetry.completed]
     assert confirmed == ([per_step] * 4 if speculated else [0] * 4)

@@ -84,12 +84,12 @@ def test_a_phase_on_another_thread_is_charged_without_disturbing_the_main_thread
 
 
 def test_host_jobs_run_inline_on_a_cpu_device_and_on_a_thread_with_an_accelerator():
-    inline = Lanes(torch.device("cpu"), torch.float32, False, None, ADAM)
+    inline = Lanes(torch.device("cpu"), torch.float32, None, ADAM)
     assert inline.worker.inline and not inline.worker._thread.is_alive()
     ran_on = []
     inline.worker.wait(inline.worker.submit(lambda: ran_on.append(threading.current_thread())))
     assert ran_on == [threading.current_thread()]
-    threaded = Lanes(torch.device("meta"), torch.float32, False, None, ADAM)  # any device that is not the host
+    threaded = Lanes(torch.device("meta"), torch.float32, None, ADAM)  # any device that is not the host
     assert not threaded.worker.inline
     threaded.worker.wait(threaded.worker.submit(lambda: ran_on.append(threading.current_thread())))
     assert ran_on[-1] is not threading.current_thread()

@@ -166,14 +166,14 @@ def test_timeline_is_logged_and_exports_as_a_chrome_trace(tmp_path):
     strategy = _strategy("lsp")
     trainer(strategy, max_steps=4).fit(TinyClassifier(), classification_data())
     metrics = strategy.offload_optimizer.telemetry.metrics()
-    for lane in ("device", "link_to_host", "host", "link_to_device", "device_wait"):
+    for lane in ("device", "link_to_host", "host_wait", "host", "link_to_device", "device_wait"):
         assert metrics[f"offload/timeline/{lane}_seconds"] >= 0
     assert metrics["offload/timeline/host_seconds"] > 0 and metrics["offload/timeline/device_seconds"] > 0
     path = tmp_path / "trace.json"
     strategy.offload_optimizer.timelines.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert lanes == {"device", "device_wait", "link_to_host", "host", "link_to_device"}
+    assert lanes == {"device", "device_wait", "link_to_host", "host_wait", "host", "link_to_device"}
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["args"]["step"] for e in spans} == {1, 2, 3, 4}
     assert all(e["dur"] >= 0 for e in spans)

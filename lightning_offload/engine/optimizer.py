@@ -132,11 +132,9 @@ class OffloadOptimizer(Optimizer):
         self.ranks = data_parallel
         if self.ranks is not None:
             self.ranks.reduce_dtype = LINK_DTYPES[link_dtype]  # gradients cross between ranks as they cross the link
-        # On an accelerator the worker keeps off one core, so the main thread's kernel launches never wait for one.
         #: Where the engine's own share of each step goes, by phase (off unless a benchmark turns it on).
         self.phases = PhaseClock(self.device)
-        self.lanes = Lanes(self.device, LINK_DTYPES[link_dtype], self.device.type != "cpu", self.ranks,
-                           host_rule_for(optimizer), self.phases)
+        self.lanes = Lanes(self.device, LINK_DTYPES[link_dtype], self.ranks, host_rule_for(optimizer), self.phases)
         self.figures = StepFigures()
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
@@ -146,14 +144,16 @@ class OffloadOptimizer(Optimizer):
         self.norms.positions = group_positions(self.param_groups)
         if self.ranks is None:
             self.norms.edits = GradientEdits(self.slots)
-        # Speculation is for accelerators: on the CPU, host work during backward competes with it for the cores.
-        self.commit = commit_policy(speculative if speculative is not None else self.device.type != "cpu",
+        # Speculation is for an asynchronous link (a GPU's, the simulated one): with the CPU as the device and its
+        # copies done when issued, host work during backward competes with it for the cores.
+        self.commit = commit_policy(speculative if speculative is not None else self.lanes.link.asynchronous,
                                     self.lanes.worker)
         self.orchestrator = StepOrchestrator(
             self.lanes, self.slots, self.device_optimizer, self.commit, self.norms, self.figures, on_nonfinite,
             pipelined, model, {id(p) for p in tied_projected}, free_sent_gradients)
         if update_buffers is None:
-            update_buffers = 4 if self.device.type != "cpu" else 0
+            # Updates cross into device buffers where the link copies asynchronously; else the device reads the host's.
+            update_buffers = 4 if self.lanes.link.asynchronous else 0
         if update_buffers and self.projected_layers:
             largest = max(math.prod(layer.compressed_shape) for layer in self.projected_layers)
             self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
@@ -175,7 +175,7 @@ class OffloadOptimizer(Optimizer):
                 self.param_groups, list(projected), self.lanes, model, left_out, {id(p) for p in row_sparse},
                 rounding_seed, lambda group: is_decoupled(optimizer, group))
         except BaseException:
-            self.lanes.worker.close()  # a refused set-up leaves no worker thread behind
+            self.lanes.close()  # a refused set-up leaves no worker or link thread behind
             raise
         self.late = LateParameters(self.param_groups, self.slots, on_device, {id(p) for p in frozen}, frozen_at_setup,
                                    {id(p): name for name, p in model.named_parameters()} if model is not None else {})
@@ -274,7 +274,7 @@ class OffloadOptimizer(Optimizer):
                 self.settle_row_decay()  # the weights handed back are AdamW's
         finally:
             self.orchestrator.routing.remove()
-            self.lanes.worker.close()
+            self.lanes.close()
 
     # ----------------------------------------------------------------------------------------------- clipping
     @torch.no_grad()

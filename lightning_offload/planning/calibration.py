@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from lightning_offload.cache import cache_root
+from lightning_offload.engine.lanes.simulated_link import LinkSpec, spec_from_environment
+from lightning_offload.engine.lanes.thread_split import ThreadSplit
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,9 @@ class Hardware:
             its Adam call (hooks, the send, the slot's step and apply, Python).
         measured: whether these were measured on this machine (``False``: a named profile's assumed figures; its
             projections are then predicted at the memory floor, not timed).
+        simulated_link: the CPU as the device behind the simulated asynchronous link
+            (:mod:`~lightning_offload.engine.lanes.simulated_link`): the host worker on cores of its own and copies
+            at ``link_to_host``/``link_to_device``, so the parts overlap as on a GPU.
     """
 
     name: str
@@ -64,6 +69,13 @@ class Hardware:
     host_memory: int
     seconds_per_offloaded_tensor: float = 0.0
     measured: bool = True
+    simulated_link: bool = False
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether host work and copies overlap the device's (a GPU, or the simulated link), or add to it (the CPU
+        as the device, its host jobs inline)."""
+        return self.device != "cpu" or self.simulated_link
 
 
 _GIB = 2**30
@@ -312,6 +324,35 @@ def calibrate(device: torch.device | str | None = None, dtype: torch.dtype = tor
     return hardware
 
 
+def simulated_machine(spec: LinkSpec, dtype: torch.dtype = torch.float32, split: ThreadSplit | None = None,
+                      cache: bool = True) -> Hardware:
+    """This CPU as the engine runs it behind the simulated link ``spec``: the device's matmuls and the engine's cost
+    per tensor measured at the device's threads, the host's Adam at the host worker's, the link at ``spec``'s
+    bandwidth each way, and the parts overlapping (:attr:`Hardware.overlaps`).
+
+    Args:
+        spec: the simulated link.
+        dtype: the compute dtype.
+        split: the cores of the device and of the host (default: :meth:`ThreadSplit.halves`, as the engine splits).
+        cache: read and write the calibrations kept per thread count.
+    """
+    split = split if split is not None else ThreadSplit.halves()
+    device_threads, host_threads = (len(split.device_cpus), len(split.host_cpus)) if split is not None else (1, 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(device_threads)
+        device = calibrate("cpu", dtype, cache)
+        torch.set_num_threads(host_threads)
+        host = calibrate("cpu", dtype, cache)
+    finally:
+        torch.set_num_threads(threads)
+    return replace(device, name=f"{device.name}; device on {device_threads} thread(s), host Adam on {host_threads}, "
+                                f"behind a simulated link of {spec.describe()}",
+                   adam_seconds_per_element=host.adam_seconds_per_element,
+                   adam_seconds_per_call=host.adam_seconds_per_call, link_to_host=spec.gbps * 1e9,
+                   link_to_device=spec.gbps * 1e9, simulated_link=True)
+
+
 def hardware(profile: str | Hardware | None, device: torch.device | str | None, dtype: torch.dtype) -> Hardware:
     """The hardware a plan predicts for: a :class:`Hardware`, a name in :data:`PROFILES`, or ``None`` (this machine,
     calibrated).
@@ -322,6 +363,10 @@ def hardware(profile: str | Hardware | None, device: torch.device | str | None, 
     if isinstance(profile, Hardware):
         return profile
     if profile is None:
+        spec = spec_from_environment()
+        if spec is not None and torch.device(device if device is not None else "cpu").type == "cpu" \
+                and not torch.cuda.is_available():
+            return simulated_machine(spec, dtype)  # what the engine sets up on this machine now
         return calibrate(device, dtype)
     if profile not in PROFILES:
         raise ValueError(f"hardware={profile!r} is not a known profile; use one of {sorted(PROFILES)}, a Hardware "

@@ -15,7 +15,8 @@ and the machine's speeds.
 - **Host.** One fused Adam call per tensor (per-call cost) plus its elements; row-sparse embeddings' rows at twice the
   per-element cost (gathered, caught up, scattered), MEFT's rows likewise (both factors assumed, not measured).
 - **Overlap.** On the CPU the "device" and the host share the cores and the engine runs host jobs inline, so the parts
-  add. On a GPU the layer-wise pipeline overlaps them: speculative host steps (the GPU default) start during backward,
+  add. On a GPU (and on the CPU behind the simulated link, the host on cores of its own) the layer-wise pipeline
+  overlaps them: speculative host steps (the GPU default) start during backward,
   so a step takes the longest of the three plus a tail (the largest tensor's host step and copies, the embedding's
   that arrives last and is needed first — DESIGN.md's physical limit); without speculation the host and link work
   overlap the next forward only.
@@ -146,16 +147,25 @@ def host_seconds(entries: list[Entry], hw: Hardware, rows_touched: int,
 
 
 def step_time(device: float, forward: float, host: float, largest_host: float, to_host: int, to_device: int,
-              largest_link: int, hw: Hardware, plain: bool, speculative: bool, flops: float = 0.0) -> StepTime:
+              largest_link: int, hw: Hardware, plain: bool, speculative: bool, flops: float = 0.0,
+              pipelined: bool = True) -> StepTime:
     """Combine the parts into a step (see the module docstring for the overlap rules; ``flops``: the matmul FLOPs
-    ``device`` counts, kept with the step)."""
+    ``device`` counts, kept with the step; ``pipelined=False``: every update applied inside the step)."""
     if plain:
         return StepTime(device, 0.0, 0.0, 0.0, device, flops)
-    if hw.device == "cpu":
+    if not hw.overlaps:
         link = (to_host + to_device) / hw.host_bandwidth
         return StepTime(device, link, host, link + host, device + link + host, flops)
     link = max(to_host / hw.link_to_host, to_device / hw.link_to_device)
     tail = largest_host + largest_link / hw.link_to_host + largest_link / hw.link_to_device
+    if not pipelined:
+        # Gradients still cross during backward; the host steps start after it, each update crossing back as its
+        # step ends, and the step returns once every update is applied: the host's work or the copies back, whichever
+        # is longer, lies on the step, and what of the copies to the host backward did not hide.
+        backward = device - forward
+        step = device + max(0.0, to_host / hw.link_to_host - backward) + max(host, to_device / hw.link_to_device) \
+            + tail
+        return StepTime(device, link, host, step - device, step, flops)
     if speculative:
         step = max(device, link, host) + tail
     else:  # host work starts after backward; it overlaps the next forward only

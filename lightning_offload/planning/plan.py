@@ -168,7 +168,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
     found = inventory(model, offload, param_dtype, meft_part.trained if meft_part else None, user_optimizer)
     if meft_part is not None:
         found.entries += meft_part.routers
-    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator), batch_size * seq_len)
+    link = Link(_link_itemsize(offload), accelerator, _speculative(offload, accelerator or hw.simulated_link),
+                batch_size * seq_len)
     parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
                          offload.update_buffers if offload else None, link.itemsize, rule,
                          _csr_kernels(offload, accelerator))
@@ -265,7 +266,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
     largest_link = max((link_bytes(e, link)[0] for e in found.entries), default=0)
     step = step_time(device_s, forward_s, host_s, largest_host, to_host, to_device, largest_link, hw, plain,
-                     link.speculative, device_flops(found, work))
+                     link.speculative, device_flops(found, work), pipelined=plain or settings.pipelined)
     device_peak = peaks[work.checkpointing]
     shares_memory = not link.pinned  # a CPU device's memory is the host's
     host_needed = host + meft_host + (device_peak if shares_memory else 0)

@@ -10,7 +10,7 @@ from typing import Any
 
 
 #: Timeline lanes, in the order a trace viewer shows them.
-LANES = ("device", "device_wait", "link_to_host", "host", "link_to_device")
+LANES = ("device", "device_wait", "link_to_host", "host_wait", "host", "link_to_device")
 
 
 @dataclass
@@ -27,8 +27,10 @@ class Span:
 class StepTimeline:
     """Who was busy when during one optimizer step (host clock, seconds).
 
-    Lanes: ``device`` (compute as seen from the main thread), ``link_to_host``, ``host`` (Adam), ``link_to_device``,
-    ``device_wait`` (the main thread blocked for an update or the worker).
+    Lanes: ``device`` (compute as seen from the main thread), ``link_to_host`` and ``link_to_device`` (each copy's
+    time, as the link records it: on a GPU the time its issue took, under the simulated link its busy time),
+    ``host_wait`` (the worker blocked for a copy to land), ``host`` (Adam), ``device_wait`` (the main thread blocked
+    for an update or the worker).
     """
 
     spans: list[Span] = field(default_factory=list)

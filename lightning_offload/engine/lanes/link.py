@@ -1,13 +1,31 @@
 """The link between device and host: copies on their own streams, ordered by events where the device has them (on a
-machine without a GPU plain copies), and the ring of device buffers compressed updates land in."""
+machine without a GPU plain copies, or the simulated asynchronous link of :mod:`.simulated_link`), and the ring of
+device buffers compressed updates land in.
+
+What waits for what is the link's to say (:attr:`Link.asynchronous`), not the device type's: the slots and the step
+order their work by the link's events whatever the device, so the same code runs on a GPU and under the simulation.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_offload.engine.figures.timeline import StepTimeline
+
+
+@dataclass(frozen=True)
+class CopyLabel:
+    """Where a copy's busy time is recorded: the step's timeline (lane ``link_to_host`` or ``link_to_device``) under
+    the copied tensor's name."""
+
+    timeline: StepTimeline
+    name: str
 
 
 class Link:
@@ -22,14 +40,26 @@ class Link:
             self.to_host_stream = torch.cuda.Stream(device)
             self.to_device_stream = torch.cuda.Stream(device)
 
-    def to_host(self, source: Tensor, destination: Tensor) -> Any:
+    @property
+    def asynchronous(self) -> bool:
+        """Whether copies complete after they are issued (a GPU's copy streams, the simulated link): updates then land
+        in a ring of device buffers and host steps may start during backward. With the CPU as the device (this class,
+        not simulated) a copy is done when issued."""
+        return self.is_cuda
+
+    def to_host(self, source: Tensor, destination: Tensor, label: CopyLabel | None = None) -> Any:
         """Start copying a device tensor into a host buffer; returns an event (``None`` when already done).
 
         The caller need not keep ``source`` alive (the caching allocator holds its memory until the copy has read
         it), but must not modify it in place before the event completed (see :meth:`device_wait`).
+
+        Args:
+            label: where the copy's time is recorded (on a GPU, the time its issue took).
         """
+        start = time.perf_counter()
         if not self.is_cuda:
             destination.copy_(source)
+            _record(label, "link_to_host", start)
             return None
         produced = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.to_host_stream):
@@ -39,22 +69,29 @@ class Link:
             # Memory allocated on the compute stream and read here: when its last reference goes, the allocator
             # waits for this stream's work queued so far before handing the memory out again.
             source.record_stream(self.to_host_stream)
-            return self.to_host_stream.record_event()
+            event = self.to_host_stream.record_event()
+        _record(label, "link_to_host", start)
+        return event
 
-    def to_device(self, source: Tensor, destination: Tensor, after: Any = None) -> Any:
+    def to_device(self, source: Tensor, destination: Tensor, after: Any = None, label: CopyLabel | None = None) -> Any:
         """Start copying a host buffer to the device (from the worker thread); returns an event or ``None``.
 
         Args:
             after: a device event the copy must wait for (the last compute use of ``destination``).
+            label: where the copy's time is recorded (on a GPU, the time its issue took).
         """
+        start = time.perf_counter()
         if not self.is_cuda:
             destination.copy_(source)
+            _record(label, "link_to_device", start)
             return None
         with torch.cuda.stream(self.to_device_stream):
             if after is not None:
                 self.to_device_stream.wait_event(after)
             destination.copy_(source, non_blocking=True)
-            return self.to_device_stream.record_event()
+            event = self.to_device_stream.record_event()
+        _record(label, "link_to_device", start)
+        return event
 
     def compute_event(self) -> Any:
         """An event marking everything queued so far on the compute stream (``None`` on CPU)."""
@@ -69,6 +106,14 @@ class Link:
         """Make the compute stream wait for ``event`` without blocking the host."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def close(self) -> None:
+        """Stop what the link runs of its own (nothing here: the simulated link's copy threads)."""
+
+
+def _record(label: CopyLabel | None, lane: str, start: float) -> None:
+    if label is not None:
+        label.timeline.add(lane, label.name, start, time.perf_counter())
 
 
 class UpdateRing:

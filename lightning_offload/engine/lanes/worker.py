@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
+from lightning_offload.engine.lanes.thread_split import ThreadSplit
 
 # How often a waiting main thread looks at the worker's health: a worker failure surfaces within this delay.
 _POLL_SECONDS = 0.05
@@ -47,10 +48,11 @@ class HostWorker:
         leave_main_a_core: keep the thread off one core (an accelerator's kernel launches never wait for one).
         inline: run jobs in the submitting thread instead of a worker thread.
         phases: the engine's phase clock.
+        split: the host's share of the cores, where the device is a CPU thread too (the simulated link).
     """
 
     def __init__(self, name: str = "lightning_offload-host", leave_main_a_core: bool = False,
-                 inline: bool = False, phases: PhaseClock = DISABLED) -> None:
+                 inline: bool = False, phases: PhaseClock = DISABLED, split: ThreadSplit | None = None) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self.leave_main_a_core = leave_main_a_core
@@ -60,6 +62,7 @@ class HostWorker:
         # The latest job submitted for each key (a slot): what wait_for waits on.
         self._latest: dict[int, Job] = {}
         self.cpus: list[int] | None = None  # the cores this worker (and the threads its kernels start) may use
+        self.split = split
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         if inline:
             return
@@ -70,6 +73,11 @@ class HostWorker:
         weakref.finalize(self, _stop_thread, self._jobs, self._thread)
 
     def _restrict_cpus(self) -> None:
+        if self.split is not None:
+            # The device is the main thread on the other cores (the simulated link): the host keeps to its own.
+            self.split.apply_to_worker()
+            self.cpus = list(self.split.host_cpus)
+            return
         # With an accelerator the main thread mostly launches kernels, and a launch that waits for a core delays
         # the device: this thread (and the intra-op threads its first parallel kernel creates, which inherit its
         # affinity) keeps off one core. Linux only; with fewer than 4 cores the host work needs them all.

@@ -30,7 +30,8 @@ from lightning_offload.engine.rows.row_landing import RowLanding
 class _PinnedPool:
     """Reusable page-locked staging buffers (a fresh pinned allocation costs several times a copy into one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin  # page-locked where a CUDA device reads them; plain memory under the simulated link
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # the worker returns buffers while the main thread takes them
 
@@ -39,7 +40,7 @@ class _PinnedPool:
             for i, buffer in enumerate(self._free):
                 if buffer.dtype == dtype and buffer.numel() >= numel:
                     return self._free.pop(i)
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         with self._lock:
@@ -60,7 +61,10 @@ class RowGradients:
     def __init__(self, worker: HostWorker, link: Link, squares_on_device: bool | None = None) -> None:
         self.worker = worker
         self.link = link
-        self._staging = _PinnedPool() if self.link.is_cuda else None
+        # Gradients are staged where the link copies asynchronously (the device's memory is not the host's, or is
+        # simulated so); with the CPU as the device they already are host memory.
+        self._staging = _PinnedPool(pin=self.link.is_cuda) if self.link.asynchronous else None
+        # Where Σg² is taken is arithmetic, not ordering: the same under the simulated link as without it.
         self._squares_on_device = self.link.is_cuda if squares_on_device is None else squares_on_device
         # The device 2-norms (fp32) of the gradients handed over since the last step: appended in backward (on a GPU,
         # autograd's device thread) and read on the main thread once backward has returned, so never both at once.

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.link import CopyLabel
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import pinned_zeros
 from lightning_offload.engine.slots.weight_fingerprint import fingerprint, fingerprint_dtype
@@ -42,9 +43,9 @@ class DenseSlot(HostStepSlot):
 
     def _after_host_step(self, compute_done: Any, stepped: float, speculative: bool) -> None:
         if not speculative:
-            self.send_value(compute_done, stepped)
+            self.send_value(compute_done)
 
-    def send_value(self, compute_done: Any, start: float) -> None:
+    def send_value(self, compute_done: Any) -> None:
         """Worker thread: start copying the new value to the device (the next job on this tensor, or anything else
         that writes its host buffers, waits for the copy first)."""
         source = self.host_param
@@ -52,11 +53,11 @@ class DenseSlot(HostStepSlot):
             # Rounded to the parameter's dtype on the host (the same round-to-nearest the device would do), so
             # only the parameter's bytes cross.
             source = self.host_update.copy_(source)
-        self.to_device_event = self.lanes.link.to_device(source, self.param.data, after=compute_done)
+        self.to_device_event = self.lanes.link.to_device(source, self.param.data, after=compute_done,
+                                                         label=CopyLabel(self.timeline, self.name))
         # What the parameter holds once the copy lands, for the step to see writes through .data since (taken from the
         # host's bits, which the copy carries unchanged: no device work on this thread).
         self.weights_fingerprint = fingerprint(source, out=self.host_fingerprint)
-        self.timeline.add("link_to_device", self.name, start, time.perf_counter())
 
     def finish(self, start: float) -> None:
         lanes = self.lanes

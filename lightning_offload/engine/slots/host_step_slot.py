@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.link import CopyLabel
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot, clip_, thread_minor_faults
 from lightning_offload.inner_optimizers import step_unhooked
 
@@ -53,14 +54,12 @@ class HostStepSlot(Slot):
         self.host_grad_work: Tensor | None = None
 
     def send(self, timeline: StepTimeline) -> None:
-        start = time.perf_counter()
         grad = self.gradient()
         if grad.dtype != self.lanes.link_dtype:
             grad = grad.to(self.lanes.link_dtype)  # narrow on the device: half the bytes cross the link
         # No reference is kept: the link marks the source as in use by its copy stream, so its memory is not reused
         # before the copy has read it (a projected weight's S is freed as soon as the layer releases it, in step).
-        self.to_host_event = self.lanes.link.to_host(grad, self.host_grad)
-        timeline.add("link_to_host", self.name, start, time.perf_counter())
+        self.to_host_event = self.lanes.link.to_host(grad, self.host_grad, CopyLabel(timeline, self.name))
 
     def host_step(self, clip: Clip, compute_done: Any, step: StepTelemetry, settings: JobSettings,
                   speculative: bool = False) -> None:
@@ -99,7 +98,7 @@ class HostStepSlot(Slot):
         self._after_host_step(compute_done, stepped, speculative)
         # One worker thread runs the jobs one after another, so the step's figure needs no lock.
         step.host_page_faults += thread_minor_faults() - faults
-        self.timeline.add("link_to_host", f"{self.name} (landing)", start, landed)
+        self.timeline.add("host_wait", self.name, start, landed)
         self.timeline.add("host", self.name, landed, stepped)
 
     def _wait_for_l2(self) -> None:

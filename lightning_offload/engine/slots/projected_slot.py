@@ -14,6 +14,7 @@ from torch import Tensor
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.link import CopyLabel
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import JobSettings, pinned_zeros
 from lightning_offload.lsp.linear import ProjectedWeight
@@ -168,7 +169,8 @@ class ProjectedSlot(HostStepSlot):
         if self.host_l2 is None or self.decoupled:
             return
         # On the copy stream, like the gradient: the host job waits for it, the main thread does not.
-        self.l2_event = self.lanes.link.to_host(self.layer.compress_weight(), self.host_l2)
+        self.l2_event = self.lanes.link.to_host(self.layer.compress_weight(), self.host_l2,
+                                                CopyLabel(self.timeline, f"{self.name} (L2)"))
         step.bytes_device_to_host += self.host_l2.numel() * self.host_l2.element_size()
 
     def _wait_for_l2(self) -> None:
@@ -228,7 +230,6 @@ class ProjectedSlot(HostStepSlot):
 
     def start_fetch(self) -> None:
         """Issue the host→device copy of the finished update into a ring buffer (a one-off buffer if none is free)."""
-        start = time.perf_counter()
         lanes = self.lanes
         shape = self.layer.compressed_shape
         index = lanes.ring.claim()
@@ -237,9 +238,9 @@ class ProjectedSlot(HostStepSlot):
             destination, after = torch.empty(shape, dtype=lanes.link_dtype, device=lanes.device), None
         else:
             destination, after = lanes.ring.view(index, shape), lanes.ring.last_read[index]
-        self.to_device_event = lanes.link.to_device(self._update_source(), destination, after=after)
+        self.to_device_event = lanes.link.to_device(self._update_source(), destination, after=after,
+                                                    label=CopyLabel(self.timeline, self.name))
         self.update_on_device, self.ring_index = destination, index
-        self.timeline.add("link_to_device", self.name, start, time.perf_counter())
 
     def fetch_started(self) -> bool:
         return self.update_on_device is not None

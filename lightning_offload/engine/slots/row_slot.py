@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.link import CopyLabel
 from lightning_offload.engine.rows.block_row_adam import BlockRowAdam, RowAdamSettings
 from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot, clip_, pinned_zeros, thread_minor_faults
 from lightning_offload.engine.slots.weight_fingerprint import fingerprint
@@ -67,7 +68,6 @@ class RowSlot(Slot):
 
     def send(self, timeline: StepTimeline) -> None:
         """Send the rows of the gradient that are nonzero (the rows of the batch's tokens)."""
-        start = time.perf_counter()
         grad = self.param.grad
         # Which rows: the one host↔device synchronisation of this path (their count sizes the copies). An embedding
         # is the first layer, so its gradient comes last in backward and the wait costs little device time.
@@ -77,17 +77,16 @@ class RowSlot(Slot):
         if values.dtype != self.lanes.link_dtype:
             values = values.to(self.lanes.link_dtype)
         # Same copy stream, in order: the event of the second copy covers both.
-        self.lanes.link.to_host(rows, self.host_rows[:count])
-        self.to_host_event = self.lanes.link.to_host(values, self.host_grad[:count])
+        self.lanes.link.to_host(rows, self.host_rows[:count], CopyLabel(timeline, f"{self.name} (rows)"))
+        self.to_host_event = self.lanes.link.to_host(values, self.host_grad[:count], CopyLabel(timeline, self.name))
         self.row_count, self.rows_on_device = count, rows
-        timeline.add("link_to_host", self.name, start, time.perf_counter())
 
     def prepare(self, step: StepTelemetry) -> None:
         width = self.param.shape[1]
         step.bytes_device_to_host += self.row_count * (width * self.lanes.link_dtype.itemsize + 8)
         step.bytes_host_to_device += self.row_count * width * self.param.element_size()
         step.sparse_rows += self.row_count
-        if self.lanes.ring is not None or self.lanes.device.type != "cpu":
+        if self.lanes.ring is not None or self.lanes.link.asynchronous:
             # The rows' new values land here; the apply scatters them into the weight.
             self.update_on_device = torch.empty((self.row_count, width), dtype=self.param.dtype,
                                                 device=self.lanes.device)
@@ -113,9 +112,10 @@ class RowSlot(Slot):
         self.row_values = staged
         stepped = time.perf_counter()
         if self.update_on_device is not None:
-            self.to_device_event = self.lanes.link.to_device(staged, self.update_on_device, after=compute_done)
+            self.to_device_event = self.lanes.link.to_device(staged, self.update_on_device, after=compute_done,
+                                                             label=CopyLabel(self.timeline, self.name))
         step.host_page_faults += thread_minor_faults() - faults
-        self.timeline.add("link_to_host", f"{self.name} (landing)", start, landed)
+        self.timeline.add("host_wait", self.name, start, landed)
         self.timeline.add("host", self.name, landed, stepped)
 
     def finish(self, start: float) -> None:

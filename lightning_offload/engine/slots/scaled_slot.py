@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_offload.engine.figures.telemetry import StepTelemetry
 from lightning_offload.engine.figures.timeline import StepTimeline
 from lightning_offload.engine.lanes import Lanes
+from lightning_offload.engine.lanes.link import CopyLabel
 from lightning_offload.engine.slots.host_step_slot import HostStepSlot
 from lightning_offload.engine.slots.slot import Clip, JobSettings, clip_, pinned_zeros, thread_minor_faults
 from lightning_offload.inner_optimizers import step_unhooked
@@ -64,7 +65,7 @@ class ScaledSlot(HostStepSlot):
         # The scales as they cross back, and their device buffer (on the CPU they are read where the host wrote them).
         self.host_scales = pinned_zeros((weight.channels,), lanes.pin)
         self.device_scales = torch.zeros(weight.channels, device=lanes.device, dtype=torch.float32) \
-            if lanes.device.type != "cpu" else None
+            if lanes.link.asynchronous else None
         #: The norm of the update last applied (the limiter's reference), and the steps taken (the draw of ``P``).
         self.last_norm: float | None = None
         self.steps_taken = 0
@@ -82,11 +83,11 @@ class ScaledSlot(HostStepSlot):
 
     # ------------------------------------------------------------------------------------------------ backward
     def send(self, timeline: StepTimeline) -> None:
-        start = time.perf_counter()
         projected, squares = self.weight.project(self.param.grad)
-        self.to_host_event = self.lanes.link.to_host(projected.to(self.lanes.link_dtype), self.host_grad)
-        self.squares_event = self.lanes.link.to_host(squares, self.host_squares)
-        timeline.add("link_to_host", self.name, start, time.perf_counter())
+        self.to_host_event = self.lanes.link.to_host(projected.to(self.lanes.link_dtype), self.host_grad,
+                                                     CopyLabel(timeline, self.name))
+        self.squares_event = self.lanes.link.to_host(squares, self.host_squares,
+                                                     CopyLabel(timeline, f"{self.name} (squares)"))
 
     def clamp_on_device(self, bound: float) -> bool:
         # Exact: the full gradient the update scales is clamped, and the projection of the clamped one crosses again.
@@ -138,9 +139,10 @@ class ScaledSlot(HostStepSlot):
         self.host_scales.copy_(scales)
         stepped = time.perf_counter()
         if self.device_scales is not None:
-            self.to_device_event = self.lanes.link.to_device(self.host_scales, self.device_scales, after=compute_done)
+            self.to_device_event = self.lanes.link.to_device(self.host_scales, self.device_scales, after=compute_done,
+                                                             label=CopyLabel(self.timeline, self.name))
         step.host_page_faults += thread_minor_faults() - faults
-        self.timeline.add("link_to_host", f"{self.name} (landing)", start, landed)
+        self.timeline.add("host_wait", self.name, start, landed)
         self.timeline.add("host", self.name, landed, stepped)
 
     def _correction(self) -> float:

@@ -51,9 +51,9 @@ class CommitAfterNorm:
         """Main thread, at the launch: start ``record``'s host step of ``round_`` (its gradient is on its way;
         ``resent``: it crossed again at the launch, having changed since backward sent it)."""
         slot = record.slot
+        slot.timeline = timeline  # first: the copies prepare_l2 issues are recorded there
         slot.prepare(step)
         slot.prepare_l2(step)
-        slot.timeline = timeline
         record.job = self.submit(record, clip, compute_done, step, settings, "plain")
 
     def undo(self, record: SlotStep, round_: int) -> None:

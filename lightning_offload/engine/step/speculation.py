@@ -10,7 +10,6 @@ skipped. Results equal :class:`~lightning_offload.engine.step.commit.CommitAfter
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -67,9 +66,9 @@ class SpeculativeCommit(CommitAfterNorm):
         if self.step is None:
             self.step = StepTelemetry()
         backup.settings = slot.settings()
+        slot.timeline = timeline  # first: the copies prepare_l2 issues are recorded there
         slot.prepare_l2(self.step)
         backup.round, backup.valid, backup.clip = round_, True, self.assumed_clip
-        slot.timeline = timeline
         record.job = self.submit(record, backup.clip, None, self.step, backup.settings, "speculative")
 
     # ------------------------------------------------------------------------------------------------ the step
@@ -127,7 +126,7 @@ class SpeculativeCommit(CommitAfterNorm):
     @staticmethod
     def _publish_job(record: SlotStep, compute_done: Any) -> None:
         """Worker thread: send a confirmed speculative step's new dense value to the device."""
-        record.slot.send_value(compute_done, time.perf_counter())
+        record.slot.send_value(compute_done)
 
     @staticmethod
     def _allocate(record: SlotStep) -> None:
