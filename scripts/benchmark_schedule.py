@@ -5,9 +5,9 @@ core and the host worker on the other.
 A LLaMA of 16 layers trains a few steps in a plain loop (``lightning_offload.offload``) under each configuration:
 
 - ``instant``: pipelined with speculation behind a link of unbounded bandwidth: the device's own work, ``T_instant``;
-- ``synchronous`` (``pipelined=False``), ``pipelined`` (``speculative=False``) and ``speculative`` (pipelined with
-  speculation, the GPU default) behind a link whose bandwidth makes each direction's time per step ``--shares`` of
-  ``T_instant`` (the busier direction's bytes over ``share · T_instant``),
+- ``synchronous`` (``pipelined=False, speculative=False``), ``pipelined`` (``speculative=False``) and
+  ``speculative`` (pipelined with speculation, the GPU default) behind a link whose bandwidth makes each direction's
+  time per step ``--shares`` of ``T_instant`` (the busier direction's bytes over ``share · T_instant``),
 
 for ``lsp_offload`` and ``zero_offload``, alternated round by round (``--repeats``), each figure the median of its
 steady steps, then of the rounds. Beside each: the timeline's lanes per step (device, device waiting, link each way,
@@ -30,6 +30,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,20 +40,20 @@ from harness import add_standard_arguments, alternate, begin_run, markdown_table
 from lightning_offload.engine.figures.timeline import LANES
 from lightning_offload.engine.lanes.simulated_link import ENVIRONMENT_VARIABLE, LinkSpec
 from lightning_offload.models.tiny import tiny_llama
-from lightning_offload.planning.calibration import simulated_machine
+from lightning_offload.planning.calibration import Hardware, simulated_machine
 from lightning_offload.planning.plan import plan
 
 #: The configurations measured at each share (``instant`` once per kind).
 MODES = ("synchronous", "pipelined", "speculative")
 #: A link this fast takes no measurable time: the device's own step.
 INSTANT_GBPS = 1e9
-BATCH, SEQ = 4, 128
+BATCH, SEQ = 2, 128
 
 
 def model() -> torch.nn.Module:
-    """The LLaMA measured: 16 layers (one layer's round trip a small share of the step), hidden 128, a 256-token
-    vocabulary (embedding and head small beside the layers)."""
-    return tiny_llama(vocab_size=256, hidden=128, intermediate=352, heads=4, kv_heads=4, layers=16, seed=0,
+    """The LLaMA measured: 16 layers (one layer's round trip a small share of the step), hidden 256 (compressed
+    updates of 64 × 64 and 64 × 176), a 256-token vocabulary (embedding and head small beside the layers)."""
+    return tiny_llama(vocab_size=256, hidden=256, intermediate=704, heads=8, kv_heads=4, layers=16, seed=0,
                       tie_word_embeddings=False)
 
 
@@ -72,9 +73,8 @@ def simulated(spec: str) -> Iterator[None]:
 
 def run(kind: str, mode: str, gbps: float, steps: int, warmup: int) -> dict[str, Any]:
     """One run: the steady steps' median seconds, its lanes' median busy seconds per step, the bytes each way."""
-    settings: dict[str, Any] = {"pipelined": mode != "synchronous"}
-    if mode != "synchronous":
-        settings["speculative"] = mode in ("speculative", "instant")
+    # The synchronous schedule is every host step after backward and every update applied inside the step.
+    settings: dict[str, Any] = {"pipelined": mode != "synchronous", "speculative": mode in ("speculative", "instant")}
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (BATCH, SEQ), generator=generator) for _ in range(steps)]
     with simulated(f"gbps={gbps:.9g}"):
@@ -101,16 +101,27 @@ def run(kind: str, mode: str, gbps: float, steps: int, warmup: int) -> dict[str,
             "bytes": sent[-1]}
 
 
-def planned(kind: str, gbps: float, speculative: bool, pipelined: bool) -> dict[str, float]:
-    """The planner's step for this simulated machine at ``gbps`` (fp32, the same model and batch)."""
-    hardware = simulated_machine(LinkSpec(gbps))
-    settings = {"speculative": speculative, "pipelined": pipelined}
+def planned(kind: str, hardware: Hardware, speculative: bool, pipelined: bool) -> dict[str, float]:
+    """The planner's step on ``hardware`` (fp32, the same model and batch)."""
     with torch.device("meta"):
         network = model()
     found = plan(network, kind, batch_size=BATCH, seq_len=SEQ, device_memory="24GiB", precision="32-true",
-                 hardware=hardware, device="cpu", loss="model", **settings)
+                 hardware=hardware, device="cpu", loss="model", speculative=speculative, pipelined=pipelined)
     return {"step": found.step.step, "exposed": found.step.exposed, "device": found.step.device,
-            "link": found.step.link, "host": found.step.host}
+            "link": found.step.link, "host": found.step.host,
+            "matmul_seconds": found.step.flops / hardware.matmul_flops}
+
+
+def fed_machine(kind: str, device_step: float) -> Hardware:
+    """This simulated machine as the planner is fed it: calibrated on the device's and the host's threads
+    (:func:`simulated_machine`), with the device's matmul rate the one this model achieves there (its step at an
+    instant link), as the GPU profiles take an achieved MFU: the planner does not count a CPU model's elementwise
+    work and Python, which at this width are half of its step."""
+    calibrated = simulated_machine(LinkSpec(INSTANT_GBPS))
+    instant = planned(kind, calibrated, True, True)
+    other = instant["device"] - instant["matmul_seconds"]  # the projections and the engine's work per tensor
+    rate = calibrated.matmul_flops * instant["matmul_seconds"] / max(device_step - other, 1e-9)
+    return replace(calibrated, matmul_flops=rate)
 
 
 def gpu_shares() -> list[str]:
@@ -163,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return run(kind, mode, INSTANT_GBPS if share is None else bandwidth[share], args.steps, args.warmup)
 
         results = alternate(configs, args.repeats, measure)
+        fed = None if args.no_plan else fed_machine(kind, instant["seconds"])
         medians = {config: statistics.median(r["seconds"] for r in runs) for config, runs in results.items()}
         lanes = {config: {lane: statistics.median(r["lanes"][lane] for r in runs) for lane in LANES}
                  for config, runs in results.items()}
@@ -176,8 +188,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 hidden = (sync - step) / (sync - base) if sync > base else float("nan")
                 lane = lanes[(mode, share)]
                 bound = max(base, link_each, lane["host"])
-                prediction = {} if args.no_plan else planned(kind, bandwidth[share], mode == "speculative",
-                                                             mode != "synchronous")
+                prediction = {} if fed is None else planned(
+                    kind, replace(fed, link_to_host=bandwidth[share] * 1e9, link_to_device=bandwidth[share] * 1e9),
+                    mode == "speculative", mode != "synchronous")
                 entries.append({"share": share, "mode": mode, "gbps": bandwidth[share], "seconds": step,
                                 "x_instant": step / base, "hidden": hidden, "bound_seconds": bound,
                                 "lanes": lane, "planned": prediction})

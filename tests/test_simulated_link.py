@@ -284,3 +284,49 @@ def test_with_one_wait_removed_the_same_runs_differ(removed: str, monkeypatch: p
     with link(SPECS[0]):
         broken = RUNS[run]()
     assert _differing(broken, _synchronous(run))
+
+
+# ------------------------------------------------------------------------------------------------- the planner
+def test_the_planner_s_simulated_machine_has_the_engine_s_ring_and_backups_and_overlaps() -> None:
+    # plan(hardware=None) under the variable plans what the engine sets up: a ring of one buffer per projected layer
+    # and speculation's backups on the host, with the parts overlapping as on a GPU.
+    network = tiny_llama(vocab_size=256, hidden=128, layers=2, intermediate=256, seed=0)
+    with link(SPECS[0]):
+        planned = lightning_offload.plan(copy.deepcopy(network), "lsp_offload", batch_size=2, seq_len=16,
+                                         device_memory="24GiB", precision="32-true", loss="model")
+        optimizer = lightning_offload.offload(network, torch.optim.AdamW(network.parameters(), lr=1e-2))
+        for ids in _batches(2):
+            _loss(network, ids).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.synchronize()
+        telemetry = optimizer.telemetry
+        optimizer.close()
+    assert "behind a simulated link of 2 GB/s each way" in planned.hardware
+    ring = telemetry.device_persistent_bytes["update_ring"]
+    assert ring > 0 and planned.persistent["update_ring"] == ring
+    assert planned.host_speculation_bytes > 0
+    assert planned.host_state_bytes == pytest.approx(telemetry.host_state_bytes, rel=0.05)
+    # Overlapped: the step is less than the sum of its parts (on the plain CPU the parts add).
+    step = planned.step
+    assert step.step < step.device + step.link + step.host
+
+
+def test_updates_cross_back_as_soon_as_computed() -> None:
+    # Each update's copy back is issued by the host worker right after its host step (under speculation, during
+    # backward), into a ring of one buffer per projected layer, instead of by the main thread when its layer's next
+    # forward nears (docs/benchmarks/2026-12-07.md: 1.17x -> 1.03x the instant step at a 50% link).
+    network = tiny_llama(vocab_size=256, hidden=128, layers=4, intermediate=256, seed=0)
+    with link("gbps=0.05"):
+        optimizer = lightning_offload.offload(network, torch.optim.AdamW(network.parameters(), lr=1e-2))
+        assert len(optimizer.update_ring.buffers) == len(optimizer.projected_layers)
+        projected = [record for record in optimizer.orchestrator.records.values() if record.slot.fetches_update]
+        for ids in _batches(3):
+            _loss(network, ids).backward()
+            optimizer.step()
+            for record in projected:  # every host step done, no layer's forward run yet
+                optimizer.lanes.worker.wait(record.job)
+            assert all(record.slot.fetch_started() for record in projected)
+            optimizer.zero_grad()
+        assert optimizer.update_ring.fallbacks == 0 and optimizer.update_ring.prefetched == 0
+        optimizer.close()

@@ -20,7 +20,7 @@ from lightning_offload.engine.figures.phases import PhaseClock
 from lightning_offload.engine.figures.step_figures import StepFigures
 from lightning_offload.engine.lanes import Lanes
 from lightning_offload.engine.lanes.ranks import RankShards
-from lightning_offload.engine.lanes.link import UpdateRing
+from lightning_offload.engine.lanes.link import UpdateRing, default_update_buffers, device_memory_bytes
 from lightning_offload.engine.lanes.worker import HostWorker
 from lightning_offload.engine.late_params import LateParameters
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
@@ -151,12 +151,16 @@ class OffloadOptimizer(Optimizer):
         self.orchestrator = StepOrchestrator(
             self.lanes, self.slots, self.device_optimizer, self.commit, self.norms, self.figures, on_nonfinite,
             pipelined, model, {id(p) for p in tied_projected}, free_sent_gradients)
-        if update_buffers is None:
-            # Updates cross into device buffers where the link copies asynchronously; else the device reads the host's.
-            update_buffers = 4 if self.lanes.link.asynchronous else 0
-        if update_buffers and self.projected_layers:
+        if self.projected_layers:
             largest = max(math.prod(layer.compressed_shape) for layer in self.projected_layers)
-            self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
+            if update_buffers is None:
+                # Updates cross into device buffers where the link copies asynchronously (one per layer, within a
+                # share of the device's memory); else the device reads them where the host wrote them.
+                update_buffers = default_update_buffers(
+                    len(self.projected_layers), largest * self.lanes.link_dtype.itemsize,
+                    device_memory_bytes(self.device)) if self.lanes.link.asynchronous else 0
+            if update_buffers:
+                self.lanes.ring = UpdateRing(update_buffers, largest, self.lanes.link_dtype, self.device)
         self.telemetry.host_state_bytes, self.telemetry.data_parallel = self.host_state_bytes(), self.ranks is not None
         self.telemetry.device_persistent_bytes = self.device_persistent_bytes()
         self.closed = False

@@ -17,7 +17,8 @@ and the machine's speeds.
 - **Overlap.** On the CPU the "device" and the host share the cores and the engine runs host jobs inline, so the parts
   add. On a GPU (and on the CPU behind the simulated link, the host on cores of its own) the layer-wise pipeline
   overlaps them: speculative host steps (the GPU default) start during backward,
-  so a step takes the longest of the three plus a tail (the largest tensor's host step and copies, the embedding's
+  so a step takes the longest of the device's compute and the forward followed by the link's or the host's work, plus a
+  tail (the largest tensor's host step and copies, the embedding's
   that arrives last and is needed first — DESIGN.md's physical limit); without speculation the host and link work
   overlap the next forward only.
 """
@@ -148,9 +149,11 @@ def host_seconds(entries: list[Entry], hw: Hardware, rows_touched: int,
 
 def step_time(device: float, forward: float, host: float, largest_host: float, to_host: int, to_device: int,
               largest_link: int, hw: Hardware, plain: bool, speculative: bool, flops: float = 0.0,
-              pipelined: bool = True) -> StepTime:
+              pipelined: bool = True, held_back: int = 0) -> StepTime:
     """Combine the parts into a step (see the module docstring for the overlap rules; ``flops``: the matmul FLOPs
-    ``device`` counts, kept with the step; ``pipelined=False``: every update applied inside the step)."""
+    ``device`` counts, kept with the step; ``pipelined=False``: every update applied inside the step;
+    ``held_back``: bytes of ``to_device`` a speculative step holds back until the step's decision, the dense values,
+    which cross during the next forward)."""
     if plain:
         return StepTime(device, 0.0, 0.0, 0.0, device, flops)
     if not hw.overlaps:
@@ -167,7 +170,12 @@ def step_time(device: float, forward: float, host: float, largest_host: float, t
             + tail
         return StepTime(device, link, host, step - device, step, flops)
     if speculative:
-        step = max(device, link, host) + tail
+        # Host steps and copies start as each gradient lands, so during backward: the copies to the host cannot begin
+        # before the forward has run, and whichever of them, the host's work or the device's own lasts longest sets
+        # the step, plus the tail of the first layer's gradient, produced last and needed first.
+        # Dense values wait for the decision (they are written into the weights): they cross during the next forward.
+        late = max(0.0, held_back / hw.link_to_device - forward)
+        step = max(device + late, forward + link, forward + host) + tail
     else:  # host work starts after backward; it overlaps the next forward only
         step = device + max(0.0, host + link - forward) + tail
     return StepTime(device, link, host, step - device, step, flops)

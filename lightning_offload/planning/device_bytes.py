@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_offload.engine.lanes.link import default_update_buffers
 from lightning_offload.engine.rules.host_rule import HostRule
 from lightning_offload.planning.inventory import Entry, Inventory
 
@@ -66,7 +67,8 @@ def projector_bytes(entry: Entry, density: int, accelerator: bool, csr: bool = T
 
 
 def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool, update_buffers: int | None,
-                 link_itemsize: int, rule: HostRule, csr: bool = True) -> DeviceParts:
+                 link_itemsize: int, rule: HostRule, csr: bool = True, asynchronous: bool | None = None,
+                 device_memory: int = 0) -> DeviceParts:
     """The device bytes of ``found``'s run, activations apart.
 
     Args:
@@ -75,9 +77,14 @@ def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool,
             dtype, as torch's).
         density: the projectors' nonzeros per column.
         accelerator: the device is a GPU (no CPU caches, an update ring by default).
-        update_buffers: the ring's buffers (``None``: the engine's default, 4 on a GPU, none on the CPU).
+        update_buffers: the ring's buffers (``None``: the engine's default,
+            :func:`~lightning_offload.engine.lanes.link.default_update_buffers` where the link copies asynchronously,
+            none on the CPU).
         link_itemsize: bytes per element on the link (the ring's dtype).
         rule: the user's optimizer's rule (how many moments it keeps, and its step counter).
+        csr: the projections run on torch's CSR kernels (which keep CSR forms of the projectors).
+        asynchronous: the link copies asynchronously (a GPU's, the simulated one). Default: ``None`` (``accelerator``).
+        device_memory: the device's memory in bytes, which the default ring takes a share of (0: unknown).
     """
     if plain:
         gradients = sum(e.numel * e.itemsize for e in found.entries)
@@ -87,8 +94,10 @@ def device_parts(found: Inventory, plain: bool, density: int, accelerator: bool,
     # return (offload/device_held_gradient_bytes), so all of them can coexist at the end of backward.
     gradients = sum(e.numel * e.itemsize for e in found.of("dense", "rows", "device", "scaled"))
     gradients += sum(e.host_numel * 4 for e in projected)
-    buffers = update_buffers if update_buffers is not None else (4 if accelerator else 0)
     largest = max((e.host_numel for e in projected), default=0)
+    asynchronous = accelerator if asynchronous is None else asynchronous
+    buffers = update_buffers if update_buffers is not None else \
+        default_update_buffers(len(projected), largest * link_itemsize, device_memory) if asynchronous else 0
     persistent = {
         "projectors": sum(projector_bytes(e, density, accelerator, csr) for e in projected),
         "update_ring": buffers * largest * link_itemsize if projected else 0,

@@ -172,7 +172,8 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
                 batch_size * seq_len)
     parts = device_parts(found, offload is None, offload.density if offload else 0, accelerator,
                          offload.update_buffers if offload else None, link.itemsize, rule,
-                         _csr_kernels(offload, accelerator))
+                         _csr_kernels(offload, accelerator), asynchronous=accelerator or hw.simulated_link,
+                         device_memory=memory)
     activations = _activations(model, found, batch_size, seq_len, compute_dtype, accelerator, activation_bytes, loss)
     work, shape = _workload(model, found, batch_size * seq_len, seq_len, offload is None, gradient_checkpointing, loss)
     run = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=user_optimizer.__name__)
@@ -265,8 +266,10 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     device_s, forward_s = device_seconds(found, work, hw, plain, projections)
     host_s, largest_host = host_seconds(found.entries, hw, link.rows_touched, meft_rows)
     largest_link = max((link_bytes(e, link)[0] for e in found.entries), default=0)
+    held_back = sum(link_bytes(e, link)[1] for e in found.of("dense"))  # a speculative dense value waits for the step
     step = step_time(device_s, forward_s, host_s, largest_host, to_host, to_device, largest_link, hw, plain,
-                     link.speculative, device_flops(found, work), pipelined=plain or settings.pipelined)
+                     link.speculative, device_flops(found, work), pipelined=plain or settings.pipelined,
+                     held_back=held_back)
     device_peak = peaks[work.checkpointing]
     shares_memory = not link.pinned  # a CPU device's memory is the host's
     host_needed = host + meft_host + (device_peak if shares_memory else 0)

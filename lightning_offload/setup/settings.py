@@ -63,11 +63,12 @@ class OffloadSettings:
             ``False`` applies every update before the optimizer step returns (same results). Default: ``True``.
         link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back (and
             between ranks). Default: ``"fp32"``.
-        update_buffers: device buffers, a ring shared by all layers, that compressed updates are prefetched into.
-            Default: ``None`` (4 on an accelerator; none on the CPU, where updates are read in place).
+        update_buffers: device buffers, a ring shared by all layers, that compressed updates cross into as soon as their
+            host step ends. Default: ``None`` (on a GPU, or behind the simulated link, one per projected layer within
+            1/64 of the device's memory, at least 4; none on the CPU, where updates are read in place).
         speculative: start each tensor's host Adam in backward once its gradient has landed, rolled back (then redone or
-            skipped) if the step is clipped or non-finite; results are bit-identical. Default: ``None`` (on for a GPU,
-            off on the CPU, where host and device share the cores).
+            skipped) if the step is clipped or non-finite; results are bit-identical. Default: ``None`` (on for a GPU
+            and behind the simulated link, off on the CPU, where host and device share the cores).
         free_sent_gradients: set a parameter's ``.grad`` to ``None`` once its step is launched (crossed to the host,
             or queued on the device), freeing its device memory before the next forward. Default: ``None`` (on under
             the Trainer and Fabric, whose loops zero gradients anyway; off for ``offload()``, where ``p.grad`` stays

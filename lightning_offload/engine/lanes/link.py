@@ -9,6 +9,8 @@ order their work by the link's events whatever the device, so the same code runs
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -116,14 +118,39 @@ def _record(label: CopyLabel | None, lane: str, start: float) -> None:
         label.timeline.add(lane, label.name, start, time.perf_counter())
 
 
-class UpdateRing:
-    """A few device buffers that compressed updates land in on their way to being applied, instead of one per layer.
+#: Share of the device's memory the update ring takes at most by default (:func:`default_update_buffers`).
+RING_MEMORY_SHARE = 1 / 64
 
-    A buffer is claimed for one update (its copy from the host is issued into it), and released once the kernels
-    that apply the update have been queued, with an event marking them. A copy into a released buffer waits, on the
-    copy stream, for that event: the buffer is reused only after the previous update was read, and the host never
-    blocks for it. When every buffer is claimed (updates applied out of the order they were fetched in), the caller
-    falls back to a one-off allocation, so a ring never stalls a step.
+
+def default_update_buffers(layers: int, largest_bytes: int, device_memory: int) -> int:
+    """The update ring's buffers when ``update_buffers=None`` and the link copies asynchronously: one per projected
+    layer (``layers``), so that every update can cross as soon as its host step ends, during backward, instead of
+    when its layer's next forward nears; at most :data:`RING_MEMORY_SHARE` of ``device_memory`` (bytes; 0: unknown)
+    in buffers of ``largest_bytes``, and never fewer than 4."""
+    if device_memory <= 0 or largest_bytes <= 0:
+        return min(layers, 4)
+    return max(min(layers, 4), min(layers, int(device_memory * RING_MEMORY_SHARE) // largest_bytes))
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's memory in bytes: a GPU's total, or the host's for the CPU (0 where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class UpdateRing:
+    """Device buffers that compressed updates land in on their way to being applied, shared by all layers.
+
+    A buffer is claimed for one update (its copy from the host is issued into it, by the host worker as soon as the
+    update is computed, or by the main thread), and released once the kernels that apply the update have been queued,
+    with an event marking them. A copy into a released buffer waits, on the copy stream, for that event: the buffer is
+    reused only after the previous update was read, and the host never blocks for it. When every buffer is claimed,
+    the worker leaves the copy to the main thread, which falls back to a one-off allocation, so a ring never stalls a
+    step.
 
     Args:
         count: number of buffers.
@@ -137,6 +164,7 @@ class UpdateRing:
             raise ValueError(f"An update ring needs at least one buffer, got {count}.")
         self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
         self._free = list(range(count))
+        self._lock = threading.Lock()  # the worker claims buffers while the main thread claims and releases them
         # Per buffer: the compute-stream event after the kernels that last read it (None: never used, or CPU).
         self.last_read: list[Any] = [None] * count
         self.fallbacks = 0  # updates that found no free buffer (a one-off allocation instead)
@@ -144,12 +172,14 @@ class UpdateRing:
 
     def claim(self) -> int | None:
         """A free buffer's number, or ``None`` when all are claimed."""
-        return self._free.pop(0) if self._free else None
+        with self._lock:
+            return self._free.pop(0) if self._free else None
 
     @property
     def free(self) -> int:
         """Buffers not claimed now."""
-        return len(self._free)
+        with self._lock:
+            return len(self._free)
 
     def view(self, index: int, shape: tuple[int, ...]) -> Tensor:
         """Buffer ``index`` as a tensor of ``shape``."""
@@ -157,8 +187,9 @@ class UpdateRing:
 
     def release(self, index: int, read_done: Any) -> None:
         """Return buffer ``index``; ``read_done`` is the event after the kernels that read it."""
-        self.last_read[index] = read_done
-        self._free.append(index)
+        with self._lock:
+            self.last_read[index] = read_done
+            self._free.append(index)
 
     def nbytes(self) -> int:
         """Device bytes of the ring."""

@@ -1,6 +1,7 @@
 """A projected weight's slot: host Adam on the compressed gradient ``S = A G Bᵀ`` (variable ``Z``, moments
-``d_o × d_i``), the update ``U`` crossing back through the update ring and expanded on the device, and the
-copy of a finished update that the step may start ahead of its layer's forward (engine/step/update_prefetch.py)."""
+``d_o × d_i``), the update ``U`` crossing back through the update ring and expanded on the device. The update starts
+crossing as soon as its host step ends, where a ring buffer is free; otherwise the step starts its copy ahead of its
+layer's forward (engine/step/update_prefetch.py), or the forward does."""
 
 from __future__ import annotations
 
@@ -182,8 +183,12 @@ class ProjectedSlot(HostStepSlot):
     def _after_host_step(self, compute_done: Any, stepped: float, speculative: bool) -> None:
         if self.host_update is not None:
             self.host_update.copy_(self.host_param)  # narrowed to the link dtype on the host
-        # The main thread copies it to the device when the layer is about to need it (fetch): device buffers for
-        # updates are a small ring shared by all layers, not one per layer.
+        # The update starts crossing now, where a ring buffer is free, so that its copy overlaps the rest of backward
+        # (a speculative step) or the next host steps, not its layer's next forward. A speculative step's copy is
+        # dropped if the step is redone or undone (drop_fetch); without a free buffer the main thread fetches it.
+        self.drop_fetch()  # a redone step's earlier copy: landed, the job waited for it before rewriting Z
+        if self.lanes.ring is not None:
+            self.start_fetch(allocate=False)
 
     def finish(self, start: float) -> None:
         lanes = self.lanes
@@ -228,12 +233,19 @@ class ProjectedSlot(HostStepSlot):
         self.lanes.link.device_wait(self.to_device_event)  # the compute stream waits; the host does not
         return self.update_on_device
 
-    def start_fetch(self) -> None:
-        """Issue the host→device copy of the finished update into a ring buffer (a one-off buffer if none is free)."""
+    def start_fetch(self, allocate: bool = True) -> bool:
+        """Issue the host→device copy of the finished update into a ring buffer; returns whether it was issued.
+
+        Args:
+            allocate: with no free buffer, copy into a one-off device allocation (the main thread); ``False`` (the
+                host worker, which allocates nothing): leave the copy to the main thread.
+        """
         lanes = self.lanes
         shape = self.layer.compressed_shape
         index = lanes.ring.claim()
         if index is None:
+            if not allocate:
+                return False
             lanes.ring.fallbacks += 1
             destination, after = torch.empty(shape, dtype=lanes.link_dtype, device=lanes.device), None
         else:
@@ -241,6 +253,13 @@ class ProjectedSlot(HostStepSlot):
         self.to_device_event = lanes.link.to_device(self._update_source(), destination, after=after,
                                                     label=CopyLabel(self.timeline, self.name))
         self.update_on_device, self.ring_index = destination, index
+        return True
+
+    def drop_fetch(self) -> None:
+        # The copy has landed (waited for by whoever rewrites Z next); copies into the buffer stay in issue order.
+        if self.update_on_device is not None and self.ring_index is not None:
+            self.lanes.ring.release(self.ring_index, None)
+        self.update_on_device, self.ring_index = None, None
 
     def fetch_started(self) -> bool:
         return self.update_on_device is not None

@@ -147,9 +147,14 @@ class Slot:
         """Whether its computed update is on its way to the device (kinds that fetch their update)."""
         return True
 
-    def start_fetch(self) -> None:
-        """Issue the host→device copy of its computed update (kinds that fetch their update)."""
+    def start_fetch(self, allocate: bool = True) -> bool:
+        """Issue the host→device copy of its computed update (kinds that fetch their update); returns whether it was
+        issued (``allocate=False``: not where no device buffer is free)."""
         raise NotImplementedError
+
+    def drop_fetch(self) -> None:
+        """Forget an update copied ahead for a host step that is redone or undone (kinds that fetch their update; the
+        copy must have landed: the caller waited for it, :meth:`wait_for_send_back`)."""
 
     def release_gradient(self) -> None:
         """Drop what the device holds of a gradient once it is on its way (a projected weight's ``S``)."""

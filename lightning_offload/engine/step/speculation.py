@@ -96,7 +96,10 @@ class SpeculativeCommit(CommitAfterNorm):
             return
         if record.job is not None:
             self.worker.wait(record.job)
+        # The update the job copied ahead must have read Z before Z is restored, and is not this step's.
+        record.slot.wait_for_send_back()
         self._restore(record)
+        record.slot.drop_fetch()
         record.job, backup.round, backup.valid = None, -1, False
 
     def launched(self, clip: Clip) -> None:
