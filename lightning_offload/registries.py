@@ -10,10 +10,12 @@ finder that watches for it. A plain loop or Hugging Face's ``Trainer`` thus neve
 because a strategy module of ours that imports Lightning first (``lightning_offload.FabricOffload`` read before any
 Lightning import) is half initialized when Lightning's import ends, and filling the registries needs it whole.
 
-Each registry gets one table of names (:func:`trainer_names`, :func:`fabric_names`): each name a strategy class with
-its explicit keyword list, and the keyword arguments the name presets, put in by :func:`register` as Lightning's own
-presets are. Each registry is filled exactly once (:func:`register` also skips names already there), and the finder
-leaves ``sys.meta_path`` once both are. A failure is a :class:`StrategyRegistrationError` raised from the
+Each registry gets the package's names (:func:`trainer_names`, :func:`fabric_names`) as Lightning's own presets are put
+in (``deepspeed_stage_2_offload``: ``DeepSpeedStrategy`` with ``stage=2, offload_optimizer=True``): each name the one
+class of its face's base (single device, DDP; MEFT's its own) with the settings the preset table
+(:data:`lightning_offload.setup.settings.PRESETS`) gives it, described by its preset class's first docstring line.
+Each registry is filled exactly once (:func:`register` also skips names already there), and the finder leaves
+``sys.meta_path`` once both are. A failure is a :class:`StrategyRegistrationError` raised from the
 import that triggered it, naming the cause. The standalone ``pytorch_lightning`` and ``lightning_fabric`` packages
 have registries of their own that these strategies (subclasses of ``lightning.pytorch``'s) cannot go in.
 """
@@ -50,23 +52,32 @@ class StrategyName:
         cls: the strategy class the name builds.
         preset: the keyword arguments the name passes to ``cls`` (Lightning's ``init_params``, as its
             ``deepspeed_stage_2`` sets ``stage=2``); a strategy built by the user sets its own.
+        public: the class a user builds for this name's settings (``ZeroOffloadStrategy``), whose docstring's first
+            line describes the name. Default: ``None`` (``cls``).
     """
 
     name: str
     cls: type
     preset: dict[str, Any] = field(default_factory=dict)
+    public: type | None = None
+
+    @classmethod
+    def of(cls, public: type) -> StrategyName:
+        """The name of a face's public class: the class it is a preset of (or itself) with the name's preset."""
+        from lightning_offload.setup.settings import PRESETS
+
+        name = public.strategy_name
+        return cls(name, getattr(public, "preset_of", None) or public, dict(PRESETS[name]), public)
 
 
 def trainer_names() -> tuple[StrategyName, ...]:
-    """The Trainer's names, each a class with its explicit keyword list (imports Lightning)."""
+    """The Trainer's names (imports Lightning)."""
     from lightning_offload.faces.trainer.ddp import LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy
     from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
     from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy
 
-    return (StrategyName("lsp_offload", LSPOffloadStrategy), StrategyName("zero_offload", ZeroOffloadStrategy),
-            StrategyName("meft_offload", MEFTOffloadStrategy),
-            StrategyName("lsp_offload_ddp", LSPOffloadDDPStrategy),
-            StrategyName("zero_offload_ddp", ZeroOffloadDDPStrategy))
+    return tuple(map(StrategyName.of, (LSPOffloadStrategy, ZeroOffloadStrategy, MEFTOffloadStrategy,
+                                       LSPOffloadDDPStrategy, ZeroOffloadDDPStrategy)))
 
 
 def fabric_names() -> tuple[StrategyName, ...]:
@@ -74,9 +85,8 @@ def fabric_names() -> tuple[StrategyName, ...]:
     from lightning_offload.faces.fabric import (
         FabricMEFTOffload, FabricOffload, FabricOffloadDDP, FabricZeroOffload, FabricZeroOffloadDDP)
 
-    return (StrategyName("lsp_offload", FabricOffload), StrategyName("zero_offload", FabricZeroOffload),
-            StrategyName("meft_offload", FabricMEFTOffload), StrategyName("lsp_offload_ddp", FabricOffloadDDP),
-            StrategyName("zero_offload_ddp", FabricZeroOffloadDDP))
+    return tuple(map(StrategyName.of, (FabricOffload, FabricZeroOffload, FabricMEFTOffload, FabricOffloadDDP,
+                                       FabricZeroOffloadDDP)))
 
 
 def register(registry: Any, name: str, cls: type, description: str | None = None, **preset: Any) -> None:
@@ -100,7 +110,7 @@ def register_trainer_strategies() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     for entry in trainer_names():
-        register(StrategyRegistry, entry.name, entry.cls, **entry.preset)
+        register(StrategyRegistry, entry.name, entry.cls, _description(entry), **entry.preset)
 
 
 def register_fabric_strategies() -> None:
@@ -108,7 +118,12 @@ def register_fabric_strategies() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     for entry in fabric_names():
-        register(STRATEGY_REGISTRY, entry.name, entry.cls, **entry.preset)
+        register(STRATEGY_REGISTRY, entry.name, entry.cls, _description(entry), **entry.preset)
+
+
+def _description(entry: StrategyName) -> str:
+    """What a registry says of a name: the first line of its public class's docstring."""
+    return (entry.public or entry.cls).__doc__.splitlines()[0]
 
 
 def register_strategies() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 
@@ -84,8 +85,45 @@ def _data(args: argparse.Namespace) -> BibleLMDataModule:
     return data
 
 
+class _PerStepRatios:
+    """Beside each layer's averages (the package's ``ρ``, a ratio of averages), the other pooling it was chosen
+    against: the mean of per-step ratios ``‖S‖²/(‖G z‖²/m)`` under the same decaying weights, ``√`` of
+    ``ratio_sums[0] / ratio_sums[1]``. Kept here, not in the package: only this comparison reads it.
+
+    While installed, each :meth:`NormProbe.record <lightning_offload.lsp.norm_probe.NormProbe.record>` also adds
+    ``[ratio, 1]`` to the probe's ``ratio_sums``, restarted with the package's averages (new projectors).
+    """
+
+    def __enter__(self) -> _PerStepRatios:
+        self._record = record = norm_probe.NormProbe.record
+
+        def recording(probe: norm_probe.NormProbe, figures: torch.Tensor) -> None:
+            fresh = probe.sums is None  # the first step, or the first after new projectors reset the window
+            record(probe, figures)
+            pair = torch.stack([figures[0] / figures[1], torch.ones_like(figures[0])])
+            keep = 1.0 - 1.0 / norm_probe.WINDOW_STEPS
+            probe.ratio_sums = pair if fresh else probe.ratio_sums.mul_(keep).add_(pair)
+
+        norm_probe.NormProbe.record = recording
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        norm_probe.NormProbe.record = self._record
+
+    @staticmethod
+    def mean_of_ratios(probe: norm_probe.NormProbe) -> float:
+        """``√(avg_step ‖S‖²/(‖G z‖²/m))`` of ``probe``'s measured steps; ``nan`` unless positive and finite."""
+        ratios, weights = probe.ratio_sums.tolist()
+        return math.sqrt(ratios / weights) if weights > 0 and ratios > 0 and math.isfinite(ratios) else math.nan
+
+
 def estimate_after_training(args: argparse.Namespace) -> dict:
     """Train ``--steps`` steps with clipping, then compare the estimated and true norms on fresh batches."""
+    with _PerStepRatios():
+        return _estimate_after_training(args)
+
+
+def _estimate_after_training(args: argparse.Namespace) -> dict:
     seed_everything(0)
     data = _data(args)
     module = CausalLMModule(_model(args.model, len(data.tokenizer), args.hidden), lr=args.lr)
@@ -111,7 +149,7 @@ def estimate_after_training(args: argparse.Namespace) -> dict:
             per_layer[name].append((compressed_sq / true_sq) ** 0.5 / layer.norm_ratio)
     in_use = {name: layer.norm_ratio for name, layer in layers.items()}
     # The other pooling of the probes' averages, √(mean of per-step ratios), beside the ratio of averages in use.
-    mean_of_ratios = {name: norm_probe.mean_of_ratios(layer.norm_probe.sums.tolist())
+    mean_of_ratios = {name: _PerStepRatios.mean_of_ratios(layer.norm_probe)
                       for name, layer in layers.items() if layer.norm_probe.ready()}
     fresh_sums = {name: (sum(s for s, _ in v) / sum(g for _, g in v)) ** 0.5 for name, v in squares.items()}
     fresh_means = {name: statistics.mean(s / g for s, g in v) ** 0.5 for name, v in squares.items()}

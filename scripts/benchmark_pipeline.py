@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, spread, write_json
-
-from lightning_offload.cli.benchmark_run import BenchmarkRun, method_overrides, recipe_overrides, run_benchmark
 
 
 # mode → (pipelined, speculative)

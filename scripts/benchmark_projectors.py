@@ -35,9 +35,9 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from benchmark_run import method_overrides, recipe_overrides, run_benchmark
 from harness import begin_run, markdown_table
 
-from lightning_offload.cli.benchmark_run import method_overrides, recipe_overrides, run_benchmark
 from lightning_offload.lsp.targets import compressed_size
 
 # SmolLM2-135M's projected layers per block: (out, in) of q, k, v, o, gate, up, down; 30 blocks.

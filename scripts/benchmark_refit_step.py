@@ -29,7 +29,7 @@ def first_step_ratio(seed: int, refit_step: int, num_samples: int) -> float:
     seed_everything(seed)
     module = TinyCausalLM(tiny_hf_model("llama", seed=seed), lr=1e-3)
     strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="learned", pipelined=False)
-    refit = ProjectorRefit(every_n_steps=refit_step, threshold=0.0, num_samples=num_samples, seed=seed)
+    refit = ProjectorRefit(refit_every=refit_step, threshold=0.0, num_samples=num_samples, seed=seed)
     sizes = ProjectedUpdateRMS(strategy)
     pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=refit_step + 1, logger=False,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -222,7 +222,7 @@ def run(method: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 common["projector_factory"] = block_diagonal_projector(args.blocks)
             strategy = LSPOffloadStrategy(rank=rank, density=args.density, projectors=kind, **common)
         if kind == "learned" and args.refit_every is not None:
-            callbacks.append(ProjectorRefit(every_n_steps=args.refit_every, threshold=args.refit_threshold))
+            callbacks.append(ProjectorRefit(refit_every=args.refit_every, threshold=args.refit_threshold))
         if kind == "random" and args.redraw_every:
             callbacks.append(RedrawRandomProjectors(args.redraw_every, seed, args.redraw_moments))
     trainer = _plain_trainer(args.steps, strategy, callbacks)
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "rate; its authors' 0.25 goes with a raised rate)")
     parser.add_argument("--galore-gap", type=int, default=200, help="galore methods: steps between GaLore's SVDs")
     parser.add_argument("--refit-every", type=int, default=None,
-                        help="learned projectors: ProjectorRefit(every_n_steps=this) instead of the default callback")
+                        help="learned projectors: ProjectorRefit(refit_every=this) instead of the default callback")
     parser.add_argument("--refit-threshold", type=float, default=0.9,
                         help="with --refit-every: refit layers whose error exceeds this (0: every layer)")
     return parser

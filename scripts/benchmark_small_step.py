@@ -21,12 +21,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from benchmark_run import PhaseReader, StepClock
 from harness import add_standard_arguments, alternate, begin_run, markdown_table, ratios, seed_everything, spread, \
     steady, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.cli.benchmark_run import PhaseReader, StepClock
 from lightning_offload.engine.figures.phases import PHASES
 from lightning_offload.engine.slots.scaled_slot import ScaledSlot
 from lightning_offload.models.tiny import tiny_llama

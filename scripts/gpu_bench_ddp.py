@@ -42,7 +42,7 @@ def _single(method: str, args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_offload  # noqa: F401  (registers the strategy names)
-    from lightning_offload.cli.benchmark_run import StepClock
+    from benchmark_run import StepClock
 
     cuda = torch.cuda.is_available() and not args.smoke
     torch.set_num_threads(1 if args.smoke else max(1, (os.cpu_count() or 2) // args.devices))

@@ -226,7 +226,7 @@ def single(method: str, shape: str, steps: int, batch: int, seq: int, cap_gib: f
     import torch
 
     import lightning_offload
-    from lightning_offload.cli.benchmark_run import PhaseReader
+    from benchmark_run import PhaseReader
 
     cuda = torch.cuda.is_available()
     if cap_gib is not None and cuda:

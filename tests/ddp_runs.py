@@ -104,7 +104,7 @@ def strategy(kind: str, **kwargs: Any) -> Any:
 
 def refit() -> ProjectorRefit:
     """Refits at every second step (threshold 0: every layer), so a run of 4 steps refits twice."""
-    return ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=6, seed=0)
+    return ProjectorRefit(refit_every=2, threshold=0.0, num_samples=2, max_iters=6, seed=0)
 
 
 def fit(out: Path, run: str, kind: str, module: pl.LightningModule, steps: int, resume: str | None = None,

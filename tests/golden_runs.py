@@ -98,7 +98,7 @@ def _lsp(**settings: Any) -> Callable[[], LSPOffloadStrategy]:
 
 
 def _refit() -> list[pl.Callback]:
-    return [ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, norm_samples=2, max_iters=6)]
+    return [ProjectorRefit(refit_every=2, threshold=0.0, num_samples=2, norm_samples=2, max_iters=6)]
 
 
 def _meft_module() -> pl.LightningModule:

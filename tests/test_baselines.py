@@ -110,7 +110,7 @@ def test_one_route_to_the_refit_callback_on_the_command_line(caplog: pytest.LogC
 
     policy = OffloadPolicy(name="lsp", strategy=LSPOffloadStrategy(projectors="learned"), refit=ProjectorRefit())
     assert policy.callbacks() == [policy.refit]
-    own = ProjectorRefit(every_n_steps=7)
+    own = ProjectorRefit(refit_every=7)
     with caplog.at_level(logging.INFO, logger="lightning_offload.cli.policies"):
         assert policy.callbacks([own]) == []
     assert "offload.refit" in caplog.text and "is not added" in caplog.text

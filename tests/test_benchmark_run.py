@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 from scripts_loader import load_script
 
-from lightning_offload.cli.benchmark_run import METHODS, method_overrides, recipe_overrides, run_benchmark
+# scripts/benchmark_run.py, benchmark-only and so beside the scripts rather than in the package, imported as the
+# scripts import it: by its bare name, scripts/ being on sys.path (scripts_loader puts it there).
+benchmark_run = importlib.import_module("benchmark_run")
+METHODS, method_overrides = benchmark_run.METHODS, benchmark_run.method_overrides
+recipe_overrides, run_benchmark = benchmark_run.recipe_overrides, benchmark_run.run_benchmark
 
 TINY = dict(steps=3, batch_size=2, block_size=32, eval_blocks=4, precision="32-true", lr=1e-3, model="tiny_llama")
 
@@ -74,7 +79,6 @@ def test_benchmark_scripts_run_on_a_tiny_model(tmp_path, monkeypatch, capsys, sc
 def test_the_step_clock_times_the_pipelined_mode_users_get():
     # A callback that may read the weights after each step turns pipelining off; the benchmarks' own clock reads none,
     # so the figures it takes are those of the default (pipelined) mode.
-    from lightning_offload.cli.benchmark_run import StepClock
     from lightning_offload.faces.trainer.weight_readers import weight_readers
 
-    assert weight_readers([StepClock()]) == []
+    assert weight_readers([benchmark_run.StepClock(), benchmark_run.PhaseReader(warmup=0)]) == []

@@ -20,7 +20,7 @@ def _strategy(kind):
 
 def _callbacks(kind):
     # Learned projectors refit every 2 steps whatever their error: steps 2, 4, 6 and 8 straddle the resume at 3.
-    return [ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=4)] if kind == "lsp_learned" else []
+    return [ProjectorRefit(refit_every=2, threshold=0.0, num_samples=2, max_iters=4)] if kind == "lsp_learned" else []
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])

@@ -80,7 +80,7 @@ def _single_process(kind: str, steps: int, resume: Path | None = None, **setting
         strategy, callbacks = lossless_lsp(**settings), []
     else:
         strategy = LSPOffloadStrategy(rank=0.5, density=2, min_dim=16, projectors="learned", embeddings="host")
-        callbacks = [ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=6, seed=0)]
+        callbacks = [ProjectorRefit(refit_every=2, threshold=0.0, num_samples=2, max_iters=6, seed=0)]
     module = TinyClassifier(seed=7 if resume else 0)
     trainer(strategy, max_steps=steps, callbacks=callbacks, **SETTINGS).fit(
         module, classification_data(batch_size=8), ckpt_path=resume)

@@ -86,3 +86,15 @@ def test_every_relative_link_resolves(page: Path) -> None:
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target}: no heading with that anchor in {file.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_the_benchmarks_page_names_every_script() -> None:
+    # docs/benchmarks.md lists the scripts by subject, and each script's docstring says what it measures: a script
+    # added or removed without the list is caught here (the shell scripts and the harness's CLI entry are not
+    # benchmarks).
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    named = set(re.findall(r"`(?:scripts/)?([a-z_0-9]+\.py)`", page))
+    scripts = {path.name for path in (ROOT / "scripts").glob("*.py")} - {"train.py"}
+    assert not scripts - named, f"scripts docs/benchmarks.md does not name: {sorted(scripts - named)}"
+    assert not {name for name in named if name.startswith(("benchmark_", "gpu_", "check_"))} - scripts, \
+        "docs/benchmarks.md names scripts that do not exist"

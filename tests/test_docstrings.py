@@ -194,8 +194,8 @@ def test_a_missing_or_wrong_default_is_caught() -> None:
     class Wrong(lo.ProjectorRefit):
         __doc__ = doc.replace("Default: ``500``.", "Default: ``200``.", 1)
 
-    assert any(p.startswith("every_n_steps: the entry states no") for p in missing_defaults(Dropped))
-    assert any(p.startswith("every_n_steps: documented default ``200``") for p in missing_defaults(Wrong))
+    assert any(p.startswith("refit_every: the entry states no") for p in missing_defaults(Dropped))
+    assert any(p.startswith("refit_every: documented default ``200``") for p in missing_defaults(Wrong))
     assert not missing_defaults(lo.ProjectorRefit)
 
 
@@ -217,7 +217,8 @@ def test_entries_parser_reads_grouped_and_wrapped_entries() -> None:
 
 
 def _registered_strategies() -> list[type]:
-    """Every strategy class this package registers, in Lightning's Trainer and Fabric registries."""
+    """Every strategy class this package registers, in Lightning's Trainer and Fabric registries (the classes of the
+    faces' bases, which the names build with their presets)."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -229,10 +230,10 @@ def _registered_strategies() -> list[type]:
 
 def test_help_of_every_face_lists_its_settings_with_defaults() -> None:
     # Written once (OffloadSettings), shown by every face: help() gives each setting the face takes by name, with its
-    # default in the signature and its entry under Args.
-    strategies = _registered_strategies()
-    assert len(strategies) == 10 and set(FABRIC_STRATEGIES) <= set(strategies)
-    for cls in [*strategies, lo.offload]:  # the loop face's entry too
+    # default in the signature and its entry under Args; the registered classes and their preset classes alike.
+    registered = _registered_strategies()
+    assert len(registered) == 10 and len(set(registered)) == 6
+    for cls in dict.fromkeys([*registered, *STRATEGIES, *FABRIC_STRATEGIES, lo.offload]):  # the loop face's too
         text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
         signature = inspect.signature(cls)
         fields = {f.name: f.default for f in dataclasses.fields(OffloadSettings)}
@@ -240,7 +241,10 @@ def test_help_of_every_face_lists_its_settings_with_defaults() -> None:
         assert set(cls.offload_setting_names) == set(signature.parameters) & set(fields), cls.__name__
         assert {"seed", "pipelined", "link_dtype", "embeddings", "head"} <= set(cls.offload_setting_names)
         assert (cls in NO_PROJECTION) != ({"rank", "density", "projectors"} <= set(cls.offload_setting_names))
-        assert (cls in FABRIC_STRATEGIES or cls is lo.offload) != ("log_telemetry" in cls.offload_setting_names)
+        loop = cls.__module__ == "lightning_offload.faces.fabric" or cls is lo.offload
+        assert loop != ("log_telemetry" in cls.offload_setting_names)
+        if inspect.isclass(cls):  # what tools that read the constructor itself see (LightningCLI's parser)
+            assert list(inspect.signature(cls.__init__).parameters)[1:] == list(signature.parameters), cls.__name__
         for name in cls.offload_setting_names:
             default = fields[name]
             assert signature.parameters[name].default == default, f"{cls.__name__}: {name}'s default"

@@ -1,6 +1,6 @@
 """The prepared GPU scripts run end to end (tiny shape; on the CPU here, on the GPU when there is one), and in a
-Python like the device machine's, which lacks the command line's packages (DESIGN.md §10): a device run is short and
-rare, and an import error there costs its minutes."""
+Python like the device machine's, which lacks the command line's packages: a device run is short and rare, and an
+import error there costs its minutes."""
 
 import os
 import subprocess

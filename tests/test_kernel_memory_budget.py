@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import subprocess
 import sys
 import textwrap

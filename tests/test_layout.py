@@ -115,9 +115,10 @@ def test_the_lightning_check_sees_every_form_of_import(tmp_path: Path) -> None:
 #: The engine's floors, lowest first: each of its parts imports only its own part and the floors below. The figures
 #: (phases, telemetry, the timeline), the host rules and the checkpoint kinds; the lanes the slots share (the worker,
 #: the link, the update ring, the ranks); the row Adam; the slots; the step; what the optimizer is built from (its late
-#: parameters, the user's optimizer, the engine's state); the optimizer; the projector fitting that drives it.
+#: parameters, the user's optimizer, the engine's state, the offload settings it takes whole); the optimizer; the
+#: projector fitting that drives it.
 ENGINE_FLOORS = {"figures": 0, "rules": 0, "checkpoint_kinds": 0, "lanes": 1, "rows": 2, "slots": 3, "step": 4,
-                 "late_params": 5, "user_optimizer": 5, "engine_state": 5, "optimizer": 6, "fitting": 7}
+                 "late_params": 5, "user_optimizer": 5, "engine_state": 5, "settings": 5, "optimizer": 6, "fitting": 7}
 
 
 def _engine_part(module: str) -> str | None:

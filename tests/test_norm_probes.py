@@ -197,17 +197,6 @@ def test_a_resume_while_the_probes_average_equals_the_uninterrupted_run() -> Non
         assert torch.equal(params_of(resumed)[name], value), name
 
 
-def test_a_checkpoint_written_before_the_probes_loads_and_starts_their_averages() -> None:
-    _, optimizer, _ = _train("random", 4)
-    state = optimizer.state_dict()
-    for saved in state["projectors"].values():
-        del saved["norm_probe"]
-    optimizer.load_state_dict(state)
-    assert all(layer.norm_probe.window_steps == 0 and not layer.norm_probe.active
-               for layer in optimizer.projected_layers)
-    optimizer.close()
-
-
 @pytest.mark.parametrize("clipping", ["none", "value"])
 def test_runs_that_do_not_clip_by_norm_probe_every_fourth_step_and_keep_their_results(
         clipping: str, monkeypatch: pytest.MonkeyPatch) -> None:

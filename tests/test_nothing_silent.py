@@ -108,19 +108,19 @@ def test_the_default_refit_callback_is_announced(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer(LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16), max_steps=1).fit(
             TinyCausalLM(tiny_hf_model("llama")), token_data())
-    assert any(r.getMessage().startswith("lsp_offload: projectors='learned' added ProjectorRefit(every_n_steps=500")
+    assert any(r.getMessage().startswith("lsp_offload: projectors='learned' added ProjectorRefit(refit_every=500")
                for r in caplog.records)  # under the strategy's own name (lsp_offload_ddp says its own)
 
 
 def test_no_announcement_when_the_user_brings_the_callback(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer(LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16), max_steps=1,
-                callbacks=[ProjectorRefit(every_n_steps=0)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
+                callbacks=[ProjectorRefit(refit_every=0)]).fit(TinyCausalLM(tiny_hf_model("llama")), token_data())
     assert not any("added ProjectorRefit" in r.getMessage() for r in caplog.records)
 
 
 def test_a_refit_that_cannot_reach_its_threshold_is_warned():
-    refit = ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=2, max_iters=2)
+    refit = ProjectorRefit(refit_every=2, threshold=0.0, num_samples=2, max_iters=2)
     with pytest.warns(UserWarning, match=r"ProjectorRefit at step 2: \d+ of \d+ refitted layers stay above "
                                          r"threshold=0.0.*refitted at every check"):
         trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=3,
@@ -130,7 +130,7 @@ def test_a_refit_that_cannot_reach_its_threshold_is_warned():
 
 
 def test_an_initial_fit_that_ends_above_its_threshold_is_warned():
-    refit = ProjectorRefit(every_n_steps=0, threshold=0.0, num_samples=2, max_iters=2)
+    refit = ProjectorRefit(refit_every=0, threshold=0.0, num_samples=2, max_iters=2)
     with pytest.warns(UserWarning, match=r"ProjectorRefit: the initial fit left \d+ of \d+ layers above "
                                          r"threshold=0.0 .* projectors='random'"):
         trainer(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16), max_steps=1,
@@ -152,7 +152,7 @@ def test_random_draws_leave_the_update_scale_exactly_one():
 
 def test_the_first_steps_device_time_does_not_include_the_projector_fit():
     strategy = LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16)
-    refit = ProjectorRefit(every_n_steps=0, num_samples=2, max_iters=16, target_error=0.0)
+    refit = ProjectorRefit(refit_every=0, num_samples=2, max_iters=16, target_error=0.0)
     module = TinyCausalLM(tiny_hf_model("llama"))
     first = {}
 

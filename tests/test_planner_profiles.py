@@ -13,7 +13,7 @@ from lightning_offload.planning import calibration
 from lightning_offload.planning.calibration import ACHIEVED_MFU, PEAK_FLOPS, PROFILES
 from lightning_offload.planning.plan import plan
 
-#: The H200 run of 2026-11-30 (DESIGN.md §10, docs/benchmarks.md): native fused AdamW, seconds a step.
+#: The H200 run of 2026-11-30 (docs/benchmarks.md, "GPU: the last measurement"): native fused AdamW, seconds a step.
 MEASURED_NATIVE_STEP = 0.101
 H200_PEAK = 989e12  # dense bf16, NVIDIA's data sheet
 TOKENS, SEQ = 4 * 512, 512

@@ -274,6 +274,23 @@ def test_an_unknown_setting_names_the_closest_one() -> None:
         plan(_model(), "lsp_offload", batch_size=1, seq_len=8, device_memory="1GiB", hardware=CPU, rnak=0.1)
 
 
+def test_a_strategy_s_settings_value_is_planned_whole() -> None:
+    # The planner takes the one settings value a strategy holds, as the engine and every face do; settings given by
+    # name replace its own; a value its strategy's preset contradicts is refused.
+    from lightning_offload.setup.settings import OffloadSettings
+
+    common = dict(batch_size=1, seq_len=8, device_memory="1GiB", hardware=CPU)
+    value = OffloadSettings(rank=0.125, link_dtype="bf16", min_dim=16)
+    whole = plan(_model(), "lsp_offload", settings=value, **common)
+    named = plan(_model(), "lsp_offload", rank=0.125, link_dtype="bf16", min_dim=16, **common)
+    assert whole.figures() == named.figures()
+    assert plan(_model(), "lsp_offload", settings=value, rank=0.25, **common).figures() == \
+        plan(_model(), "lsp_offload", link_dtype="bf16", min_dim=16, **common).figures()
+    with pytest.raises(ValueError, match=r"the settings value has projection=True, which zero_offload sets to "
+                                         r"projection=False"):
+        plan(_model(), "zero_offload", settings=value, **common)
+
+
 @pytest.mark.parametrize("single,grid", [("batch_size", "batch_sizes="), ("gradient_checkpointing", "checkpointing="),
                                          ("rank", "ranks="), ("embeddings", "placements=")])
 def test_choose_refuses_one_value_of_what_it_tries_as_a_grid(single: str, grid: str) -> None:

@@ -344,7 +344,7 @@ def test_learned_projectors_are_fitted_before_the_first_update():
     # does not, and the projectors stay the seeded draw.
     _, learned_run = _lm_fit(LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16))
     (added,) = [cb for cb in learned_run.callbacks if isinstance(cb, ProjectorRefit)]
-    assert added.every_n_steps == 500 and added.history[0].initial
+    assert added.refit_every == 500 and added.history[0].initial
     default = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, seed=0)
     _, default_run = _lm_fit(default)
     assert default.settings.projectors == "random"
@@ -365,7 +365,7 @@ def test_layers_under_the_threshold_are_skipped_and_others_refit_with_moments_on
 
     def run(threshold):
         indices.clear()
-        refit = Spy(every_n_steps=2, threshold=threshold, num_samples=2, max_iters=8)
+        refit = Spy(refit_every=2, threshold=threshold, num_samples=2, max_iters=8)
         strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, seed=1)
         _lm_fit(strategy, callbacks=[refit], max_steps=3)
         return refit, strategy
@@ -393,7 +393,7 @@ def test_layers_under_the_threshold_are_skipped_and_others_refit_with_moments_on
 
 
 def test_refit_metrics_reach_the_loggers(tmp_path):
-    refit = ProjectorRefit(every_n_steps=2, threshold=0.0, num_samples=1, max_iters=2)
+    refit = ProjectorRefit(refit_every=2, threshold=0.0, num_samples=1, max_iters=2)
     strategy = LSPOffloadStrategy(projectors="learned", rank=0.25, density=2, min_dim=16, log_telemetry=False)
     _lm_fit(strategy, callbacks=[refit], max_steps=3, logger=CSVLogger(tmp_path, name="run"))
     (metrics_file,) = tmp_path.glob("run/*/metrics.csv")
@@ -432,8 +432,8 @@ def test_refit_errors_are_clear():
     with pytest.raises(ValueError, match="loss_fn=lambda module, batch"):
         trainer(LSPOffloadStrategy(projectors="learned", min_dim=16, rank=0.5, density=2)).fit(
             Manual(), classification_data())
-    with pytest.raises(ValueError, match="every_n_steps=-1"):
-        ProjectorRefit(every_n_steps=-1)
+    with pytest.raises(ValueError, match="refit_every=-1"):
+        ProjectorRefit(refit_every=-1)
     with pytest.raises(ValueError, match="projectors must be one of"):
         LSPOffloadStrategy(projectors="pca")
 

@@ -83,9 +83,8 @@ def test_decay_owed_under_a_schedule_through_lr_zero_equals_adamw(gathered: bool
     assert not torch.allclose(adam.params[0][2:], starts[0][2:])
 
 
-def test_state_of_the_former_embedding_row_adam_resumes_bit_for_bit() -> None:
-    """Checkpoints from before the one row Adam hold an embedding's state bare (one moment tensor each, no scales):
-    it loads as one-row blocks and the run continues exactly as an uninterrupted one."""
+def test_a_saved_row_adam_resumes_bit_for_bit() -> None:
+    """An embedding's row Adam saved mid-run and loaded into a fresh one continues exactly as an uninterrupted one."""
     generator = torch.Generator().manual_seed(2)
     schedule = _schedule(generator, 8, 12)
     grads = [torch.randn(rows.numel(), 5, generator=generator) for rows in schedule]
@@ -97,10 +96,8 @@ def test_state_of_the_former_embedding_row_adam_resumes_bit_for_bit() -> None:
     for rows, grad in zip(schedule[:4], grads[:4]):
         first.step_rows(rows, grad.clone(), SETTINGS)
     state = first.state_dict()
-    former = {"exp_avg": state["exp_avg"][0].clone(), "exp_avg_sq": state["exp_avg_sq"][0].clone(),
-              "step": state["step"], "last_step": state["last_step"].clone()}
     resumed = BlockRowAdam([first.params[0].clone()], 1)
-    resumed.load_state_dict(former)
+    resumed.load_state_dict(state)
     for rows, grad in zip(schedule[4:], grads[4:]):
         resumed.step_rows(rows, grad.clone(), SETTINGS)
     assert torch.equal(resumed.params[0], straight.params[0])

@@ -209,7 +209,7 @@ class SkipsEvenBatches(TinyClassifier):
 def test_a_batch_the_projector_fit_draws_and_training_step_skips_is_replaced_by_another() -> None:
     from lightning_offload import LSPOffloadStrategy, ProjectorRefit
 
-    refit = ProjectorRefit(num_samples=3, every_n_steps=0)
+    refit = ProjectorRefit(num_samples=3, refit_every=0)
     strategy = LSPOffloadStrategy(projectors="learned", rank=0.5, density=2, min_dim=16)
     module = SkipsEvenBatches()
     trainer(strategy, max_steps=2, callbacks=[refit]).fit(module, classification_data())

@@ -234,7 +234,7 @@ def test_the_update_after_a_refit_keeps_the_scale_of_the_updates_before():
     refit_step = 100
     module = TinyCausalLM(tiny_hf_model("llama"), lr=1e-3)
     strategy = LSPOffloadStrategy(rank=0.25, density=2, min_dim=16, projectors="learned", pipelined=False)
-    refit = ProjectorRefit(every_n_steps=refit_step, threshold=0.0, num_samples=1, max_iters=8)
+    refit = ProjectorRefit(refit_every=refit_step, threshold=0.0, num_samples=1, max_iters=8)
     sizes = ProjectedUpdateRMS(strategy)
     # The refit runs in on_train_batch_start too, before this callback's: "before" is taken after it.
     trainer(strategy, max_steps=refit_step + 10, callbacks=[refit, sizes]).fit(module, token_data())

@@ -6,20 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 import hydra
-from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig, ListConfig, open_dict
 
 from lightning_offload.faces.trainer.offload import SingleDeviceOffload
+from lightning_offload.registries import trainer_names
+from lightning_offload.setup.settings import data_parallel_form
+
 
 def _data_parallel_target(target: str) -> str | None:
-    """The class path of the DDP form (``data_parallel_form``, from Lightning's registry) of the single-device offload
-    strategy at ``target``; ``None`` for one without, or for another strategy."""
+    """The class path of the DDP form (``data_parallel_form``, its class from the registries' table) of the
+    single-device offload strategy at ``target``; ``None`` for one without, or for another strategy."""
     strategy_class = hydra.utils.get_class(target) if target.startswith("lightning_offload.") else None
-    if not (isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceOffload)
-            and strategy_class.data_parallel_form is not None):
+    if not (isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceOffload)):
         return None
-    form = StrategyRegistry[strategy_class.data_parallel_form]["strategy"]
-    return f"{form.__module__}.{form.__qualname__}"
+    form = data_parallel_form(strategy_class.strategy_name)
+    public = next((entry.public for entry in trainer_names() if entry.name == form), None)
+    return f"{public.__module__}.{public.__qualname__}" if public is not None else None
 
 
 def _device_count(devices: Any) -> int | None:

@@ -8,12 +8,11 @@ strategy's constructor. Checked here first, it is refused naming the closest set
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from collections.abc import Sequence
 
-from lightning_offload.faces.trainer.meft import MEFTOffloadStrategy
-from lightning_offload.faces.trainer.offload import LSPOffloadStrategy, ZeroOffloadStrategy
-from lightning_offload.setup.settings import keyword_settings
+from lightning_offload.registries import trainer_names
 
 # ``offload.strategy.<setting>=value``, with or without Hydra's ``+``/``++`` (a deeper key's first part is checked).
 _STRATEGY_SETTING = re.compile(r"^\+{0,2}offload\.strategy\.([A-Za-z_][A-Za-z0-9_]*)(?:[.=]|$)")
@@ -21,9 +20,9 @@ _STRATEGY_SETTING = re.compile(r"^\+{0,2}offload\.strategy\.([A-Za-z_][A-Za-z0-9
 
 def strategy_settings() -> list[str]:
     """Every setting an offload strategy of the command line takes (its ``offload.strategy`` keys)."""
-    names = {"device", "_target_"}
-    for strategy in (LSPOffloadStrategy, ZeroOffloadStrategy, MEFTOffloadStrategy):
-        names.update(keyword_settings(strategy))
+    names = {"_target_"}
+    for entry in trainer_names():  # each name's class and its preset class: their signatures show every setting
+        names.update(inspect.signature(entry.cls).parameters, inspect.signature(entry.public).parameters)
     return sorted(names)
 
 

@@ -1,7 +1,7 @@
 """Offload policies: what the Hydra ``offload`` group chooses — the strategy, and what trains the large layers.
 
-A policy bundles the three things that differ between the methods compared side by side (docs/design.md, "Methods
-compared side by side"):
+A policy bundles the three things that differ between the methods compared side by side (docs/cli.md, "The methods
+compared"):
 
 - the Lightning strategy (``lsp_offload``, ``zero_offload`` or Lightning's own ``"auto"`` for on-device AdamW);
 - the *method* applied to the projectable layers: ``full`` (train them, however the strategy does it), ``frozen``,

@@ -90,6 +90,5 @@ def refuse_other_kind(name: str, saved: Mapping[str, Any], scaled: bool, rows: b
     if saved_rows != rows:
         raise ValueError(
             f"The checkpoint stepped {name} {'row-sparsely' if saved_rows else 'densely'}, this run "
-            f"{'row-sparsely' if rows else 'densely'}: resume with embeddings={'sparse' if saved_rows else 'host'!r} "
-            f"(checkpoints written before embeddings= existed stepped every embedding densely: embeddings='host')."
+            f"{'row-sparsely' if rows else 'densely'}: resume with embeddings={'sparse' if saved_rows else 'host'!r}."
         )

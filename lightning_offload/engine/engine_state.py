@@ -75,10 +75,10 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_opti
         raise ValueError(
             f"Checkpoint has offloaded tensors {state['slots'][:3]}… ({len(state['slots'])}), but this run has "
             f"{names[:3]}… ({len(names)}): resume with the same model, strategy settings (rank, density, patterns, "
-            f"embeddings, head, vectors) and optimizer groups. A checkpoint written before the vectors= setting "
-            f"existed stepped the norm weights and biases on the host: resume it with vectors='host'."
+            f"embeddings, head, vectors) and optimizer groups. A checkpoint that holds the norm weights and biases "
+            f"among them stepped them on the host: resume it with vectors='host'."
         )
-    saved_rule = state.get("host_rule", "Adam")  # written before other host rules existed: Adam's
+    saved_rule = state["host_rule"]
     if saved_rule != rule.name:
         raise ValueError(f"This optimizer state was written by {saved_rule}, and this run steps by {rule.name}: their "
                          f"states differ. Resume with the optimizer that wrote it. " + WEIGHTS_ONLY)
@@ -91,8 +91,7 @@ def check_engine_state(state: dict[str, Any], slots: Sequence[Slot], device_opti
     if (saved_device is None) != (device_optimizer is None) or (
             device_optimizer is not None and len(saved_device["adam"]) != len(device_optimizer.entries)):
         raise ValueError("Checkpoint and this run disagree on which parameters a device Adam steps: resume with "
-                         "the same embeddings=, head= and vectors= settings (vectors='host' for a checkpoint written "
-                         "before that setting existed).")
+                         "the same embeddings=, head= and vectors= settings.")
 
 
 def load_engine_state(state: dict[str, Any], slots: Sequence[Slot], param_groups: list[dict[str, Any]],

@@ -26,10 +26,11 @@ from lightning_offload.engine.late_params import LateParameters
 from lightning_offload.engine.rows.block_row_adam import RowAdamSettings
 from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.engine.rules.host_rule import MEFT_ROWS, host_rule_for
+from lightning_offload.engine.settings import OffloadSettings, engine_settings
 from lightning_offload.engine.slots.row_blocks_slot import HostRowBlocks, RowBlocksSlot
 from lightning_offload.engine.slots.slot import Slot
 from lightning_offload.engine.slots.slot_building import build_slots, group_positions
-from lightning_offload.engine.step.clipping import GradientNorms, NonFinitePolicy
+from lightning_offload.engine.step.clipping import GradientNorms
 from lightning_offload.engine.step.device_optimizer import DeviceOptimizer
 from lightning_offload.engine.step.gradient_edits import GradientEdits
 from lightning_offload.engine.step.commit_policies import commit_policy
@@ -60,24 +61,13 @@ class OffloadOptimizer(Optimizer):
         optimizer: the user's ``torch.optim.Adam``/``AdamW``; its ``param_groups`` are shared, never copied.
         projected: the projected weights that ``optimizer`` trains (a ``ScaledWeight``: by the scaled rule).
         device: the training device (where parameters and ``S`` buffers live).
-        model: the module holding the parameters; needed for ``pipelined=True`` (its forward pre-hooks apply
+        model: the module holding the parameters; needed for ``settings.pipelined`` (its forward pre-hooks apply
             updates just in time). Default: ``None``.
-        pipelined: defer each update to its module's next forward (``True``) or apply all in :meth:`step`.
-            Default: ``False`` (the strategies pass ``True``).
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients crossing to the host and compressed updates crossing
-            back (dense parameters always come back in their own dtype, exactly). Default: ``"fp32"``.
-        on_nonfinite: ``"skip"`` skips a step whose gradients hold inf/nan (counted in telemetry); ``"raise"``
-            raises :class:`NonFiniteGradientError`. Either way the host state is untouched. Default: ``"skip"``.
-        rounding_seed: seed of the per-tensor generators used for stochastic rounding of low-precision weights.
-            Default: ``0``.
-        update_buffers: device buffers compressed updates land in (a ring shared by all layers). Default: ``None`` (4
-            on an accelerator; none on the CPU, where updates are read where the host step wrote them).
-        speculative: step each tensor's host Adam during backward, as soon as its gradient has landed
-            (:mod:`~lightning_offload.engine.step.speculation`; results equal the other path's bit for bit). Costs a
-            host copy of each tensor's Adam state and master. Default: ``None`` (on for an accelerator, off on the CPU).
-        free_sent_gradients: a parameter's ``.grad`` is set to ``None`` once its step is launched (its gradient has
-            crossed to the host, or the device Adam's step is queued). Default: ``False`` (torch's semantics: readable
-            after :meth:`step`).
+        settings: what the engine reads of the offload settings (:class:`~lightning_offload.engine.settings.
+            OffloadSettings`): ``pipelined``, ``link_dtype``, ``on_nonfinite``, ``seed`` (stochastic rounding's
+            generators), ``update_buffers``, ``speculative`` and ``free_sent_gradients`` (``None``: off, torch's
+            semantics). Default: ``None`` (the settings' defaults but ``pipelined=False``: every update is applied in
+            :meth:`step`).
         keep_on_device: parameters stepped on the device instead of the host (``DeviceOptimizer``): clipped and
             checked like the rest, state on the device. Default: ``()``.
         row_sparse: embedding weights stepped row-sparsely on the host: only the rows with a nonzero gradient cross each
@@ -88,11 +78,14 @@ class OffloadOptimizer(Optimizer):
         data_parallel: the ranks this optimizer trains with (:mod:`lightning_offload.engine.lanes.ranks`):
             gradients are reduced to each tensor's owner rank, which alone keeps its host state and steps it, and
             updates are broadcast from there. Default: ``None`` (one process).
+        one_by_one: the settings as keyword arguments, as this constructor took them before ``settings`` (its fields'
+            names, and ``rounding_seed`` for ``seed``): they replace those of ``settings``. Default: none.
 
     Example::
 
         model = torch.nn.Linear(256, 256)
-        optimizer = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), [], torch.device("cpu"))
+        optimizer = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), [], torch.device("cpu"),
+                                     settings=OffloadSettings(pipelined=False, link_dtype="bf16"))
         for batch in batches:
             model(batch).square().mean().backward()
             optimizer.step(); optimizer.zero_grad()  # the Adam state and arithmetic live on the host
@@ -105,20 +98,18 @@ class OffloadOptimizer(Optimizer):
         projected: Iterable[ProjectedWeight | ScaledWeight],
         device: torch.device,
         model: torch.nn.Module | None = None,
-        pipelined: bool = False,
-        link_dtype: str = "fp32",
-        on_nonfinite: NonFinitePolicy = "skip",
-        rounding_seed: int = 0,
-        update_buffers: int | None = None,
-        speculative: bool | None = None,
-        free_sent_gradients: bool = False,
+        settings: OffloadSettings | None = None,
+        *,
         keep_on_device: Sequence[Tensor] = (),
         row_sparse: Sequence[Tensor] = (),
         frozen: Sequence[Tensor] = (),
         tied_projected: Sequence[Tensor] = (),
         data_parallel: RankShards | None = None,
+        **one_by_one: Any,
     ) -> None:
         optimizer = validate_user_optimizer(optimizer)
+        settings = engine_settings(settings, one_by_one)
+        link_dtype, on_nonfinite, pipelined = settings.link_dtype, settings.on_nonfinite, settings.pipelined
         check_engine_arguments(link_dtype, on_nonfinite, pipelined and model is None,
                                data_parallel is not None and bool(row_sparse))
         # Optimizer.__init__ keeps the very dicts it is given: the groups (and, below, the list) are the user's.
@@ -126,6 +117,8 @@ class OffloadOptimizer(Optimizer):
         self.param_groups = optimizer.param_groups
         share_hooks(self, optimizer)
         self.wrapped = optimizer
+        #: The offload settings this engine runs under (``free_sent_gradients`` as its face resolved ``None``).
+        self.settings = settings
         self.device = torch.device(device)
         self.pipelined = pipelined
         self.on_nonfinite = on_nonfinite
@@ -139,20 +132,22 @@ class OffloadOptimizer(Optimizer):
         self.telemetry = self.figures.telemetry
         self.timelines = self.figures.timelines
 
-        self._build_slots(optimizer, projected, model, keep_on_device, frozen, row_sparse, rounding_seed)
+        self._build_slots(optimizer, projected, model, keep_on_device, frozen, row_sparse, settings.seed)
         self.norms = GradientNorms(self.device, self.ranks)
         self.norms.positions = group_positions(self.param_groups)
         if self.ranks is None:
             self.norms.edits = GradientEdits(self.slots)
         # Speculation is for an asynchronous link (a GPU's, the simulated one): with the CPU as the device and its
         # copies done when issued, host work during backward competes with it for the cores.
+        speculative = settings.speculative
         self.commit = commit_policy(speculative if speculative is not None else self.lanes.link.asynchronous,
                                     self.lanes.worker)
         self.orchestrator = StepOrchestrator(
             self.lanes, self.slots, self.device_optimizer, self.commit, self.norms, self.figures, on_nonfinite,
-            pipelined, model, {id(p) for p in tied_projected}, free_sent_gradients)
+            pipelined, model, {id(p) for p in tied_projected}, bool(settings.free_sent_gradients))
         if self.projected_layers:
             largest = max(math.prod(layer.compressed_shape) for layer in self.projected_layers)
+            update_buffers = settings.update_buffers
             if update_buffers is None:
                 # Updates cross into device buffers where the link copies asynchronously (one per layer, within a
                 # share of the device's memory); else the device reads them where the host wrote them.

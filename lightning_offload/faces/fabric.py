@@ -7,7 +7,7 @@ through it because projected gradients never fill ``param.grad``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,11 +28,10 @@ from lightning_offload.engine.lanes.ranks import DEFAULT_BUCKET_BYTES, RankShard
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks, row_adam_settings
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.setup.data_parallel import RankAgreement, broadcast_weights, bucket_bytes
-from lightning_offload.setup.engine import Placements, build_engine
-from lightning_offload.setup.engine import as_offload_optimizer
-from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.setup.engine import Placements, as_offload_optimizer, build_engine
+from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LoopOffloadOptimizer, loop_settings
 from lightning_offload.setup.precision_check import check_precision
-from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
+from lightning_offload.setup.settings_docs import FaceClass
 from lightning_offload.setup.whole_save import save_whole
 
 
@@ -42,14 +41,16 @@ class FabricOffloadMixin:
     """
 
     strategy_name: str
-    forced: dict[str, Any] = {}
+    refused_settings = LOOP_REFUSED
     #: Whether ``embeddings=None`` means ``"sparse"`` under projection (data parallelism cannot step rows sparsely).
     sparse_embeddings_by_default = True
 
-    def _configure_offload(self, settings: dict[str, Any], max_grad_norm: float | None,
+    def _configure_offload(self, settings: Mapping[str, Any], max_grad_norm: float | None,
                            accumulation_steps: int | None, fitting: ProjectorFitting | None, refit_every: int) -> None:
-        """Keep the settings, validated (the loop's with them); called by the constructors before their base's."""
-        self.settings = offload_settings(self.strategy_name, self.forced, settings)
+        """Keep the settings, validated (the loop's with them); called by the constructors before their base's. The
+        strategy goes by the name they are the preset of (``zero_offload`` for ``projection=False``)."""
+        self.settings = type(self).settings_from(settings)
+        self.strategy_name = type(self).name_for(self.settings)
         self.loop = loop_settings(self.settings, max_grad_norm, accumulation_steps, refit_every, fitting)
         self.offload_optimizer: LoopOffloadOptimizer | None = None
 
@@ -91,7 +92,7 @@ class FabricOffloadMixin:
                              optimizer_class=LoopOffloadOptimizer)
         optimizer = setup.optimizer
         assert isinstance(optimizer, LoopOffloadOptimizer)
-        optimizer.configure_loop(setup, self.settings, self.loop, self.strategy_name, agreement=self.fit_agreement)
+        optimizer.configure_loop(setup, self.loop, self.strategy_name, agreement=self.fit_agreement)
         self._after_engine(module, optimizer)
         self.offload_optimizer = optimizer
         return module, [optimizer], scheduler
@@ -152,10 +153,27 @@ class FabricOffloadMixin:
         super().teardown()
 
 
-class FabricSingleDevice(FabricOffloadMixin, SingleDeviceStrategy):
-    """The offload machinery on Fabric's single-device strategy, configured by ``lsp_offload``, ``zero_offload`` and
-    ``meft_offload`` (``strategy_name``, ``forced``). The Args are :class:`FabricOffload`'s.
+class FabricSingleDevice(FabricOffloadMixin, SingleDeviceStrategy, metaclass=FaceClass):
+    """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host: the class
+    ``Fabric(strategy="lsp_offload")`` and ``"zero_offload"`` build (their presets:
+    :data:`~lightning_offload.setup.settings.PRESETS`), and the machinery ``meft_offload`` shares. Call
+    ``optimizer.close()`` when done (it applies what is pending and gives the model back).
+
+    Args:
+        device: the training device. Default: ``None`` (CUDA when present, else CPU).
+        max_grad_norm: clip every step to this global norm unless ``fabric.clip_gradients`` was called for it.
+            Default: ``None``.
+        accumulation_steps: training forwards per optimizer step (see :func:`~lightning_offload.faces.loop.offload`).
+            Default: ``1``.
+        fitting: how projector fits run (``optimizer.fit_projectors``; refused where nothing is projected). Default:
+            ``None`` (the seed's defaults).
+        refit_every: optimizer steps between refit checks (``optimizer.refit_due``; refused where nothing is projected,
+            unless left at its default). Default: ``500``.
+        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
+        <offload settings>
     """
+
+    presets = ("lsp_offload", "zero_offload")
 
     def __init__(self, device: torch.device | str | None = None, *, max_grad_norm: float | None = None,
                  accumulation_steps: int | None = 1, fitting: ProjectorFitting | None = None, refit_every: int = 500,
@@ -168,23 +186,10 @@ class FabricSingleDevice(FabricOffloadMixin, SingleDeviceStrategy):
                          precision=precision)
 
 
-@documents_settings(exclude=LOOP_REFUSED, signature=True)
-class FabricOffload(FabricSingleDevice):
-    """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host.
+class FabricOffload(FabricSingleDevice, preset="lsp_offload"):
+    """Fabric's single-device strategy with the user's Adam/AdamW offloaded to the host, on LSP-compressed gradients.
 
-    Args:
-        device: the training device. Default: ``None`` (CUDA when present, else CPU).
-        max_grad_norm: clip every step to this global norm unless ``fabric.clip_gradients`` was called for it.
-            Default: ``None``.
-        accumulation_steps: training forwards per optimizer step (see :func:`~lightning_offload.faces.loop.offload`).
-            Default: ``1``.
-        fitting: how projector fits run (``optimizer.fit_projectors``). Default: ``None`` (the seed's defaults).
-        refit_every: steps between refit checks. Default: ``500``.
-        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
-        <offload settings>
-
-    Registered as ``Fabric(strategy="lsp_offload")``; pass an instance for settings. Call ``optimizer.close()`` when
-    done (it applies what is pending and gives the model back).
+    ``Fabric(strategy="lsp_offload")`` (:class:`FabricSingleDevice` under this name); build it for settings.
 
     Example::
 
@@ -196,23 +201,12 @@ class FabricOffload(FabricSingleDevice):
         optimizer.close()
     """
 
-    strategy_name = "lsp_offload"
 
-
-@documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
-class FabricZeroOffload(FabricSingleDevice):
+class FabricZeroOffload(FabricSingleDevice, preset="zero_offload"):
     """Fabric's single-device strategy with dense gradients to a host Adam (ZeRO-Offload style).
 
-    ``Fabric(strategy="zero_offload")``; the arguments of :class:`FabricOffload` but the projection settings.
-
-    Args:
-        device: the training device. Default: ``None`` (CUDA when present, else CPU).
-        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
-        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
-        fitting: refused (nothing is projected). Default: ``None``.
-        refit_every: refused unless left at its default (nothing is projected). Default: ``500``.
-        accelerator, checkpoint_io, precision: filled in by Fabric. Default: ``None``.
-        <offload settings>
+    ``Fabric(strategy="zero_offload")``: :class:`FabricSingleDevice` with ``projection=False``; the projection settings
+    are refused.
 
     Example::
 
@@ -220,11 +214,7 @@ class FabricZeroOffload(FabricSingleDevice):
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     """
 
-    strategy_name = "zero_offload"
-    forced = {"projection": False}
 
-
-@documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
 class FabricMEFTOffload(FabricSingleDevice):
     """Fabric's single-device strategy for MEFT adapters whose rows and Adam state live on the host.
 
@@ -252,8 +242,7 @@ class FabricMEFTOffload(FabricSingleDevice):
         model, optimizer = fabric.setup(model, torch.optim.AdamW(routers, lr=1e-3))
     """
 
-    strategy_name = "meft_offload"
-    forced = {"projection": False}
+    presets = ("meft_offload",)  # its own class (the adapters' set-up), registered with the name's preset
 
     def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
                  weight_decay: float | None = None, key_lr_scale: float = 1.0, row_block: int | None = None,
@@ -273,10 +262,24 @@ class FabricMEFTOffload(FabricSingleDevice):
         optimizer.loop.on_close.append(lambda attached=self.attached: attached.release(finish=True))
 
 
-class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
-    """The offload machinery on Fabric's DDP, configured by ``lsp_offload_ddp`` and ``zero_offload_ddp``; the Args are
-    :class:`FabricOffloadDDP`'s."""
+class FabricDataParallel(FabricOffloadMixin, DDPStrategy, metaclass=FaceClass):
+    """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks: the
+    class ``Fabric(strategy="lsp_offload_ddp")`` and ``"zero_offload_ddp"`` build. As
+    :class:`~lightning_offload.faces.trainer.ddp.DDPOffload` for the Trainer: the engine reduces each gradient to the
+    rank that owns its share of the host Adam, which steps it and broadcasts the update.
 
+    Args:
+        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``.
+        max_grad_norm: as for :class:`FabricSingleDevice`. Default: ``None``.
+        accumulation_steps: as for :class:`FabricSingleDevice`. Default: ``1``.
+        fitting: as for :class:`FabricSingleDevice`. Default: ``None``.
+        refit_every: as for :class:`FabricSingleDevice`. Default: ``500``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
+            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
+        <offload settings>
+    """
+
+    presets = ("lsp_offload_ddp", "zero_offload_ddp")
     sparse_embeddings_by_default = False
 
     def __init__(self, *, bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20, max_grad_norm: float | None = None,
@@ -313,22 +316,11 @@ class FabricDataParallel(FabricOffloadMixin, DDPStrategy):
         return RankAgreement(lambda grad: self.all_reduce(grad, reduce_op="mean"), self.broadcast)
 
 
-@documents_settings(exclude=LOOP_REFUSED, signature=True)
-class FabricOffloadDDP(FabricDataParallel):
-    """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, sharded between ranks.
+class FabricOffloadDDP(FabricDataParallel, preset="lsp_offload_ddp"):
+    """Fabric's data-parallel strategy with the user's Adam/AdamW offloaded to the hosts, on LSP-compressed gradients.
 
-    As :class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy` for the Trainer: the engine reduces each
-    gradient to the rank that owns its share of the host Adam, which steps it and broadcasts the update.
-
-    Args:
-        bucket_mb: largest gradient bucket, in MiB, reduced between ranks as one collective. Default: ``25.0``.
-        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
-        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
-        fitting: as for :class:`FabricOffload`. Default: ``None``.
-        refit_every: as for :class:`FabricOffload`. Default: ``500``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
-            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
-        <offload settings>
+    ``Fabric(strategy="lsp_offload_ddp")`` (:class:`FabricDataParallel` under this name), as
+    :class:`~lightning_offload.faces.trainer.ddp.LSPOffloadDDPStrategy` for the Trainer.
 
     Example::
 
@@ -338,24 +330,12 @@ class FabricOffloadDDP(FabricDataParallel):
         loader = fabric.setup_dataloaders(loader)  # each rank its share of every batch
     """
 
-    strategy_name = "lsp_offload_ddp"
 
-
-@documents_settings(exclude=(*NOT_WITHOUT_PROJECTION, *LOOP_REFUSED), signature=True)
-class FabricZeroOffloadDDP(FabricDataParallel):
+class FabricZeroOffloadDDP(FabricDataParallel, preset="zero_offload_ddp"):
     """Fabric's data-parallel strategy with dense gradients reduced to the rank that owns each tensor's host Adam.
 
-    ``Fabric(strategy="zero_offload_ddp")``; the arguments of :class:`FabricOffloadDDP` but the projection settings.
-
-    Args:
-        bucket_mb: as for :class:`FabricOffloadDDP`. Default: ``25.0``.
-        max_grad_norm: as for :class:`FabricOffload`. Default: ``None``.
-        accumulation_steps: as for :class:`FabricOffload`. Default: ``1``.
-        fitting: refused (nothing is projected). Default: ``None``.
-        refit_every: refused unless left at its default (nothing is projected). Default: ``500``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
-            timeout, start_method: as for Fabric's ``DDPStrategy`` (filled in by Fabric). Default: Fabric's.
-        <offload settings>
+    ``Fabric(strategy="zero_offload_ddp")``: :class:`FabricDataParallel` with ``projection=False``; the projection
+    settings are refused.
 
     Example::
 
@@ -363,6 +343,3 @@ class FabricZeroOffloadDDP(FabricDataParallel):
         fabric.launch()
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     """
-
-    strategy_name = "zero_offload_ddp"
-    forced = {"projection": False}

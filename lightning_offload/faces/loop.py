@@ -17,16 +17,17 @@ import torch
 
 from lightning_offload.engine.fitting.projector_fitting import ProjectorFitting
 from lightning_offload.setup.engine import Placements, build_engine
-from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LoopOffloadOptimizer, loop_settings, offload_settings
+from lightning_offload.setup.loop_optimizer import LOOP_REFUSED, LOOP_SETTINGS, LoopOffloadOptimizer, loop_settings
+from lightning_offload.setup.settings import PRESETS, face_settings
 from lightning_offload.setup.settings_docs import documents_settings
 
 log = logging.getLogger(__name__)
 
-#: The settings each name stands for, as the Trainer strategies of the same names set them.
-STRATEGY_SETTINGS: dict[str, dict[str, Any]] = {"lsp_offload": {}, "zero_offload": {"projection": False}}
+#: The strategy names a loop of one's own takes (their presets: :data:`~lightning_offload.setup.settings.PRESETS`).
+LOOP_STRATEGIES = ("lsp_offload", "zero_offload")
 
 
-@documents_settings(exclude=LOOP_REFUSED, signature=True)  # zero_offload refuses the projection ones
+@documents_settings(exclude=LOOP_REFUSED)  # zero_offload refuses the projection ones
 def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "lsp_offload", *,
             device: torch.device | str | None = None, max_grad_norm: float | None = None,
             fitting: ProjectorFitting | None = None, refit_every: int = 500, accumulation_steps: int | None = 1,
@@ -69,10 +70,11 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
             opt.step(); opt.zero_grad()
         opt.close()
     """
-    if strategy not in STRATEGY_SETTINGS:
-        raise ValueError(f"strategy={strategy!r} is not a loop offload; use one of {sorted(STRATEGY_SETTINGS)} "
+    if strategy not in LOOP_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not a loop offload; use one of {list(LOOP_STRATEGIES)} "
                          f"(meft_offload: Fabric(strategy='meft_offload') or the Trainer strategy).")
-    settings_value = offload_settings(strategy, STRATEGY_SETTINGS[strategy], settings)
+    settings_value = face_settings(strategy, settings, PRESETS[strategy], face_names=LOOP_SETTINGS,
+                                   refused=LOOP_REFUSED)
     loop = loop_settings(settings_value, max_grad_norm, accumulation_steps, refit_every, fitting)
     if device is None:
         device = next(model.parameters()).device
@@ -81,5 +83,5 @@ def offload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: 
                          optimizer_class=LoopOffloadOptimizer, frees_sent_gradients=False)
     loop_optimizer = setup.optimizer
     assert isinstance(loop_optimizer, LoopOffloadOptimizer)
-    loop_optimizer.configure_loop(setup, settings_value, loop, strategy)
+    loop_optimizer.configure_loop(setup, loop, strategy)
     return loop_optimizer

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_offload.lsp.linear import is_hf_conv1d
+from lightning_offload.lsp.layouts import weight_shape
 from lightning_offload.lsp.rounding import copy_stochastic_rounded_
 from lightning_offload.lsp.targets import compressed_size
 
@@ -59,7 +59,7 @@ class ScaledWeight:
 
     Args:
         name: the module's qualified name.
-        module: an ``nn.Linear`` or Hugging Face ``Conv1D``.
+        module: a projectable layer (``nn.Linear``, Hugging Face ``Conv1D``: any registered layout's).
         rank: the strategies' ``rank`` (see :func:`scaled_projection_size`).
         seed: seeds every draw of ``P`` (with ``position`` and the draw's number).
         position: the weight's number among the scaled ones (distinct draws per weight).
@@ -75,7 +75,7 @@ class ScaledWeight:
         self.seed = int(seed)
         self.position = int(position)
         rows, cols = module.weight.shape
-        out_features, in_features = (cols, rows) if is_hf_conv1d(module) else (rows, cols)
+        out_features, in_features = weight_shape(module)
         #: The stored weight's dimension that holds the channels: the larger side; the stored rows when square (as
         #: APOLLO's code takes them: a Linear's output side, a ``Conv1D``'s input side).
         self.channel_dim = 0 if rows >= cols else 1

@@ -1,4 +1,5 @@
-"""Projected weights: a Linear (or Hugging Face ``Conv1D``) whose gradient is produced already compressed.
+"""Projected weights: a Linear (or Hugging Face ``Conv1D``, or any registered layout's layer) whose gradient is
+produced already compressed.
 
 For ``y = x Wᵀ + b`` with ``W`` of shape ``o × i``, the weight gradient is ``G = Δᵀ X`` (``Δ`` the output
 gradient). LSP-Offload needs only ``S = A G Bᵀ = (Δ Aᵀ)ᵀ (X Bᵀ)``, so forward keeps ``X Bᵀ`` (``d_i`` numbers
@@ -7,7 +8,8 @@ per token instead of ``i``) and backward does one small ``d_o × d_i`` GEMM; ``G
 its ``forward`` is rebound, so a checkpoint loads into the plain model.
 
 Its products are in :mod:`~lightning_offload.lsp.linear_ops`, where a ``torch.compile``'d model reaches them through
-custom operators.
+custom operators; how the layer stores ``W`` (``o × i``, or transposed for ``Conv1D``) is its layout's
+(:mod:`lightning_offload.lsp.layouts`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_offload.lsp.kernels.selection import KernelSelector
+from lightning_offload.lsp.layouts import LayerLayout, layout_of, weight_shape
+from lightning_offload.lsp.layouts.conv1d import is_hf_conv1d  # noqa: F401  (its import path of before the layouts)
 from lightning_offload.lsp.linear_ops import backward_products, compiled_forward, compute_dtype, forward_products, \
     register_layer
 from lightning_offload.lsp.model_attachments import CopiedAsAbsent
@@ -41,17 +45,12 @@ class _Untimed:
 _UNTIMED = _Untimed()
 
 
-def is_hf_conv1d(module: nn.Module) -> bool:
-    """True for Hugging Face's ``Conv1D`` (GPT-2 style), which stores its weight transposed (``i × o``)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
-
-
 class ProjectedWeight(CopiedAsAbsent):
     """The LSP state of one weight: its projectors and the device buffer that accumulates ``S``.
 
     Args:
         name: the module's qualified name, used in messages and checkpoints.
-        module: an ``nn.Linear`` or Hugging Face ``Conv1D``.
+        module: a layer a registered layout recognises (``nn.Linear``, Hugging Face ``Conv1D``).
         proj_out: ``A`` (``d_o × o``).
         proj_in: ``B`` (``d_i × i``).
         kernels: the kernels of this layer's products, shared by the layers of one engine. Default: ``None`` (a
@@ -64,8 +63,9 @@ class ProjectedWeight(CopiedAsAbsent):
         #: Every module's qualified name whose forward uses this weight (the first is ``name``).
         self.names = [name]
         self.module = module
-        self.transposed = is_hf_conv1d(module)
-        out_features, in_features = self.weight_shape(module)
+        #: How the module stores its weight and computes its product (lsp/layouts).
+        self.layout: LayerLayout = _layout_of(name, module)
+        out_features, in_features = self.layout.weight_shape(module)
         if proj_out.dim_in != out_features or proj_in.dim_in != in_features:
             raise ValueError(
                 f"Projectors for {name} must compress ({out_features}, {in_features}); got "
@@ -127,17 +127,23 @@ class ProjectedWeight(CopiedAsAbsent):
             ValueError: when ``module`` does not hold this weight, or holds it in another layout (a ``Conv1D``
                 and a ``Linear`` sharing one tensor compute different products).
         """
-        if module.weight is not self.weight or is_hf_conv1d(module) != self.transposed:
+        layout = layout_of(module)
+        if module.weight is not self.weight or layout != self.layout:
+            theirs = layout.name if layout is not None else type(module).__name__
             raise ValueError(f"{name} cannot share the projection of {self.name}: it must hold the same weight "
-                             f"tensor in the same layout (both nn.Linear or both Conv1D).")
+                             f"tensor in the same layout (both {self.layout.name}; {name} is {theirs}).")
         self.names.append(name)
         self._bind(module)
 
     @staticmethod
     def weight_shape(module: nn.Module) -> tuple[int, int]:
-        """``(o, i)`` of the mathematical weight, whatever the storage layout."""
-        rows, cols = module.weight.shape
-        return (cols, rows) if is_hf_conv1d(module) else (rows, cols)
+        """``(o, i)`` of the mathematical weight, whatever the storage layout (its layout's, lsp/layouts)."""
+        return weight_shape(module)
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the stored weight is ``i × o`` (its layout's; Hugging Face ``Conv1D``)."""
+        return self.layout.transposed
 
     @property
     def weight(self) -> nn.Parameter:
@@ -151,7 +157,7 @@ class ProjectedWeight(CopiedAsAbsent):
 
     def set_projectors(self, proj_out: SparseProjector, proj_in: SparseProjector) -> None:
         """Replace ``A`` and ``B`` (a refit); the accumulator is resized and cleared."""
-        out_features, in_features = self.weight_shape(self.module)
+        out_features, in_features = self.layout.weight_shape(self.module)
         if proj_out.dim_in != out_features or proj_in.dim_in != in_features:
             raise ValueError(f"Projectors for {self.name} must compress ({out_features}, {in_features}).")
         self.proj_out, self.proj_in = proj_out, proj_in
@@ -180,7 +186,7 @@ class ProjectedWeight(CopiedAsAbsent):
         """
         self._add(self.compress(grad))
         if self.norm_probe.active:
-            grad_math = grad.detach().t() if self.transposed else grad.detach()  # o × i
+            grad_math = self.layout.math_view(grad.detach())  # o × i
             probe = self.norm_probe.probe(grad_math.shape[1], grad_math.device, torch.float32)
             self.norm_probe.add(grad_math.float() @ probe)
         self.grad_version += 1
@@ -210,8 +216,7 @@ class ProjectedWeight(CopiedAsAbsent):
 
     def compress(self, matrix: Tensor) -> Tensor:
         """``A M Bᵀ`` in fp32 for a weight-shaped ``M`` (stored layout: transposed for ``Conv1D``)."""
-        matrix = matrix.detach()
-        matrix = matrix.t() if self.transposed else matrix  # o × i
+        matrix = self.layout.math_view(matrix.detach())  # o × i
         out_compressed = self.proj_out.compress_rows(matrix)  # d_o × i
         return self.proj_in.compress_rows(out_compressed.t()).t()  # d_o × d_i
 
@@ -224,8 +229,9 @@ class ProjectedWeight(CopiedAsAbsent):
                      one_step_size: bool = False) -> None:
         """``W ← W·decay + c·Aᵀ U B`` on the device in one pass over ``W``; ``c`` is :attr:`update_scale`.
 
-        The small side is expanded first (``U B``, or ``Uᵀ A`` for ``Conv1D``), then each row of ``W`` is updated from
-        it by :attr:`kernels`; no fp32 temporary the size of the weight exists.
+        The small side is expanded first (``U B``, or ``Uᵀ A`` for ``Conv1D``: :meth:`LayerLayout.update_sides
+        <lightning_offload.lsp.layouts.layout.LayerLayout.update_sides>`), then each row of ``W`` is updated from it by
+        :attr:`kernels`; no fp32 temporary the size of the weight exists.
 
         Args:
             update: ``U``, the host step's ``d_o × d_i`` update, already on the device.
@@ -240,12 +246,8 @@ class ProjectedWeight(CopiedAsAbsent):
         keep_rms = one_step_size and not self.keeps_norms
         if self.update_scale != 1.0 and not keep_rms:
             update = update * self.update_scale  # on the small d_o × d_i side, before expanding
-        if self.transposed:
-            # Storage is (Aᵀ U B)ᵀ = Bᵀ (Uᵀ A): rows are input features, expanded by B from Uᵀ A (d_i × o).
-            row_projector, half = self.proj_in, self.kernels.expand_columns(self.proj_out, update.t())
-        else:
-            # Rows are output features, expanded by A from U B (d_o × i).
-            row_projector, half = self.proj_out, self.kernels.expand_columns(self.proj_in, update)
+        row_projector, column_projector, small_side = self.layout.update_sides(self.proj_out, self.proj_in, update)
+        half = self.kernels.expand_columns(column_projector, small_side)
         if keep_rms:
             match_element_rms_(half, row_projector, update)
         self.kernels.update_rows_(self.weight.data, row_projector, half, decay, stochastic_generator)
@@ -262,6 +264,16 @@ class ProjectedWeight(CopiedAsAbsent):
             else:
                 attributes["forward"] = instance_forward
             del attributes["_lsp_state"]
+
+
+def _layout_of(name: str, module: nn.Module) -> LayerLayout:
+    """``module``'s layout; a module no layout recognises cannot be projected."""
+    layout = layout_of(module)
+    if layout is None:
+        raise TypeError(f"{name} ({type(module).__name__}) cannot be projected: no registered layer layout "
+                        f"recognises it. Register its layout with lightning_offload.lsp.layouts.register_layout, or "
+                        f"leave it out of target_modules.")
+    return layout
 
 
 class _ProjectedForward:

@@ -16,7 +16,6 @@ import weakref
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_offload.lsp.norm_probe import PROBES
@@ -49,9 +48,8 @@ def forward_products(state: ProjectedWeight, x: Tensor, weight: Tensor, bias: Te
     with torch.autocast(x.device.type, enabled=False):
         x_c = x.to(dtype)
         w_c = weight.to(dtype)
-        w_math = w_c.t() if state.transposed else w_c  # o × i
         b_c = bias.to(dtype) if bias is not None else None
-        out = F.linear(x_c, w_math, b_c)
+        out = state.layout.forward(x_c, w_c, b_c)
         # Keep only B Xᵀ for the weight gradient: d_i numbers per token instead of i.
         x_proj = x_probe = None
         if keep:
@@ -75,8 +73,7 @@ def backward_products(state: ProjectedWeight, grad_out: Tensor, w_c: Tensor, x_p
         grad_out = grad_out.to(w_c.dtype)
         grad_x = None
         if input_grad:
-            w_math = w_c.t() if state.transposed else w_c
-            grad_x = grad_out @ w_math
+            grad_x = state.layout.input_grad(grad_out, w_c)
         with state.phases.phase("backward_projection"):
             if x_probe is not None:
                 # G z = Δᵀ (X z), o × m: added before S, whose completion may start the step's send.
@@ -131,7 +128,7 @@ def _projected_linear_op(x: Tensor, bias: Optional[Tensor], anchor: Tensor, laye
 def _projected_linear_shapes(x: Tensor, bias: Optional[Tensor], anchor: Tensor, layer: int, dtype: torch.dtype,
                              probing: bool) -> tuple[Tensor, Tensor, Tensor]:
     state = _LAYERS[layer]
-    out_features = state.weight_shape(state.module)[0]
+    out_features = state.layout.weight_shape(state.module)[0]
     tokens = x.numel() // x.shape[-1]
     out = x.new_empty((*x.shape[:-1], out_features), dtype=dtype)
     x_proj = x.new_empty((state.proj_in.dim_out, tokens), dtype=product_dtype_of(x.device, dtype))
@@ -157,7 +154,7 @@ def _projected_linear_backward_shapes(grad_out: Tensor, x_proj: Tensor, x_probe:
                                       dtype: torch.dtype, probing: bool, input_grad: bool,
                                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     state = _LAYERS[layer]
-    out_features, in_features = state.weight_shape(state.module)
+    out_features, in_features = state.layout.weight_shape(state.module)
     grad_x = grad_out.new_empty((*grad_out.shape[:-1], in_features) if input_grad else (0,), dtype=dtype)
     grad_bias = grad_out.new_empty((out_features,) if bias_grad else (0,), dtype=dtype)
     return grad_x, grad_bias, grad_out.new_zeros(())

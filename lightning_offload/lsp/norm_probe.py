@@ -71,9 +71,8 @@ class NormProbe:
         self._probe: Tensor | None = None
         #: ``G z`` accumulated over the current step's backwards (``o × m``, fp32), or ``None``.
         self.sketch: Tensor | None = None
-        #: ``[‖S‖², ‖G z‖²/m, ‖S‖²/(‖G z‖²/m), 1]`` summed over the measured steps, each step's weight decaying by
-        #: ``1 − 1/WINDOW_STEPS`` per later step (fp32, on the device: no read per step), or ``None``. Their ratios
-        #: are the averages; the last two give the average of per-step ratios, kept for comparison.
+        #: ``[‖S‖², ‖G z‖²/m]`` summed over the measured steps, each step's weight decaying by ``1 − 1/WINDOW_STEPS``
+        #: per later step (fp32, on the device: no read per step), or ``None``. Their ratio is the ratio of averages.
         self.sums: Tensor | None = None
         #: Steps in :attr:`sums` (measured since the projectors were installed).
         self.window_steps = 0
@@ -112,7 +111,7 @@ class NormProbe:
 
     # ------------------------------------------------------------------------------------------------ the average
     def record(self, figures: Tensor) -> None:
-        """Add one step's ``[‖S‖², ‖G z‖²/m, ‖S‖²/(‖G z‖²/m), 1]`` to :attr:`sums`, the older steps' weight decayed."""
+        """Add one step's ``[‖S‖², ‖G z‖²/m]`` to :attr:`sums`, the older steps' weight decayed."""
         if self.sums is None:
             self.sums = figures.clone()
         else:
@@ -134,14 +133,13 @@ class NormProbe:
         return {"active": self.active, "draws": self.draws, "steps": self.steps, "window_steps": self.window_steps,
                 "sums": None if self.sums is None else self.sums.tolist()}
 
-    def load_state_dict(self, state: dict[str, Any] | None, device: torch.device) -> None:
-        """Restore :meth:`state_dict` output; ``None`` (a checkpoint written before the measurement) starts afresh."""
-        state = state or {}
-        self.active = bool(state.get("active", False)) and self.measured and PROBES > 0
-        self.draws = int(state.get("draws", 0))
-        self.steps = int(state.get("steps", 0))
-        self.window_steps = int(state.get("window_steps", 0))
-        sums = state.get("sums")
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.active = bool(state["active"]) and self.measured and PROBES > 0
+        self.draws = int(state["draws"])
+        self.steps = int(state["steps"])
+        self.window_steps = int(state["window_steps"])
+        sums = state["sums"]
         self.sums = None if sums is None else torch.tensor(sums, dtype=torch.float32, device=device)
         self._probe, self.sketch = None, None
 
@@ -151,10 +149,3 @@ def pooled_ratio(sums: list[float]) -> float:
     squares, probed = sums[0], sums[1]
     ratio = math.sqrt(squares / probed) if probed > 0 and squares > 0 else math.nan
     return ratio if math.isfinite(ratio) else math.nan
-
-
-def mean_of_ratios(sums: list[float]) -> float:
-    """The other pooling of :attr:`NormProbe.sums`, ``√(avg_step ‖S‖²/(‖G z‖²/m))``, for comparison (see the module's
-    docstring)."""
-    weights = sums[3] if len(sums) > 3 else math.nan
-    return math.sqrt(sums[2] / weights) if weights > 0 and sums[2] > 0 and math.isfinite(sums[2]) else math.nan

@@ -1,8 +1,9 @@
 """A model's output heads, found wherever the user's model keeps them.
 
-The output head maps the last hidden states to the vocabulary. It is never projected by default (its gradient is
-the model's most informative, and a head projected by mistake cost measured runs a fifth of AdamW's gain), and
-``head=`` places it. So it must be found in every model a user brings, not only in a bare Hugging Face model:
+The output head maps the last hidden states to the vocabulary. It is not projected by the layer selection (a small
+head projected cost measured runs a fifth of AdamW's gain); ``head=`` places it, by default by its size (dense on the
+host, projected from 2**27 elements: setup/embeddings_head.py). So it must be found in every model a user brings,
+not only in a bare Hugging Face model:
 
 1. **Declared**: what any submodule's ``get_output_embeddings()`` returns (a Hugging Face model, under any attribute
    of a LightningModule). A wrapper returned there (PEFT's ``ModulesToSaveWrapper``, which keeps the frozen original
@@ -21,12 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_offload.lsp.linear import ProjectedWeight, is_hf_conv1d
-
-
-def is_projectable(module: nn.Module) -> bool:
-    """Whether ``module`` is a layer LSP can project: an ``nn.Linear`` or Hugging Face's ``Conv1D``."""
-    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+# is_projectable is re-exported: its import path of before the layouts (lsp/layouts) decided it.
+from lightning_offload.lsp.layouts import is_projectable, weight_shape
 
 
 @dataclass(frozen=True)
@@ -83,7 +80,7 @@ def _heads_by_shape(model: nn.Module, names: dict[int, str]) -> dict[int, Output
             heads.setdefault(id(module), OutputHead(name, module, f"holds the weight of embedding {embedding_name!r}"))
         vocabulary, hidden = embedding.weight.shape
         shaped = [(name, module) for name, module in layers
-                  if ProjectedWeight.weight_shape(module) == (vocabulary, hidden) and id(module) not in heads]
+                  if weight_shape(module) == (vocabulary, hidden) and id(module) not in heads]
         if len(shaped) > 1:
             # A stack's layers repeat their shape under indexed containers; a head sits outside them.
             shaped = [(name, module) for name, module in shaped if not any(part.isdigit() for part in name.split("."))]

@@ -28,8 +28,8 @@ def sample_gradients(
         model: the module holding the layers; its other parameters get ``requires_grad=False`` inside the block
             (restored on exit), so backward computes no gradient it would throw away.
         layers: the projected layers whose gradients are wanted; they run their plain forward inside the block.
-        consume: called once per layer per backward with ``G`` in the ``o × i`` layout (transposed back for
-            Hugging Face ``Conv1D``); ``G`` is freed when it returns.
+        consume: called once per layer per backward with ``G`` in the ``o × i`` layout (its layer layout's math
+            view: transposed back for Hugging Face ``Conv1D``); ``G`` is freed when it returns.
     """
     wanted = {id(layer.weight) for layer in layers}
     flags = [(param, param.requires_grad) for param in model.parameters()]
@@ -57,6 +57,6 @@ def _deliver(layer: ProjectedWeight, consume: GradientConsumer) -> Callable[[Ten
     def hook(weight: Tensor) -> None:
         grad, weight.grad = weight.grad, None  # dropped here: the next layer's gradient may then reuse the memory
         grad = grad.float()
-        consume(layer, grad.t() if layer.transposed else grad)
+        consume(layer, layer.layout.math_view(grad))
 
     return hook

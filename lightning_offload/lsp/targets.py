@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_offload.lsp.layouts import is_projectable, weight_shape
 from lightning_offload.lsp.linear import ProjectedWeight
-from lightning_offload.lsp.output_heads import is_projectable, output_heads
+from lightning_offload.lsp.output_heads import output_heads
 
 
 def compressed_size(size: int, rank: int | float) -> int:
@@ -133,7 +134,7 @@ def projection_selection(
                 f"{sample}. Fix the pattern (it is a regular expression searched in the qualified name)."
             )
     for name, module in candidates.items():
-        out_features, in_features = ProjectedWeight.weight_shape(module)
+        out_features, in_features = weight_shape(module)
         if include is not None and not any(re.search(p, name) for p in include):
             why = "not in target_modules"
         elif include is None and id(module) in heads:

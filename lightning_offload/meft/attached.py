@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -21,10 +20,6 @@ from lightning_offload.engine.rows.row_gradients import RowGradients
 from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.figures import row_figures
 from lightning_offload.meft.injection import meft_adapters
-
-# Where checkpoints written before the rows were slots of the engine kept the rows' Adam state.
-OLD_STATE_KEY = "meft_host_rows"
-
 
 @dataclass(frozen=True)
 class AdapterRowSettings:
@@ -105,20 +100,6 @@ class AttachedAdapters:
         """The ``meft/*`` figures of the step just taken (the traffic counters are read and reset)."""
         assert self.gradients is not None, "the adapters were handed back"
         return row_figures(self.adapters, self.slots, self.gradients.take_busy_seconds(), skipped_steps, device)
-
-    def old_state_as_slots(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` (an engine state dict) with the rows' Adam state of a checkpoint written before the rows were
-        slots moved to where their slots keep it; other states are returned as they are."""
-        old_rows = state.get(OLD_STATE_KEY)
-        if old_rows is None:
-            return state
-        if len(old_rows["rows"]) != len(self.slots):
-            raise ValueError(f"Checkpoint holds host state for {len(old_rows['rows'])} MEFT adapters, the model has "
-                             f"{len(self.slots)}.")
-        state = {key: value for key, value in state.items() if key != OLD_STATE_KEY}
-        state["slots"] = [*state["slots"], *(slot.name for slot in self.slots)]
-        state["host_adam"] = [*state["host_adam"], *old_rows["rows"]]
-        return state
 
     def release(self, finish: bool) -> None:
         """Hand the adapters back as plain modules (a later backward adds to their accumulators as to ``.grad``).

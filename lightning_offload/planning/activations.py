@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_offload.lm_loss import LogitTransform, base_and_head, check_loss_kind, chunk_transient_bytes, head_loss
-from lightning_offload.lsp.linear import is_hf_conv1d
+from lightning_offload.lsp.layouts import LayerLayout, layout_of
 
 
 @dataclass(frozen=True)
@@ -71,15 +71,13 @@ def blocks_of(network: nn.Module) -> nn.ModuleList | None:
 
 
 class _SavesProjection(torch.autograd.Function):
-    """A projected Linear/Conv1D as ``lsp/linear.py`` runs it, for counting only: its output, and ``B Xᵀ``'s shape
-    saved in place of the input."""
+    """A projected layer as ``lsp/linear.py`` runs it, for counting only: its output (its layout's forward), and
+    ``B Xᵀ``'s shape saved in place of the input."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, conv1d: bool, d_in: int,
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, layout: LayerLayout, d_in: int,
                 product_dtype: torch.dtype) -> Tensor:
-        out = x @ weight if conv1d else x @ weight.t()
-        if bias is not None:
-            out = out + bias
+        out = layout.forward(x, weight, bias)
         tokens = math.prod(x.shape[:-1])
         ctx.save_for_backward(weight, x.new_empty((d_in, tokens), dtype=product_dtype))
         return out
@@ -123,7 +121,7 @@ def _fused_attention_kernels() -> Iterator[None]:
 
 def _projection_forward(d_in: int, product_dtype: torch.dtype) -> Any:
     def forward(self: nn.Module, x: Tensor) -> Tensor:
-        return _SavesProjection.apply(x, self.weight, self.bias, is_hf_conv1d(self), d_in, product_dtype)
+        return _SavesProjection.apply(x, self.weight, self.bias, layout_of(self), d_in, product_dtype)
     return forward
 
 

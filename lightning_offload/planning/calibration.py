@@ -83,7 +83,7 @@ _GIB = 2**30
 # The rate a named profile's matmuls are assumed to run at is an achieved one, not the chip's peak: the cost model
 # divides every FLOP of a step by it and models nothing else of the model's own work (norms, activations, softmax,
 # the loss, kernel launches, Python), so the rate has to carry those too. The one GPU calibration there is, the
-# H200 run of 2026-11-30 (DESIGN.md §10, docs/benchmarks.md's GPU section): LLaMA 1.3B shape (hidden 2048, 24
+# H200 run of 2026-11-30 (docs/benchmarks.md, "GPU: the last measurement"): LLaMA 1.3B shape (hidden 2048, 24
 # layers, MLP 5504, vocabulary 32000 untied), bf16-true, 4×512 tokens, no checkpointing, the model's own loss,
 # native fused AdamW: 0.101 s a step. The cost model counts that step's matmuls (T = 2048 tokens, M = 1,279,787,008
 # Linear weight elements: 24 × (4·2048² + 3·2048·5504) + 32000·2048):

@@ -18,9 +18,9 @@ and the machine's speeds.
   add. On a GPU (and on the CPU behind the simulated link, the host on cores of its own) the layer-wise pipeline
   overlaps them: speculative host steps (the GPU default) start during backward,
   so a step takes the longest of the device's compute and the forward followed by the link's or the host's work, plus a
-  tail (the largest tensor's host step and copies, the embedding's
-  that arrives last and is needed first — DESIGN.md's physical limit); without speculation the host and link work
-  overlap the next forward only.
+  tail (the largest tensor's host step and copies, the embedding's that arrives last and is needed first:
+  docs/design.md, "The layer-wise pipeline"); without speculation the host and link work overlap the next forward
+  only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from lightning_offload.planning.inventory import Entry, Inventory
 #: Host Adam work per element of a gathered row step relative to the fused kernel on a whole tensor.
 ROW_STEP_FACTOR = 2.0
 #: MEFT's block row Adam per element relative to fused Adam on a whole tensor. Assumed, not measured here: the lazy row
-#: Adam measured 25–30× on the H200 host (DESIGN.md §10); the block Adam since steps whole blocks in place, in one pass.
+#: Adam measured 25–30× on the H200 host (docs/benchmarks/2026-11-30.md); the block Adam since steps whole blocks in
+#: place, in one pass.
 MEFT_ROW_FACTOR = 2.0
 #: Bytes a device AdamW reads and writes per element (weight, gradient, two moments; in and out where written).
 DEVICE_ADAM_BYTES = 28

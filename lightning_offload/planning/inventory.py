@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_offload.engine.rules.host_rule import HostRule, host_rule_of, refuse_rule_without_scales
 from lightning_offload.lsp.channel_scales import scaled_projection_size
-from lightning_offload.lsp.linear import ProjectedWeight
+from lightning_offload.lsp.layouts import LINEAR, LayerLayout, layout_of
 from lightning_offload.setup.embeddings_head import plan_placement
 from lightning_offload.setup.engine import Placements, rows_stepped_densely
 from lightning_offload.setup.projection import compressed_dim, projected_modules
@@ -42,6 +42,8 @@ class Entry:
         itemsize: bytes per element of the parameter as it trains (its dtype under the run's precision).
         compressed: ``(d_o, d_i)`` of a projected weight, ``(channels, r)`` of a scaled one; else ``None``.
         projector_sizes: ``(o, i)`` of a projected weight (the dims its projectors compress), else ``None``.
+        layout: how a projected or scaled weight's layer stores it (``lsp/layouts``). Default: ``LINEAR`` (an entry
+            made without its layer is taken as stored as a Linear's).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Entry:
     itemsize: int
     compressed: tuple[int, int] | None = None
     projector_sizes: tuple[int, int] | None = None
+    layout: LayerLayout = LINEAR
 
     @property
     def numel(self) -> int:
@@ -141,7 +144,8 @@ def inventory(model: nn.Module, settings: OffloadSettings | None, param_dtype: t
 
 def _projected_entry(name: str, module: nn.Module, settings: OffloadSettings, itemsize: int) -> Entry:
     """A projected (or scaled) weight's entry, sized and checked by the set-up layer's own rules."""
-    out_features, in_features = ProjectedWeight.weight_shape(module)
+    layout = layout_of(module)
+    out_features, in_features = layout.weight_shape(module)
     shape = tuple(module.weight.shape)
     if settings.update == "scaled":
         for side, size in (("output", out_features), ("input", in_features)):
@@ -149,10 +153,10 @@ def _projected_entry(name: str, module: nn.Module, settings: OffloadSettings, it
         channels = max(out_features, in_features)
         return Entry(f"{name}.weight", "scaled", shape, itemsize,
                      (channels, scaled_projection_size(out_features, in_features, settings.rank)),
-                     (out_features, in_features))
+                     (out_features, in_features), layout)
     d_out = compressed_dim(settings, name, "output", out_features)
     d_in = compressed_dim(settings, name, "input", in_features)
-    return Entry(f"{name}.weight", "projected", shape, itemsize, (d_out, d_in), (out_features, in_features))
+    return Entry(f"{name}.weight", "projected", shape, itemsize, (d_out, d_in), (out_features, in_features), layout)
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,9 @@ def host_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
 
 
 def speculation_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
-    """Host bytes of one slot's speculation backup (part of :func:`host_bytes`): engine/step/host_jobs.py backs up the
-    variable and its moments (and step) before a speculative step."""
+    """Host bytes of one slot's speculation backup (part of :func:`host_bytes`): the speculative commit
+    (engine/step/speculation.py, its ``Backup`` in engine/step/slot_step.py) backs up the variable and its moments (and
+    step) before a speculative step."""
     if not link.speculative or entry.kind not in ("dense", "projected"):
         return 0
     return entry.host_numel * (4 + 4 * rule.moments) + rule.step_bytes

@@ -11,7 +11,7 @@ from the set-up layer (:mod:`lightning_offload.planning.inventory`), activations
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_offload.engine.rules.host_rule import MEFT_ROWS, HostRule, host_rule_of, optimizer_class
 from lightning_offload.lm_loss import check_loss_kind
-from lightning_offload.lsp.linear import is_hf_conv1d
+from lightning_offload.lsp.layouts import is_projectable
 from lightning_offload.meft.config import MEFTConfig
 from lightning_offload.planning.activations import Activations, blocks_of, measure_activations, network_of
 from lightning_offload.planning.calibration import Hardware, hardware as hardware_of
@@ -29,7 +29,7 @@ from lightning_offload.planning.inventory import Inventory, Link, host_bytes, in
 from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
 from lightning_offload.planning.projection_time import projection_seconds
 from lightning_offload.planning.report import Plan
-from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
+from lightning_offload.setup.settings import PRESETS, OffloadSettings, face_settings
 
 STRATEGIES = ("auto", "zero_offload", "lsp_offload", "meft_offload")
 #: Each precision's ``(parameter dtype, compute dtype)``.
@@ -57,23 +57,36 @@ def parse_bytes(value: int | float | str, name: str) -> int:
     return int(value)
 
 
-def settings_for(strategy: str, settings: dict[str, Any]) -> OffloadSettings | None:
-    """The strategy's settings value, validated as the strategy validates it (``None`` for plain training).
+def settings_for(strategy: str, settings: dict[str, Any],
+                 value: OffloadSettings | None = None) -> OffloadSettings | None:
+    """The strategy's settings value, validated as the strategy validates it (``None`` for plain training): ``value``
+    (a strategy's own, taken whole) with ``settings`` given by name put in, or those alone.
 
     Raises:
-        ValueError: for an unknown strategy, or a setting it refuses. TypeError: for an unknown setting.
+        ValueError: for an unknown strategy, a setting it refuses, or a ``value`` its preset contradicts. TypeError:
+            for an unknown setting.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one a plan knows; use one of {STRATEGIES} ('auto': plain "
                          f"AdamW on the device).")
     owner = f"plan(strategy={strategy!r})"
     if strategy == "auto":
-        if settings:
-            raise ValueError(f"{owner}: {', '.join(sorted(settings))} do not apply to plain training on the device. "
+        if settings or value is not None:
+            shown = ", ".join(sorted(settings)) or "settings"
+            raise ValueError(f"{owner}: {shown} do not apply to plain training on the device. "
                              f"Remove them, or plan strategy='lsp_offload' or 'zero_offload'.")
         return None
-    forced = {"projection": False} if strategy in ("zero_offload", "meft_offload") else {}
-    return loop_face_settings(owner, settings, forced)
+    preset = PRESETS[strategy]
+    named = face_settings(owner, settings, preset)  # each setting given by name refused or kept as the strategy would
+    if value is None:
+        return named
+    contradicted = {name: want for name, want in preset.items() if getattr(value, name) != want}
+    if contradicted:
+        given = ", ".join(f"{name}={getattr(value, name)!r}" for name in contradicted)
+        raise ValueError(f"{owner}: the settings value has {given}, which {strategy} sets to "
+                         f"{', '.join(f'{k}={v!r}' for k, v in contradicted.items())}. Plan the strategy those "
+                         f"settings are for (zero_offload for projection=False).")
+    return replace(value, **settings)
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,7 @@ def _shape(model: nn.Module) -> _Shape:
     network = network_of(model)
     config = network.config
     blocks = blocks_of(network)
-    matmul = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)}
+    matmul = {name: m for name, m in model.named_modules() if is_projectable(m)}
     head = network.get_output_embeddings()
     head_name = next((f"{name}.weight" for name, m in model.named_modules() if m is head), None) if head else None
     parameter = next((n for n, p in model.named_parameters() if p is head.weight), None) if head else None
@@ -109,7 +122,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
          host_memory: int | float | str | None = None, meft: MEFTConfig | None = None,
          activation_bytes: int | None = None, headroom: float = 0.05,
          optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | str | None = None, loss: str = "chunked",
-         **settings: Any) -> Plan:
+         settings: OffloadSettings | None = None, **named: Any) -> Plan:
     """Predict a run: device and host bytes, link bytes per step, whether it fits, and the step time with its parts.
 
     Args:
@@ -138,8 +151,10 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
         loss: ``"chunked"`` (:func:`lightning_offload.causal_lm_loss`: what the package's task and CLI use; no
             ``tokens × vocabulary`` logits) or ``"model"`` (the model's own loss over all the logits). Default:
             ``"chunked"``.
-        settings: the strategy's settings, as the strategies take them (``rank=0.125``, ``update="scaled"``,
-            ``embeddings="host"``, ``link_dtype="bf16"``...).
+        settings: the strategy's settings as one value (a strategy's ``.settings``). Default: ``None`` (its
+            defaults).
+        named: the strategy's settings by name, as the strategies take them (``rank=0.125``, ``update="scaled"``,
+            ``embeddings="host"``, ``link_dtype="bf16"``...), in place of those of ``settings``.
 
     Raises:
         ValueError: for an unknown strategy or precision, a setting the strategy refuses, or a size that is not
@@ -152,7 +167,7 @@ def plan(model: nn.Module, strategy: str = "lsp_offload", *, batch_size: int, se
                                       precision="bf16-true", gradient_checkpointing=True, hardware="rtx4090")
         print(plan.table())  # plan.fits, plan.device_bytes, plan.host_bytes, plan.step_seconds, plan.figures()
     """
-    offload = settings_for(strategy, settings)
+    offload = settings_for(strategy, named, settings)
     user_optimizer = optimizer_class(optimizer)
     rule = host_rule_of(user_optimizer)
     if strategy == "meft_offload":

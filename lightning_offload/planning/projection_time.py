@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload.lsp.kernels.selection import KernelSelector
+from lightning_offload.lsp.layouts import LayerLayout
 from lightning_offload.lsp.projector import random_projector
 from lightning_offload.planning.calibration import Hardware
 from lightning_offload.planning.inventory import Entry
@@ -56,9 +57,8 @@ def projection_seconds(projected: list[Entry], tokens: int, density: int, hw: Ha
     for entry in projected:
         (o, i), (d_o, d_i) = entry.projector_sizes, entry.compressed
         weight_dtype = torch.bfloat16 if entry.itemsize == 2 else torch.float32
-        transposed = tuple(entry.shape) == (i, o) and i != o  # a Conv1D's storage: its rows are input features
         if timed:
-            total += _bounded_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, transposed,
+            total += _bounded_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, entry.layout,
                                       hw.device, policy)
         else:
             total += _floor_bytes(o, i, d_o, d_i, density, tokens, compute_dtype.itemsize, entry.itemsize) \
@@ -77,13 +77,13 @@ def _floor_bytes(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int, 
 
 
 def _bounded_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int, compute_dtype: torch.dtype,
-                     weight_dtype: torch.dtype, transposed: bool, device_type: str, policy: str) -> float:
+                     weight_dtype: torch.dtype, layout: LayerLayout, device_type: str, policy: str) -> float:
     """One layer's four products as :func:`_timed_seconds` times them, at a size whose operands stay within
     :data:`TIMED_ELEMENTS`: the larger side ``n`` (and its compressed size) is cut by a factor ``f``, and each product
     whose work is linear in that side is counted ``f`` times (the compression of the other side's tokens is not)."""
     cut = max(1, math.ceil(max(o * i, tokens * max(o, i)) / TIMED_ELEMENTS))
     if cut == 1:
-        return sum(_timed_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, transposed,
+        return sum(_timed_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype, layout,
                                   device_type, policy))
     output_cut = o >= i
     if output_cut:
@@ -91,7 +91,7 @@ def _bounded_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: i
     else:
         i, d_i = math.ceil(i / cut), max(density, math.ceil(d_i / cut))
     forward, backward, expand, apply = _timed_seconds(o, i, d_o, d_i, density, tokens, compute_dtype, weight_dtype,
-                                                      transposed, device_type, policy)
+                                                      layout, device_type, policy)
     # The forward compresses the input side's tokens, the backward the output side's: each is linear in its own side
     # only. The update's two products are linear in either side.
     forward, backward = (forward, backward * cut) if output_cut else (forward * cut, backward)
@@ -100,7 +100,7 @@ def _bounded_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: i
 
 @functools.lru_cache(maxsize=256)
 def _timed_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int, compute_dtype: torch.dtype,
-                   weight_dtype: torch.dtype, transposed: bool, device_type: str,
+                   weight_dtype: torch.dtype, layout: LayerLayout, device_type: str,
                    policy: str) -> tuple[float, float, float, float]:
     """One layer's four products on this device as ``lsp/linear.py`` runs them (the same products, so the same keys
     in the kept choices), each by the kernel the selection chooses, at its best timed call: the seconds of the
@@ -113,10 +113,9 @@ def _timed_seconds(o: int, i: int, d_o: int, d_i: int, density: int, tokens: int
     x = torch.randn(tokens, i, generator=generator).to(device, compute_dtype)
     delta = torch.randn(tokens, o, generator=generator).to(device, compute_dtype)
     update = torch.randn(d_o, d_i, generator=generator).to(device)
-    # Rows of the stored weight are output features, expanded by A from U B; a Conv1D's are input features,
-    # expanded by B from Uᵀ A.
-    rows_projector, columns_projector = (proj_in, proj_out) if transposed else (proj_out, proj_in)
-    small_side = update.t() if transposed else update  # a view, as the layer passes it
+    # The stored weight's rows and the update's small side as the layer's layout gives them (a Conv1D's rows are
+    # input features, expanded by B from Uᵀ A, a view of U).
+    rows_projector, columns_projector, small_side = layout.update_sides(proj_out, proj_in, update)
     weight = torch.randn(rows_projector.dim_in, columns_projector.dim_in, generator=generator).to(device, weight_dtype)
 
     def timed(product: Callable[[KernelSelector], Tensor | None]) -> tuple[Tensor | None, float]:

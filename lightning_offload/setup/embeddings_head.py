@@ -31,29 +31,15 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from lightning_offload.engine.settings import (  # noqa: F401  (the placements' names, re-exported)
+    EMBEDDING_PLACEMENTS, HEAD_PLACEMENTS, VECTOR_PLACEMENTS, validate_placements)
 from lightning_offload.lsp.output_heads import output_heads
 
-EMBEDDING_PLACEMENTS = ("host", "sparse", "device", "frozen")
-HEAD_PLACEMENTS = ("host", "projected", "device", "frozen")
-VECTOR_PLACEMENTS = ("device", "host")
 #: The default head placement of a strategy that projects (``head=None``): each head's by its size.
 HEAD_BY_SIZE = "by size"
 #: Elements from which ``head=None`` projects a head (2**27, 134M: at ~30 host bytes an element, its dense state and
 #: speculation backup would be 3.75 GiB, and its host Adam the step's floor on a GPU).
 PROJECTED_HEAD_ELEMENTS = 2**27
-
-
-def validate_placements(embeddings: str, head: str, vectors: str = "device") -> None:
-    """Raise a ValueError naming the accepted values when ``embeddings``, ``head`` or ``vectors`` is not one of them."""
-    if embeddings not in EMBEDDING_PLACEMENTS:
-        raise ValueError(f"embeddings={embeddings!r} is not one of {EMBEDDING_PLACEMENTS}: 'host' steps them densely "
-                         f"on the host (exact), 'sparse' only the batch's rows.")
-    if head not in HEAD_PLACEMENTS:
-        raise ValueError(f"head={head!r} is not one of {HEAD_PLACEMENTS}: 'host' steps it densely on the host "
-                         f"(exact), 'projected' compresses it like any Linear.")
-    if vectors not in VECTOR_PLACEMENTS:
-        raise ValueError(f"vectors={vectors!r} is not one of {VECTOR_PLACEMENTS}: 'device' steps the norm weights and "
-                         f"biases by an Adam on the device, 'host' on the host like the other dense parameters.")
 
 
 @dataclass

@@ -8,7 +8,7 @@ back as it was. Every face sets up through here (the Trainer strategies, Fabric'
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -218,19 +218,13 @@ def build_engine(model: torch.nn.Module, user_optimizer: Any, settings: OffloadS
     if settings.projection and not layers:
         warn(nothing_projected_message(model, trained, settings.min_dim, name))
     try:
+        freeing = settings.free_sent_gradients
         optimizer = optimizer_class(
             user_optimizer,
             layers,
             device,
             model=model,
-            pipelined=settings.pipelined,
-            link_dtype=settings.link_dtype,
-            on_nonfinite=settings.on_nonfinite,
-            rounding_seed=settings.seed,
-            update_buffers=settings.update_buffers,
-            speculative=settings.speculative,
-            free_sent_gradients=settings.free_sent_gradients if settings.free_sent_gradients is not None
-            else frees_sent_gradients,
+            settings=settings if freeing is not None else replace(settings, free_sent_gradients=frees_sent_gradients),
             keep_on_device=placement.device,
             row_sparse=placement.row_sparse,
             frozen=placement.frozen,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,14 +22,15 @@ from lightning_offload.engine.optimizer import OffloadOptimizer
 from lightning_offload.inner_optimizers import step_unhooked
 from lightning_offload.lsp.model_attachments import EngineHook
 from lightning_offload.setup.engine import EngineSetup
-from lightning_offload.setup.settings import OffloadSettings, loop_face_settings
+from lightning_offload.setup.refit_schedule import check_refit_every, refit_due
+from lightning_offload.setup.settings import OffloadSettings
 
 log = logging.getLogger(__name__)
 
 #: What a loop face takes besides the offload settings (the keyword arguments of :func:`~lightning_offload.offload`).
 LOOP_SETTINGS = ("device", "max_grad_norm", "fitting", "refit_every", "accumulation_steps")
-#: The offload settings a loop face refuses: a loop of one's own has no logger (it reads ``opt.telemetry``).
-LOOP_REFUSED = ("log_telemetry",)
+#: The offload settings a loop face refuses, with the reason its error gives.
+LOOP_REFUSED = {"log_telemetry": "a loop of one's own has no logger; read opt.telemetry (its figures) instead."}
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,7 @@ class LoopSettings:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be positive (or None: no clipping unless "
                              f"clip_grad_norm_ is called).")
-        if not isinstance(self.refit_every, int) or self.refit_every < 0:
-            raise ValueError(f"refit_every={self.refit_every!r} must be an int ≥ 0 (0: no refits after the first "
-                             f"fit).")
+        check_refit_every(self.refit_every)
         steps = self.accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"accumulation_steps={steps!r} must be the number of micro-batches per optimizer step "
@@ -97,11 +96,11 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     loop: LoopControl
 
-    def configure_loop(self, setup: EngineSetup, settings: OffloadSettings, loop: LoopSettings, name: str,
+    def configure_loop(self, setup: EngineSetup, loop: LoopSettings, name: str,
                        agreement: FitAgreement | None = None) -> None:
         """Called once by the set-up that built it (:func:`~lightning_offload.offload`, the Fabric strategies;
         ``agreement``: how the ranks agree on a projector fit, one process's by default)."""
-        wants_fit = settings.learns_projectors and bool(self.projected_layers)
+        wants_fit = self.settings.learns_projectors and bool(self.projected_layers)
         self.loop = LoopControl(setup, loop, name, wants_fit)
         if agreement is not None:
             self.loop.agreement = agreement
@@ -174,11 +173,11 @@ class LoopOffloadOptimizer(OffloadOptimizer):
 
     @property
     def refit_due(self) -> bool:
-        """Whether ``refit_every`` steps have passed since the latest fit (never with ``refit_every=0`` or no fit)."""
+        """Whether ``refit_every`` steps have passed since the latest fit or check (never with ``refit_every=0`` or
+        before the first fit): the rule every face follows (:func:`~lightning_offload.setup.refit_schedule.refit_due`).
+        """
         loop = self.loop
-        if not loop.wants_fit or not loop.settings.refit_every or loop.last_fit_step < 0:
-            return False
-        return self.steps_taken - loop.last_fit_step >= loop.settings.refit_every
+        return loop.wants_fit and refit_due(self.steps_taken, loop.last_fit_step, loop.settings.refit_every)
 
     def fit_projectors(self, batches: Iterable[Any], loss_fn: LossFn) -> RefitRecord:
         """Fit the projectors now: every projected layer at the first call (the initial fit), then a check that
@@ -283,20 +282,3 @@ def loop_settings(settings: OffloadSettings, max_grad_norm: float | None, accumu
                          f"are no projectors to fit. Remove it, or use strategy='lsp_offload'.")
     return LoopSettings(max_grad_norm, accumulation_steps, refit_every,
                         fitting if fitting is not None else ProjectorFitting(seed=settings.seed))
-
-
-def offload_settings(name: str, forced: Mapping[str, Any], settings: Mapping[str, Any]) -> OffloadSettings:
-    """The settings value of a loop face (:func:`~lightning_offload.offload`, Fabric's strategies) named ``name``,
-    which sets ``forced`` itself.
-
-    Raises:
-        ValueError: for a setting the face sets itself, ``log_telemetry``, a projection setting where nothing is
-            projected, or a bad value; an unknown one is a ``TypeError`` naming the closest known one.
-    """
-    refused = sorted((set(forced) | set(LOOP_REFUSED)) & set(settings))
-    if refused:
-        raise ValueError(f"{name} does not take {refused[0]}=: "
-                         + ("a loop of one's own has no logger; read opt.telemetry (its figures) instead."
-                            if refused[0] == "log_telemetry" else "it sets it itself. Leave it out, or use another "
-                                                                  "strategy."))
-    return loop_face_settings(name, settings, forced, LOOP_SETTINGS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_offload.lsp.linear import ProjectedWeight, is_hf_conv1d
+from lightning_offload.lsp.layouts import is_projectable, weight_shape
 
 #: How to train without projection, in each face.
 ZERO_OFFLOAD = ("use zero_offload instead (strategy='zero_offload', FabricZeroOffload, or "
@@ -29,8 +29,8 @@ def nothing_projected_message(model: nn.Module, trained: set[int], min_dim: int,
         The message: what was found (Linear/Conv1D layers, trainable or frozen, their largest shapes) and the fix for
         that case (``zero_offload``, a lower ``min_dim``, or ``target_modules``).
     """
-    shapes = {module_name: ProjectedWeight.weight_shape(module) for module_name, module in model.named_modules()
-              if isinstance(module, nn.Linear) or is_hf_conv1d(module)}
+    shapes = {module_name: weight_shape(module) for module_name, module in model.named_modules()
+              if is_projectable(module)}
     if not shapes:
         found, fix = f"{type(model).__name__} has no nn.Linear or Conv1D layer", ZERO_OFFLOAD
     else:

@@ -9,6 +9,7 @@ import torch
 
 from lightning_offload.lsp.channel_scales import ScaledRule, ScaledWeight
 from lightning_offload.lsp.kernels.selection import KernelSelector
+from lightning_offload.lsp.layouts import weight_shape
 from lightning_offload.lsp.linear import ProjectedWeight
 from lightning_offload.lsp.targets import ProjectionSelection, compressed_size, projection_selection
 from lightning_offload.setup.embeddings_head import Placement
@@ -36,7 +37,7 @@ def attach_projections(modules: dict[str, torch.nn.Module], settings: OffloadSet
             # backward adds into its S, as every use's gradient adds into a dense weight's .grad.
             shared.add_use(name, module)
             continue
-        out_features, in_features = ProjectedWeight.weight_shape(module)
+        out_features, in_features = weight_shape(module)
         d_out = compressed_dim(settings, name, "output", out_features)
         d_in = compressed_dim(settings, name, "input", in_features)
         proj_out = settings.projector_factory(out_features, d_out, settings.density, generator, device)
@@ -54,7 +55,7 @@ def scaled_weights(modules: dict[str, torch.nn.Module], settings: OffloadSetting
     weights: dict[int, ScaledWeight] = {}
     for name, module in modules.items():
         if id(module.weight) not in weights:
-            for side, size in zip(("output", "input"), ProjectedWeight.weight_shape(module)):
+            for side, size in zip(("output", "input"), weight_shape(module)):
                 compressed_dim(settings, name, side, size, density=1)
             weights[id(module.weight)] = ScaledWeight(name, module, settings.rank, settings.seed, len(weights), rule,
                                                       device)

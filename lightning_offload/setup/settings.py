@@ -1,246 +1,76 @@
-"""The offload strategies' settings as one frozen value, validated once when it is built.
-
-Every face builds an :class:`OffloadSettings` from its keyword arguments; nothing downstream validates again. A
-setting that does not apply is refused, not ignored: without projection (``zero_offload``, ``meft_offload``) a
-projection setting given a non-default value is an error naming it.
+"""The offload settings as the faces take them: :class:`OffloadSettings` (one frozen value, at the engine's floor, which
+takes it whole), the one table of what each strategy name presets (:data:`PRESETS`), and the refusal of a setting a
+face does not take, naming the fix. The registries, every face, the planner and the CLI read the names from here.
 """
 
 from __future__ import annotations
 
 import difflib
-import inspect
-import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import fields
+from typing import Any
 
-from lightning_offload.engine.user_optimizer import LINK_DTYPES
-from lightning_offload.lsp.kernels.selection import validate_policy
-from lightning_offload.lsp.projector import ProjectorFactory, random_projector
-from lightning_offload.setup.embeddings_head import validate_placements
+from lightning_offload.engine.settings import (  # noqa: F401  (re-exported: the settings' import path)
+    NON_FINITE_POLICIES, PROJECTED_ONLY_SETTINGS, PROJECTION_SETTINGS, PROJECTOR_KINDS, SCALED_ONLY_SETTINGS,
+    UPDATE_RULES, NonFinitePolicy, OffloadSettings)
 
-PROJECTOR_KINDS = ("learned", "random")
-UPDATE_RULES = ("projected", "scaled")
-#: What a step with inf/nan gradients does: the faces' and the settings' ``on_nonfinite`` (handed to the engine's).
-NonFinitePolicy = Literal["skip", "raise"]
-NON_FINITE_POLICIES = get_args(NonFinitePolicy)
-#: The settings that only mean something when weights are projected.
-PROJECTION_SETTINGS = ("rank", "density", "min_dim", "target_modules", "exclude_modules", "projectors",
-                       "projector_factory", "update_buffers", "update", "redraw_every", "norm_growth_limit", "kernels")
-#: The settings of ``update="projected"``'s sparse projectors and update ring, which the scaled rule has none of.
-PROJECTED_ONLY_SETTINGS = ("density", "projectors", "projector_factory", "update_buffers", "kernels")
-#: The settings of ``update="scaled"`` only.
-SCALED_ONLY_SETTINGS = ("redraw_every", "norm_growth_limit")
+#: ``zero_offload`` is ``lsp_offload`` without projection (the ZeRO-Offload-style baseline); ``meft_offload`` trains
+#: its adapters beside the same dense offload.
+WITHOUT_PROJECTION: Mapping[str, Any] = {"projection": False}
+#: Each strategy name and the settings it presets, as Lightning's own presets pass a class's init arguments
+#: (``deepspeed_stage_2_offload``: ``stage=2, offload_optimizer=True``). A face built under a name takes every other
+#: setting (without projection, none of the projection ones); a ``_ddp`` name is its single-device preset on the face's
+#: data-parallel base.
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "lsp_offload": {}, "zero_offload": WITHOUT_PROJECTION, "meft_offload": WITHOUT_PROJECTION,
+    "lsp_offload_ddp": {}, "zero_offload_ddp": WITHOUT_PROJECTION,
+}
 
 
-@dataclass(frozen=True)
-class OffloadSettings:
-    """What an offload strategy was asked to do: every face's offload settings, documented here once (the strategies'
-    docstrings and Fabric's signatures are generated from this, :func:`documents_settings`).
+def data_parallel_form(name: str) -> str | None:
+    """The name of ``name``'s form on several devices (``lsp_offload_ddp``), or ``None`` when it has none."""
+    form = f"{name}_ddp"
+    return form if form in PRESETS else None
 
-    Attributes:
-        projection: compress the gradients of selected weights (LSP-Offload); ``False`` sends every gradient in full to
-            a dense host Adam (ZeRO-Offload style, as ``zero_offload``). Default: ``True``.
-        rank: compressed size of each side of a projected weight: a float in ``(0, 1]`` is a fraction of the dimension
-            (``d = ceil(rank · dim)``), an int an absolute size. Default: ``0.25`` (1/16 of a gradient).
-        density: ``r``, nonzeros per projector column. Default: ``8``.
-        min_dim: by default every Linear/Conv1D with both dims ≥ ``min_dim`` is projected, except output and task heads
-            (:func:`~lightning_offload.lsp.targets.output_heads`). Default: ``128``.
-        target_modules: regular expressions; when given, exactly the matching Linear/Conv1D modules are projected (heads
-            included). Default: ``None`` (the ``min_dim`` rule).
-        exclude_modules: regular expressions of modules never projected. Default: ``()``.
-        projectors: ``"random"`` keeps the seeded draw; ``"learned"`` fits the values to sampled gradients before the
-            first update and refits stale ones (:class:`~lightning_offload.faces.trainer.refit.ProjectorRefit`, or
-            ``fit_projectors`` in a loop). Default: ``"random"`` (no fit cost; at rank 0.125 try both).
-        projector_factory: draws each projector at set-up; a learned fit starts from it. Default: ``random_projector``
-            (seeded random, :func:`~lightning_offload.lsp.projector.random_projector`).
-        seed: seeds the projector draw (the same on every rank) and stochastic rounding. Default: ``0``.
-        on_nonfinite: ``"skip"`` (count and skip steps with inf/nan gradients) or ``"raise"``. Default: ``"skip"``.
-        log_telemetry: log the ``offload/*`` figures through the trainer's loggers at the steps it writes its logs
-            (every ``log_every_n_steps``; pipelined: the latest *completed* step's); a loop of one's own refuses it
-            (it reads ``opt.telemetry``). Default: ``True``.
-        pipelined: overlap host work with device compute, each update applied right before its module's next forward;
-            ``False`` applies every update before the optimizer step returns (same results). Default: ``True``.
-        link_dtype: ``"fp32"`` or ``"bf16"`` for gradients sent to the host and compressed updates sent back (and
-            between ranks). Default: ``"fp32"``.
-        update_buffers: device buffers, a ring shared by all layers, that compressed updates cross into as soon as their
-            host step ends. Default: ``None`` (on a GPU, or behind the simulated link, one per projected layer within
-            1/64 of the device's memory, at least 4; none on the CPU, where updates are read in place).
-        speculative: start each tensor's host Adam in backward once its gradient has landed, rolled back (then redone or
-            skipped) if the step is clipped or non-finite; results are bit-identical. Default: ``None`` (on for a GPU
-            and behind the simulated link, off on the CPU, where host and device share the cores).
-        free_sent_gradients: set a parameter's ``.grad`` to ``None`` once its step is launched (crossed to the host,
-            or queued on the device), freeing its device memory before the next forward. Default: ``None`` (on under
-            the Trainer and Fabric, whose loops zero gradients anyway; off for ``offload()``, where ``p.grad`` stays
-            readable).
-        embeddings: where the ``nn.Embedding`` weights train: ``"host"`` (dense host Adam), ``"sparse"`` (only rows with
-            a nonzero gradient cross and are stepped; a row's moments and decay catch up over missed steps, without
-            dense Adam's momentum drift; one process only), ``"device"`` or ``"frozen"``
-            (:mod:`lightning_offload.setup.embeddings_head`). Default: ``None`` (``"sparse"`` for ``lsp_offload`` on one
-            device, else ``"host"``).
-        head: where the output head (``get_output_embeddings``, and a weight tied to it) trains: ``"host"``,
-            ``"projected"`` (needs projection), ``"device"`` or ``"frozen"``. Default: ``None`` (with projection,
-            ``"projected"`` for a head of 2**27 elements or more, else ``"host"``; without, ``"host"``).
-        vectors: where the 1-D and 0-D parameters (norm weights, biases) train: ``"device"`` (a device Adam: their
-            state is 8 bytes an element there, 12 for bf16 weights, and their step needs no host job, whose fixed
-            cost outweighs a small tensor's Adam) or ``"host"`` (dense host Adam, like every other dense parameter).
-            Default: ``None`` (``"device"``).
-        update: how a projected weight's host moments become its update: ``"projected"``, LSP's low-rank ``c·AᵀUB`` (no
-            dense gradient on the device); ``"scaled"``, APOLLO's rule (:mod:`lightning_offload.lsp.channel_scales`):
-            the full gradient ``G``, kept until the scales return, scaled per channel from Adam's moments of
-            ``R = G·Pᵀ`` in the host bytes ``rank`` gives (one process only; AdamW's decay). Default: ``"projected"``.
-        redraw_every: under ``update="scaled"``, steps between draws of ``P`` (the moments are kept). Default: ``200``.
-        norm_growth_limit: under ``update="scaled"``, the most the update's norm may grow from one step to the next
-            (``None``: no limit). Default: ``1.01``.
-        kernels: which kernels run the projected layers' products: ``"auto"`` times each device kernel on the first call
-            of each distinct product and keeps the fastest (logged, kept per machine, in ``optimizer.kernel_choices``);
-            ``"native"``, ``"csr"``, ``"dense"`` or ``"triton"`` force one where it can run (else ``"csr"``, with a
-            warning). Kernels agree within fp32 rounding: force one for bit-identical runs across machines
-            (:mod:`lightning_offload.lsp.kernels.selection`). Default: ``"auto"``.
 
-    Example::
+def preset_name(names: Iterable[str], settings: OffloadSettings) -> str:
+    """Which of ``names`` (a face class's presets) ``settings`` are: the one presetting the most of them
+    (``lsp_offload`` presets nothing, so it is the last resort)."""
+    names = list(names)
+    matching = [n for n in names if all(getattr(settings, k) == v for k, v in PRESETS[n].items())] or names
+    return max(matching, key=lambda n: len(PRESETS[n]))
 
-        from lightning_offload.setup.settings import OffloadSettings
 
-        settings = OffloadSettings(rank=0.125, projectors="random")
-        OffloadSettings(projection=False, rank=0.1)  # ValueError: rank does not apply without projection
+def taken_settings(preset: Mapping[str, Any], exclude: Collection[str] = ()) -> tuple[str, ...]:
+    """The settings a face under ``preset`` takes by name, in field order: all but what the preset sets, the projection
+    ones where it turns projection off, and ``exclude``."""
+    dropped = {*preset, *exclude, *(() if preset.get("projection", True) else PROJECTION_SETTINGS)}
+    return tuple(f.name for f in fields(OffloadSettings) if f.name not in dropped)
+
+
+def face_settings(owner: str, given: Mapping[str, Any], preset: Mapping[str, Any], exclude: Collection[str] = (),
+                  face_names: Iterable[str] = (), refused: Mapping[str, str] | None = None) -> OffloadSettings:
+    """The settings value of a face (a strategy class, ``offload()``, ``plan()``) under ``preset``, from the settings
+    the user gave it by name: anything it does not take refused, naming the fix, then validated.
+
+    Args:
+        owner: what the settings are given to, for messages.
+        given: the settings as the user passed them.
+        preset: what the face's strategy name sets itself (:data:`PRESETS`); given again with that value, accepted.
+        exclude: settings this face does not take beyond those (a DDP base: the scaled rule's).
+        face_names: the face's own keyword arguments besides these (named in the suggestions).
+        refused: settings the face refuses with its reason (a loop of one's own: ``log_telemetry``).
+
+    Raises:
+        TypeError: for an unknown setting. ValueError: for one that does not apply, or a bad value.
     """
-
-    projection: bool = True
-    rank: int | float = 0.25
-    density: int = 8
-    min_dim: int = 128
-    target_modules: tuple[str, ...] | None = None
-    exclude_modules: tuple[str, ...] = ()
-    projectors: str = "random"
-    projector_factory: ProjectorFactory = random_projector
-    seed: int = 0
-    on_nonfinite: NonFinitePolicy = "skip"
-    log_telemetry: bool = True
-    pipelined: bool = True
-    link_dtype: str = "fp32"
-    update_buffers: int | None = None
-    speculative: bool | None = None
-    free_sent_gradients: bool | None = None
-    embeddings: str | None = None
-    head: str | None = None
-    vectors: str | None = None
-    update: str = "projected"
-    redraw_every: int = 200
-    norm_growth_limit: float | None = 1.01
-    kernels: str = "auto"
-
-    def __post_init__(self) -> None:
-        # Lists (from a YAML config) become tuples: the value stays immutable and hashable.
-        if self.target_modules is not None:
-            object.__setattr__(self, "target_modules", tuple(_patterns("target_modules", self.target_modules)))
-        object.__setattr__(self, "exclude_modules", tuple(_patterns("exclude_modules", self.exclude_modules)))
-        if not self.projection:
-            self._refuse_projection_settings()
-        self._validate_projection()
-        if self.on_nonfinite not in NON_FINITE_POLICIES:
-            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}.")
-        if self.link_dtype not in LINK_DTYPES:
-            raise ValueError(f"link_dtype must be one of {sorted(LINK_DTYPES)}, got {self.link_dtype!r}.")
-        if self.update_buffers is not None and (isinstance(self.update_buffers, bool)
-                                                or not isinstance(self.update_buffers, int) or self.update_buffers < 0):
-            raise ValueError(f"update_buffers must be None or an int ≥ 0 (device buffers for updates in flight), got "
-                             f"{self.update_buffers!r}.")
-        if self.speculative is not None and not isinstance(self.speculative, bool):
-            raise TypeError(f"speculative must be True, False or None (on for a GPU, off on the CPU), got "
-                            f"{self.speculative!r}.")
-        if self.free_sent_gradients is not None and not isinstance(self.free_sent_gradients, bool):
-            raise TypeError(f"free_sent_gradients must be True, False or None (on under the Trainer and Fabric, off "
-                            f"in a loop of one's own), got {self.free_sent_gradients!r}.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {self.seed!r}.")
-        validate_placements(self.embeddings or "host", self.head or "host", self.vectors or "device")
-        self._validate_update_rule()
-        if self.head == "projected" and not self.projection:
-            raise ValueError("head='projected' needs projection, which this strategy does not do. Use head='host', "
-                             "'device' or 'frozen', or strategy='lsp_offload'.")
-
-    @property
-    def learns_projectors(self) -> bool:
-        """Whether projectors are fitted (``projectors="learned"`` where something is projected)."""
-        return self.projection and self.projectors == "learned"
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, object]) -> OffloadSettings:
-        """The settings among a constructor's arguments (its ``locals()``), taken by field name."""
-        return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})  # type: ignore[arg-type]
-
-    def _validate_projection(self) -> None:
-        rank, density = self.rank, self.density
-        if isinstance(rank, bool) or not isinstance(rank, (int, float)):
-            raise TypeError(f"rank must be an int (absolute size) or a float fraction in (0, 1], got {rank!r}.")
-        if isinstance(rank, float) and not 0.0 < rank <= 1.0:
-            raise ValueError(f"rank={rank} as a fraction must lie in (0, 1]; pass an int for an absolute size.")
-        if isinstance(rank, int) and rank < 1:
-            raise ValueError(f"rank={rank} must be at least 1 (rows kept) or a fraction in (0, 1] of each dimension; "
-                             f"the default 0.25 sends 1/16 of a layer's gradient.")
-        if not isinstance(density, int) or isinstance(density, bool) or density < 1:
-            raise ValueError(f"density must be a positive int (nonzeros per projector column), got {density!r}.")
-        if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 1:
-            raise ValueError(f"min_dim must be a positive int (the smallest dimension projected), got "
-                             f"{self.min_dim!r}.")
-        validate_policy(self.kernels)
-        if self.projectors not in PROJECTOR_KINDS:
-            raise ValueError(f"projectors must be one of {PROJECTOR_KINDS}, got {self.projectors!r}.")
-        if not callable(self.projector_factory):
-            raise TypeError(f"projector_factory must be callable (see lsp.projector.random_projector), got "
-                            f"{self.projector_factory!r}.")
-
-    def _validate_update_rule(self) -> None:
-        if self.update not in UPDATE_RULES:
-            raise ValueError(f"update must be one of {UPDATE_RULES}, got {self.update!r}.")
-        if isinstance(self.redraw_every, bool) or not isinstance(self.redraw_every, int) or self.redraw_every < 1:
-            raise ValueError(f"redraw_every must be a positive int (steps between draws of the scaled rule's "
-                             f"projection), got {self.redraw_every!r}.")
-        limit = self.norm_growth_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 1.0):
-            raise ValueError(f"norm_growth_limit must be None (no limiter) or a number above 1 (the most the update's "
-                             f"norm may grow per step, e.g. 1.01), got {limit!r}.")
-        defaults = {f.name: f.default for f in fields(self)}
-        foreign = SCALED_ONLY_SETTINGS if self.update == "projected" else PROJECTED_ONLY_SETTINGS
-        given = [name for name in foreign if getattr(self, name) != defaults[name]]
-        if given:
-            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
-            other = "scaled" if self.update == "projected" else "projected"
-            raise ValueError(f"{shown}: {'this setting applies' if len(given) == 1 else 'these settings apply'} only "
-                             f"to update={other!r}, and this strategy was given update={self.update!r}. Remove "
-                             f"{'it' if len(given) == 1 else 'them'}, or use update={other!r}.")
-
-    def _refuse_projection_settings(self) -> None:
-        defaults = {f.name: f.default for f in fields(self)}
-        given = [name for name in PROJECTION_SETTINGS if getattr(self, name) != defaults[name]]
-        if given:
-            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
-            raise ValueError(f"{shown}: nothing is projected without projection (zero_offload, meft_offload), so "
-                             f"{'this setting does' if len(given) == 1 else 'these settings do'} not apply. Remove "
-                             f"{'it' if len(given) == 1 else 'them'}, or use strategy='lsp_offload' to project.")
-
-
-def _patterns(name: str, value: object) -> list[str]:
-    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"{name} must be a list of regular expressions (strings), got {value!r}; wrap a single "
-                        f"pattern in a list.")
-    for pattern in value:
-        # Compiled here, where the setting is given: a bad one would otherwise fail at set-up as a bare re.error.
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise ValueError(
-                f"{name}: {pattern!r} is not a regular expression ({error}). The patterns are matched with re.search "
-                f"against module names such as 'model.layers.0.mlp.up_proj': escape a literal '[', '(', '.' or '*' "
-                f"with a backslash (re.escape(name) does it for a whole name).") from error
-    return list(value)
-
-
-def keyword_settings(cls: type) -> list[str]:
-    """The keyword-only arguments of ``cls``'s constructor (to name the closest to a misspelt setting)."""
-    return [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
-            if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    for name, reason in (refused or {}).items():
+        if name in given:
+            raise ValueError(f"{owner} does not take {name}=: {reason}")
+    taken = taken_settings(preset, exclude)
+    unknown = {n: v for n, v in given.items() if n not in taken and not (n in preset and v == preset[n])}
+    refuse_unknown_settings(owner, unknown, (*taken, *face_names), projects=bool(preset.get("projection", True)))
+    return OffloadSettings(**{**given, **preset})
 
 
 def refuse_unknown_settings(owner: str, unknown: Mapping[str, Any], known: Iterable[str],
@@ -258,34 +88,13 @@ def refuse_unknown_settings(owner: str, unknown: Mapping[str, Any], known: Itera
     inapplicable = [name for name in names if name in (*PROJECTION_SETTINGS, "projection")] if not projects else []
     if inapplicable:
         shown = ", ".join(f"{name}={unknown[name]!r}" for name in inapplicable)
+        itself = f", which sets {'it' if len(inapplicable) == 1 else 'projection'} itself" \
+            if "projection" in inapplicable else ""
         raise ValueError(f"{shown}: nothing is projected without projection (zero_offload, meft_offload), so "
                          f"{'this setting does' if len(inapplicable) == 1 else 'these settings do'} not apply to "
-                         f"{owner}. Remove {'it' if len(inapplicable) == 1 else 'them'}, or use "
+                         f"{owner}{itself}. Remove {'it' if len(inapplicable) == 1 else 'them'}, or use "
                          f"strategy='lsp_offload' to project.")
-    name, known = names[0], sorted(known)
+    name, known = names[0], sorted(set(known))
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]}=?" if close else ""
     raise TypeError(f"{owner} got an unknown setting {name}=.{hint} Its settings: {', '.join(known)}.")
-
-
-def loop_face_settings(owner: str, given: Mapping[str, Any], forced: Mapping[str, Any],
-                       face_settings: Iterable[str] = ()) -> OffloadSettings:
-    """The settings of a face that takes them as keyword arguments (``offload()``, Fabric's, MEFT's), refused as
-    :func:`refuse_unknown_settings` refuses, then validated.
-
-    Args:
-        owner: what the settings are given to, for messages.
-        given: the settings as the user passed them.
-        forced: what the face sets itself (``projection=False``).
-        face_settings: the face's own keyword arguments besides these (named in the suggestions).
-
-    Raises:
-        TypeError: for an unknown setting. ValueError: for one that does not apply, or a bad value.
-    """
-    known = {f.name for f in fields(OffloadSettings)} - set(forced)
-    projects = forced.get("projection", True)
-    if not projects:
-        known -= set(PROJECTION_SETTINGS)
-    refuse_unknown_settings(owner, {name: value for name, value in given.items() if name not in known},
-                            known | set(face_settings), projects=bool(projects))
-    return OffloadSettings(**{**given, **forced})

@@ -39,7 +39,7 @@ class RefitRecord:
         import lightning.pytorch as pl
         from lightning_offload import ProjectorRefit
 
-        refit = ProjectorRefit(every_n_steps=200)
+        refit = ProjectorRefit(refit_every=200)
         pl.Trainer(strategy="lsp_offload", callbacks=[refit]).fit(module)
         for record in refit.history:  # the initial fit first, then one per check
             print(record.step, record.refit, record.metrics()["projector_refit/error_mean"])

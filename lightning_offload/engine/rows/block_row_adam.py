@@ -93,8 +93,6 @@ class BlockRowAdam:
         self.scale1, self.scale2 = self._scales.unbind(0)
         # How much decay each block owes, at the learning rates of the steps it missed.
         self.decay = DecayLedger(rows // block_rows, self.lr_scales)
-        # Loaded state from before the ledger: each block's steps owed, priced at the next step's rate (None: none).
-        self._legacy_gaps: Tensor | None = None
         # The step count the fused kernel reads (one tensor handed for every slice: the kernel only reads it).
         self._step = torch.zeros((), dtype=torch.float32)
         # Each block of every matrix and moment as a view, made lazily: a gathered embedding never uses them.
@@ -247,8 +245,6 @@ class BlockRowAdam:
     def _begin_step(self, settings: RowAdamSettings) -> None:
         self.step_count += 1
         self._betas = settings.betas
-        if self._legacy_gaps is not None:
-            self._legacy_gaps = self.decay.adopt_gaps(self._legacy_gaps, settings)
 
     def _end_step(self, settings: RowAdamSettings, stepped: Tensor | None = None) -> None:
         """This step's decay joins what idle blocks owe; ``stepped`` blocks (their kernel applied it) owe nothing."""
@@ -368,8 +364,8 @@ class BlockRowAdam:
                 "block_rows": self.block_rows, "betas": self._betas}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` in place (or state of earlier releases:
-        :func:`~lightning_offload.engine.rows.row_adam_state.upgrade_row_adam_state`).
+        """Restore :meth:`state_dict` in place
+        (:func:`~lightning_offload.engine.rows.row_adam_state.load_row_adam_state`).
 
         Raises:
             ValueError: For state of another layout or shape.

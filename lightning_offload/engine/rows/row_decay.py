@@ -78,16 +78,6 @@ class DecayLedger:
             else:
                 self.marks[index].index_fill_(0, blocks, total)
 
-    def adopt_gaps(self, gaps: Tensor, settings: Any) -> None:
-        """State from before the ledger existed kept only each block's number of steps owed: they are priced once,
-        at the first step after loading it, as steps at that step's rate (``settings``: its row Adam settings), the
-        rule that wrote them. Returns ``None``: nothing is left to adopt."""
-        rate = settings.lr * settings.weight_decay if settings.decoupled else 0.0
-        for index, scale in enumerate(self.lr_scales):
-            step = math.log1p(-rate * scale) if rate * scale < 1.0 else 0.0
-            self.marks[index] = self.totals[index] - gaps.double() * step
-        self.active = self.active or bool(rate)
-
     def state_dict(self) -> dict[str, Any]:
         """The totals and marks (the marks shared, not copied)."""
         return {"totals": list(self.totals), "marks": self.marks}

@@ -77,9 +77,8 @@ def load_projector_checkpoint(name: str, layer: ProjectedWeight, generator: torc
     saved = state["projectors"][name]
     layer.set_projectors(SparseProjector.from_state_dict(saved["out"], device),
                          SparseProjector.from_state_dict(saved["in"], device))
-    layer.norm_ratio = float(saved.get("norm_ratio", 1.0))
-    # The probes' averages and draw count (lsp/norm_probe.py); absent from checkpoints written before them.
-    layer.norm_probe.load_state_dict(saved.get("norm_probe"), device)
+    layer.norm_ratio = float(saved["norm_ratio"])
+    layer.norm_probe.load_state_dict(saved["norm_probe"], device)  # the probes' averages and draw count
     generator.set_state(state["rounding_generators"][name])
 
 

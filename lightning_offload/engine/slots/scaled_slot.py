@@ -169,17 +169,14 @@ class ScaledSlot(HostStepSlot):
 
     def host_state(self) -> dict[str, Any]:
         return {**self.host_optimizer.state_dict(), "scaled": {
-            "last_norm": self.last_norm, "last_norm_uncorrected": True, "steps_taken": self.steps_taken,
+            "last_norm": self.last_norm, "steps_taken": self.steps_taken,
             "seed": self.weight.seed,
             "rounding_generator": self.generator.get_state()}}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         scaled = state["scaled"]
         self.host_optimizer.load_state_dict({key: value for key, value in state.items() if key != "scaled"})
-        self.last_norm = scaled["last_norm"]
-        if self.last_norm and not scaled.get("last_norm_uncorrected"):
-            # Written when the limiter compared bias-corrected norms: the same norm without the correction.
-            self.last_norm /= self._correction()
+        self.last_norm = scaled["last_norm"]  # the limiter's norm without Adam's bias correction
         self.steps_taken = int(scaled["steps_taken"])
         self.weight.seed = int(scaled["seed"])  # the draws the checkpoint's run made, whatever this run's seed
         self.weight.draw_number = -1

@@ -1,10 +1,15 @@
-"""What an offloaded tensor is to the engine's step: the :class:`Slot` interface every kind implements, the
-:class:`Lanes` all slots of one engine share, and the small pieces of arithmetic their host steps have in common.
+"""What an offloaded tensor is to the engine's step: the :class:`Slot` interface every kind implements, and the small
+helpers their host steps share (clipping a gradient, pinned host buffers, a thread's page faults). What all slots of
+one engine share (the worker, the link, the ranks) is :class:`~lightning_offload.engine.lanes.Lanes`, a floor below.
 
-The kinds (one module each): a projected weight (:mod:`~lightning_offload.engine.slots.projected_slot`), a dense
-parameter (:mod:`~lightning_offload.engine.slots.dense_slot`), an embedding stepped row by row
-(:mod:`~lightning_offload.engine.slots.row_slot`), and a tensor another rank steps
-(:mod:`~lightning_offload.engine.slots.remote_slot`); the step knows them only through :class:`Slot`.
+The kinds (one module each): a projected weight (:mod:`~lightning_offload.engine.slots.projected_slot`), a weight under
+``update="scaled"`` (:mod:`~lightning_offload.engine.slots.scaled_slot`), a dense parameter
+(:mod:`~lightning_offload.engine.slots.dense_slot`; projected and dense share their host step,
+:mod:`~lightning_offload.engine.slots.host_step_slot`), an embedding stepped row by row
+(:mod:`~lightning_offload.engine.slots.row_slot`), host matrices stepped by blocks of rows, MEFT's adapters
+(:mod:`~lightning_offload.engine.slots.row_blocks_slot`), and a tensor another rank steps
+(:mod:`~lightning_offload.engine.slots.remote_slot`); which tensor gets which is
+:mod:`~lightning_offload.engine.slots.slot_building`'s. The step knows them only through :class:`Slot`.
 """
 
 from __future__ import annotations

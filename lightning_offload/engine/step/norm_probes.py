@@ -47,7 +47,7 @@ def measure_norm_ratios(slots: Sequence[Slot], ranks: RankShards | None, clip: C
 
 
 def _record(probed: list[Slot], ranks: RankShards | None) -> None:
-    """Add ``[‖S‖², ‖G z‖²/m, ratio, 1]`` of the step to each probed layer's averages (no host read)."""
+    """Add ``[‖S‖², ‖G z‖²/m]`` of the step to each probed layer's averages (no host read)."""
     sketches = [slot.layer.norm_probe.sketch for slot in probed]
     if ranks is None:
         squares = torch.stack(torch._foreach_norm([slot.layer.grad_buffer for slot in probed])).square()
@@ -62,8 +62,6 @@ def _record(probed: list[Slot], ranks: RankShards | None) -> None:
         sketches = [part.view_as(sketch).div_(ranks.world) for part, sketch in zip(parts, sketches)]
     # Every sketch has the m columns its probes were drawn with (one setting for all layers).
     probed_squares = torch.stack(torch._foreach_norm(sketches)).square().div_(sketches[0].shape[1])
-    # The fourth figure, 1 per step, weighs the mean of per-step ratios (kept for comparison, see lsp/norm_probe.py).
-    figures: Tensor = torch.stack([squares, probed_squares, squares / probed_squares, torch.ones_like(squares)],
-                                  dim=1)
+    figures: Tensor = torch.stack([squares, probed_squares], dim=1)
     for slot, row in zip(probed, figures.unbind(0)):
         slot.layer.norm_probe.record(row)

@@ -8,7 +8,6 @@ each tensor's host Adam, which broadcasts the update back: each rank's host keep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,23 +25,27 @@ from lightning_offload.engine.lanes.ranks import DEFAULT_BUCKET_BYTES, RankShard
 from lightning_offload.engine.rules.host_rule import scaled_across_ranks_error
 from lightning_offload.engine.user_optimizer import refuse_rows_across_ranks
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
-from lightning_offload.lsp.projector import ProjectorFactory, random_projector
 from lightning_offload.setup.data_parallel import RankAgreement, broadcast_weights, bucket_bytes
-from lightning_offload.setup.settings import (
-    SCALED_ONLY_SETTINGS, NonFinitePolicy, OffloadSettings, keyword_settings, refuse_unknown_settings)
-from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
+from lightning_offload.setup.settings import SCALED_ONLY_SETTINGS, OffloadSettings
+from lightning_offload.setup.settings_docs import FaceClass
 
 
-class DDPOffload(OffloadMixin, DDPStrategy):
-    """The offload machinery on Lightning's DDP: what ``lsp_offload_ddp`` and ``zero_offload_ddp`` share. A strategy
-    on it builds its ``OffloadSettings`` first, then calls this constructor and ``_configure_offload(settings)``.
+class DDPOffload(OffloadMixin, DDPStrategy, metaclass=FaceClass):
+    """The offload strategies on Lightning's DDP, for several devices and nodes: the class
+    ``strategy="lsp_offload_ddp"`` and ``strategy="zero_offload_ddp"`` build (their presets:
+    :data:`~lightning_offload.setup.settings.PRESETS`). Every rank draws the same projectors (from ``seed``); learned
+    fits use the ranks' mean sampled gradient, installed from rank 0; gradients cross between ranks in ``link_dtype``.
+    The scaled rule trains on one process.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
         bucket_mb: largest gradient bucket reduced between ranks as one collective, in MiB. Default: ``25.0`` (DDP's).
+        <offload settings>
     """
 
+    presets = ("lsp_offload_ddp", "zero_offload_ddp")
+    excluded_settings = SCALED_ONLY_SETTINGS  # the scaled rule trains on one process
     sparse_embeddings_by_default = False
 
     def __init__(
@@ -57,7 +60,11 @@ class DDPOffload(OffloadMixin, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        **settings: Any,
     ) -> None:
+        configured = type(self).settings_from(settings)  # first: refused before the DDP machinery is set up
+        if configured.update == "scaled":
+            raise scaled_across_ranks_error()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -69,6 +76,7 @@ class DDPOffload(OffloadMixin, DDPStrategy):
             start_method=start_method,
         )
         self.bucket_bytes = bucket_bytes(bucket_mb)
+        self._configure_offload(configured)
 
     @override
     def _configure_offload(self, settings: OffloadSettings) -> None:
@@ -99,18 +107,10 @@ class DDPOffload(OffloadMixin, DDPStrategy):
         return RankAgreement(lambda grad: self.reduce(grad, reduce_op="mean"), self.broadcast)
 
 
-@documents_settings(exclude=SCALED_ONLY_SETTINGS)  # the scaled rule trains on one process
-class LSPOffloadDDPStrategy(DDPOffload):
+class LSPOffloadDDPStrategy(DDPOffload, preset="lsp_offload_ddp"):
     """LSP-Offload on several devices and nodes: compressed gradients between ranks, the host optimizer sharded.
 
-    Registered as ``strategy="lsp_offload_ddp"``. Gradients cross between ranks in ``link_dtype``; every rank draws
-    the same projectors (from ``seed``), and learned fits use the ranks' mean sampled gradient, installed from rank 0.
-
-    Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-            timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
-        bucket_mb: largest gradient bucket reduced between ranks as one collective, in MiB. Default: ``25.0`` (DDP's).
-        <offload settings>
+    ``strategy="lsp_offload_ddp"`` (:class:`DDPOffload` under this name).
 
     Example::
 
@@ -122,68 +122,13 @@ class LSPOffloadDDPStrategy(DDPOffload):
         trainer.fit(module)  # or pl.Trainer(strategy="lsp_offload_ddp", devices=4)
     """
 
-    strategy_name = "lsp_offload_ddp"
 
-    def __init__(
-        self,
-        *,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-        projection: bool = True,
-        rank: int | float = 0.25,
-        density: int = 8,
-        min_dim: int = 128,
-        target_modules: Sequence[str] | None = None,
-        exclude_modules: Sequence[str] = (),
-        projectors: str = "random",
-        projector_factory: ProjectorFactory = random_projector,
-        seed: int = 0,
-        on_nonfinite: NonFinitePolicy = "skip",
-        log_telemetry: bool = True,
-        pipelined: bool = True,
-        link_dtype: str = "fp32",
-        update_buffers: int | None = None,
-        speculative: bool | None = None,
-        free_sent_gradients: bool | None = None,
-        embeddings: str | None = None,
-        head: str | None = None,
-        vectors: str | None = None,
-        update: str = "projected",
-        kernels: str = "auto",
-        **unknown: Any,
-    ) -> None:
-        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
-        # Built first: a bad setting is refused before the DDP machinery is set up.
-        settings = OffloadSettings.from_arguments(locals())
-        if settings.update == "scaled":
-            raise scaled_across_ranks_error()
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method, bucket_mb=bucket_mb)
-        self._configure_offload(settings)
-
-
-@documents_settings(exclude=NOT_WITHOUT_PROJECTION)
-class ZeroOffloadDDPStrategy(DDPOffload):
+class ZeroOffloadDDPStrategy(DDPOffload, preset="zero_offload_ddp"):
     """The ZeRO-Offload-style baseline on several devices and nodes: dense gradients between ranks, reduced to the
     rank that owns each tensor's share of the sharded host Adam.
 
-    :class:`DDPOffload` with ``projection=False``, beside :class:`LSPOffloadDDPStrategy`, not a kind of it; the
-    projection settings are refused. Registered as ``strategy="zero_offload_ddp"``.
-
-    Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-            timeout, start_method: as for Lightning's ``DDPStrategy`` (filled in by the Trainer).
-        bucket_mb: largest gradient bucket reduced between ranks as one collective, in MiB. Default: ``25.0`` (DDP's).
-        <offload settings>
+    ``strategy="zero_offload_ddp"``: :class:`DDPOffload` with ``projection=False``, beside
+    :class:`LSPOffloadDDPStrategy`, not a kind of it; the projection settings are refused.
 
     Example::
 
@@ -193,38 +138,3 @@ class ZeroOffloadDDPStrategy(DDPOffload):
         trainer = pl.Trainer(strategy=ZeroOffloadDDPStrategy(bucket_mb=50), devices=2, precision="bf16-mixed")
         trainer.fit(module)  # or pl.Trainer(strategy="zero_offload_ddp", devices=2)
     """
-
-    strategy_name = "zero_offload_ddp"
-
-    def __init__(
-        self,
-        *,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-        seed: int = 0,
-        on_nonfinite: NonFinitePolicy = "skip",
-        log_telemetry: bool = True,
-        pipelined: bool = True,
-        link_dtype: str = "fp32",
-        speculative: bool | None = None,
-        free_sent_gradients: bool | None = None,
-        embeddings: str | None = None,
-        head: str | None = None,
-        vectors: str | None = None,
-        **unknown: Any,
-    ) -> None:
-        # The projection settings are not parameters here: nothing is projected, and they are refused by name.
-        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
-        settings = OffloadSettings.from_arguments({**locals(), "projection": False})  # first: refused before set-up
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method, bucket_mb=bucket_mb)
-        self._configure_offload(settings)

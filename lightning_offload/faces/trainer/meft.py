@@ -5,15 +5,11 @@ clip and skip decision; the routers are stepped as ``zero_offload`` steps them. 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -24,12 +20,8 @@ from lightning_offload.meft.adapter import MEFTAdapter
 from lightning_offload.meft.attached import AdapterRowSettings, AttachedAdapters
 from lightning_offload.meft.figures import host_rows_bytes, host_trainable_parameters
 from lightning_offload.setup.report import OffloadFacts
-from lightning_offload.setup.settings import (
-    NonFinitePolicy, OffloadSettings, keyword_settings, refuse_unknown_settings)
-from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
 
 
-@documents_settings(exclude=NOT_WITHOUT_PROJECTION)
 class MEFTOffloadStrategy(SingleDeviceOffload):
     """Single-device training of MEFT adapters with their rows and Adam state on the host.
 
@@ -52,10 +44,8 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
         row_block: rows per block of the row Adam, the unit it steps (a touched block is stepped whole, its untouched
             rows with a zero gradient as dense AdamW would); divides ``num_neurons``. Default: ``None`` (the neurons
             of one expert, which the routing touches together).
-        <offload settings>
         accelerator, checkpoint_io, precision_plugin: filled in by the Trainer. Default: ``None``.
-        unknown: refused: ``LSPOffloadStrategy``'s projection settings do not apply (nothing is projected), and any
-            other keyword is refused naming the closest setting. Default: none.
+        <offload settings>
 
     Example::
 
@@ -67,26 +57,12 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
         trainer = pl.Trainer(strategy=strategy, precision="bf16-mixed")  # or strategy="meft_offload"
     """
 
-    strategy_name = "meft_offload"
-    data_parallel_form = None
+    presets = ("meft_offload",)  # its own class (the adapters' set-up), registered with the name's preset
 
     def __init__(self, device: torch.device | str | None = None, *, lr: float | None = None,
                  weight_decay: float | None = None, key_lr_scale: float = 1.0, row_block: int | None = None,
-                 accelerator: Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
-                 precision_plugin: Precision | None = None, seed: int = 0, on_nonfinite: NonFinitePolicy = "skip",
-                 log_telemetry: bool = True, pipelined: bool = True, link_dtype: str = "fp32",
-                 speculative: bool | None = None, free_sent_gradients: bool | None = None,
-                 embeddings: str | None = None, head: str | None = None, vectors: str | None = None,
-                 **unknown: Any) -> None:
-        # A projection setting given at all (whatever its value) does not apply; a misspelt one is named.
-        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
-        settings = OffloadSettings(projection=False, seed=seed, on_nonfinite=on_nonfinite,
-                                   log_telemetry=log_telemetry, pipelined=pipelined, link_dtype=link_dtype,
-                                   speculative=speculative, free_sent_gradients=free_sent_gradients,
-                                   embeddings=embeddings, head=head, vectors=vectors)
-        super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self._configure_offload(settings)
+                 **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)  # the settings first: a misspelt or inapplicable one is refused by name
         self.row_settings = AdapterRowSettings(lr, weight_decay, key_lr_scale, row_block)
         self.attached: AttachedAdapters | None = None
 
@@ -126,13 +102,6 @@ class MEFTOffloadStrategy(SingleDeviceOffload):
                        host_rows_bytes=host_rows_bytes(adapters),
                        adapter_rows=sum(adapter.config.num_neurons for adapter in adapters),
                        adapter_device_bytes=sum(b.numel() * b.element_size() for a in adapters for b in a.buffers()))
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = [dict(s) for s in checkpoint["optimizer_states"]]
-        if states and self.attached is not None:
-            states[0] = self.attached.old_state_as_slots(states[0])
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     @override
     def on_exception(self, exception: BaseException) -> None:

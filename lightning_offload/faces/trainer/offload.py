@@ -1,6 +1,9 @@
-"""The single-device offload strategies, ``lsp_offload`` (:class:`LSPOffloadStrategy`) and ``zero_offload``
-(:class:`ZeroOffloadStrategy`): :class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin` on Lightning's
-single-device strategy, registered by :mod:`lightning_offload.registries`.
+"""The single-device offload strategies: :class:`SingleDeviceOffload`, the one class ``strategy="lsp_offload"`` and
+``strategy="zero_offload"`` build, each with its preset (as Lightning's ``deepspeed_stage_2_offload`` builds
+``DeepSpeedStrategy`` with ``stage=2, offload_optimizer=True``), and its preset classes :class:`LSPOffloadStrategy` and
+:class:`ZeroOffloadStrategy`, to build with settings:
+:class:`~lightning_offload.faces.trainer.offload_base.OffloadMixin` on Lightning's single-device strategy, registered by
+:mod:`lightning_offload.registries`.
 
 At set-up they swap the Adam/AdamW of ``configure_optimizers`` for an
 :class:`~lightning_offload.engine.optimizer.OffloadOptimizer` with host state, and ``lsp_offload`` rebinds the forward
@@ -9,7 +12,6 @@ of each selected Linear/Conv1D so its backward yields a compressed gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,10 +22,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_offload.faces.trainer.offload_base import OffloadMixin
-from lightning_offload.lsp.projector import ProjectorFactory, random_projector
-from lightning_offload.setup.settings import (
-    NonFinitePolicy, OffloadSettings, keyword_settings, refuse_unknown_settings)
-from lightning_offload.setup.settings_docs import NOT_WITHOUT_PROJECTION, documents_settings
+from lightning_offload.setup.settings import data_parallel_form
+from lightning_offload.setup.settings_docs import FaceClass
 
 
 def default_device() -> torch.device:
@@ -31,21 +31,23 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
-    """The offload machinery on Lightning's single-device strategy: what ``lsp_offload``, ``zero_offload`` and
-    ``meft_offload`` share; more than one device is refused. A strategy on it builds its ``OffloadSettings`` first,
-    then calls this constructor and ``_configure_offload(settings)``.
+class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy, metaclass=FaceClass):
+    """Single-device training whose optimizer work runs on the host: the class ``strategy="lsp_offload"`` and
+    ``strategy="zero_offload"`` build (their presets: :data:`~lightning_offload.setup.settings.PRESETS`), and the
+    machinery ``meft_offload`` shares; more than one device is refused.
 
     Args:
         device: the training device. Default: ``None`` (as the Trainer's ``accelerator``; CUDA when present, else CPU).
         accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
+        <offload settings>
     """
 
-    #: The registered name of this strategy's form for several devices and nodes (None: it has none).
-    data_parallel_form: str | None = None
+    presets = ("lsp_offload", "zero_offload")
 
     def __init__(self, device: torch.device | str | None = None, *, accelerator: Accelerator | None = None,
-                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None) -> None:
+                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
+                 **settings: Any) -> None:
+        configured = type(self).settings_from(settings)  # first: a bad setting is refused before any set-up
         self._auto_device = device is None
         super().__init__(
             device=default_device() if device is None else device,
@@ -53,6 +55,7 @@ class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self._configure_offload(configured)
 
     # ---------------------------------------------------------------------------------------------------- device
     @property
@@ -81,12 +84,13 @@ class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
         num_nodes = getattr(connector, "_num_nodes_flag", 1) or 1
         if requested > 1 or num_nodes > 1:
             # Lightning would quietly train on the first device only.
+            form = data_parallel_form(self.strategy_name)
             raise ValueError(
                 f"strategy {self.strategy_name!r} trains on one device, but the Trainer asks for {requested} "
                 f"device(s) on {num_nodes} node(s). "
-                + (f"Use strategy='{self.data_parallel_form}' (the same offload on Lightning's DDP, after `import "
+                + (f"Use strategy='{form}' (the same offload on Lightning's DDP, after `import "
                    f"lightning_offload`) for several devices or nodes, or pass devices=1."
-                   if self.data_parallel_form else "It has no multi-device form yet: pass devices=1 (and num_nodes=1).")
+                   if form else "It has no multi-device form yet: pass devices=1 (and num_nodes=1).")
             )
         super().setup_environment()
         self._add_refit_callback(trainer)
@@ -96,17 +100,12 @@ class SingleDeviceOffload(OffloadMixin, SingleDeviceStrategy):
         self.model = self._setup_model(self.model)
 
 
-@documents_settings()
-class LSPOffloadStrategy(SingleDeviceOffload):
+class LSPOffloadStrategy(SingleDeviceOffload, preset="lsp_offload"):
     """Single-device training whose optimizer work runs on the host, on LSP-compressed gradients.
 
-    Registered as ``strategy="lsp_offload"``; build it to change the settings. ``configure_optimizers`` returns one
-    ``torch.optim.Adam``/``AdamW``, stepped on the host; precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``.
-
-    Args:
-        device: the training device. Default: ``None`` (as the Trainer's ``accelerator``; CUDA when present, else CPU).
-        accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
-        <offload settings>
+    ``strategy="lsp_offload"`` (:class:`SingleDeviceOffload` under this name); build it to change the settings.
+    ``configure_optimizers`` returns one ``torch.optim.Adam``/``AdamW``, stepped on the host; precision:
+    ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``.
 
     Example::
 
@@ -118,59 +117,12 @@ class LSPOffloadStrategy(SingleDeviceOffload):
         trainer.fit(module)  # configure_optimizers returns one torch.optim.AdamW
     """
 
-    strategy_name = "lsp_offload"
-    data_parallel_form = "lsp_offload_ddp"
 
-    def __init__(
-        self,
-        device: torch.device | str | None = None,
-        *,
-        accelerator: Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        projection: bool = True,
-        rank: int | float = 0.25,
-        density: int = 8,
-        min_dim: int = 128,
-        target_modules: Sequence[str] | None = None,
-        exclude_modules: Sequence[str] = (),
-        projectors: str = "random",
-        projector_factory: ProjectorFactory = random_projector,
-        seed: int = 0,
-        on_nonfinite: NonFinitePolicy = "skip",
-        log_telemetry: bool = True,
-        pipelined: bool = True,
-        link_dtype: str = "fp32",
-        update_buffers: int | None = None,
-        speculative: bool | None = None,
-        free_sent_gradients: bool | None = None,
-        embeddings: str | None = None,
-        head: str | None = None,
-        vectors: str | None = None,
-        update: str = "projected",
-        redraw_every: int = 200,
-        norm_growth_limit: float | None = 1.01,
-        kernels: str = "auto",
-        **unknown: Any,
-    ) -> None:
-        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)))  # a misspelt one: named
-        settings = OffloadSettings.from_arguments(locals())  # first: a bad setting is refused before any set-up
-        super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self._configure_offload(settings)
-
-
-@documents_settings(exclude=NOT_WITHOUT_PROJECTION)
-class ZeroOffloadStrategy(SingleDeviceOffload):
+class ZeroOffloadStrategy(SingleDeviceOffload, preset="zero_offload"):
     """Dense host Adam with full gradients over the link: the ZeRO-Offload-style baseline.
 
-    :class:`SingleDeviceOffload` with ``projection=False``, beside :class:`LSPOffloadStrategy`, not a kind of it; the
-    projection settings are refused. Registered as ``strategy="zero_offload"``.
-
-    Args:
-        device: the training device. Default: ``None`` (as the Trainer's ``accelerator``; CUDA when present, else CPU).
-        <offload settings>
-        accelerator, checkpoint_io, precision_plugin: Lightning's (filled in by the Trainer). Default: ``None``.
+    ``strategy="zero_offload"``: :class:`SingleDeviceOffload` with ``projection=False``, beside
+    :class:`LSPOffloadStrategy`, not a kind of it; the projection settings are refused.
 
     Example::
 
@@ -180,32 +132,3 @@ class ZeroOffloadStrategy(SingleDeviceOffload):
         trainer = pl.Trainer(strategy=ZeroOffloadStrategy(link_dtype="bf16"), precision="bf16-mixed")
         trainer.fit(module)  # or simply pl.Trainer(strategy="zero_offload")
     """
-
-    strategy_name = "zero_offload"
-    data_parallel_form = "zero_offload_ddp"
-
-    def __init__(
-        self,
-        device: torch.device | str | None = None,
-        *,
-        accelerator: Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        seed: int = 0,
-        on_nonfinite: NonFinitePolicy = "skip",
-        log_telemetry: bool = True,
-        pipelined: bool = True,
-        link_dtype: str = "fp32",
-        speculative: bool | None = None,
-        free_sent_gradients: bool | None = None,
-        embeddings: str | None = None,
-        head: str | None = None,
-        vectors: str | None = None,
-        **unknown: Any,
-    ) -> None:
-        # The projection settings are not parameters here: nothing is projected, and they are refused by name.
-        refuse_unknown_settings(type(self).__name__, unknown, keyword_settings(type(self)), projects=False)
-        settings = OffloadSettings.from_arguments({**locals(), "projection": False})  # first: refused before set-up
-        super().__init__(device, accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self._configure_offload(settings)

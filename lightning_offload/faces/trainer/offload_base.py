@@ -47,8 +47,10 @@ class OffloadMixin:
 
     def _configure_offload(self, settings: OffloadSettings) -> None:
         """Keep the offload settings, validated when ``settings`` was built (the Args of
-        :class:`LSPOffloadStrategy`): the one value every reader reads them from."""
+        :class:`LSPOffloadStrategy`): the one value every reader reads them from; the strategy goes by the name they
+        are the preset of (``zero_offload`` for ``projection=False``)."""
         self.settings = settings
+        self.strategy_name = type(self).name_for(settings)
         self._compiled_forward = False  # set at set-up: whether the model's forward runs under torch.compile
         self._settle_each_step = False  # set at set-up: whether a callback needs each step's weights right after it
         self._step_end_figures: dict[str, float] = {}  # the latest step's figures_at_step_end()
@@ -106,7 +108,7 @@ class OffloadMixin:
                     f"{self.strategy_name}: projectors='learned' added {refit!r} to the Trainer's callbacks: it fits "
                     f"the projectors on {refit.num_samples} extra forward/backward passes before the first step, "
                     f"measures their norm ratio on {refit.norm_samples} more, and checks them every "
-                    f"{refit.every_n_steps} steps. Pass your own ProjectorRefit to change this, or "
+                    f"{refit.refit_every} steps. Pass your own ProjectorRefit to change this, or "
                     f"projectors='random' for none."
                 )
 

@@ -95,7 +95,7 @@ def to_plain_adamw_checkpoint(checkpoint: str | os.PathLike[str], module: pl.Lig
     if checkpoint_kind(saved) != "offload":
         raise ValueError(f"{checkpoint} holds no offload optimizer state (a plain checkpoint already, or none).")
     offload = saved["optimizer_states"][0]
-    if offload.get("host_rule", "Adam") != "Adam":
+    if offload["host_rule"] != "Adam":
         raise ValueError(f"{checkpoint} was trained with {offload['host_rule']}, not Adam/AdamW: its state has no "
                          f"AdamW form. Resume it under the offload strategy that wrote it, or start plain training "
                          f"from its weights only (module.load_state_dict(checkpoint['state_dict'])).")

@@ -1,9 +1,11 @@
 """``ProjectorRefit``: learn LSP projectors before training and keep them fresh on a schedule.
 
 The callback fits the projector values of every projected layer to sampled gradients before the first update
-(the *initial fit*) and, every ``every_n_steps`` optimizer steps, measures each layer's reconstruction error on
+(the *initial fit*) and, every ``refit_every`` optimizer steps, measures each layer's reconstruction error on
 fresh gradients and refits the layers whose error exceeds ``threshold``, carrying their host Adam moments into the
-new subspace. ``Trainer(strategy="lsp_offload")`` adds one with the default schedule when none is given.
+new subspace: the schedule of every face (:func:`~lightning_offload.setup.refit_schedule.refit_due`), so a plain loop,
+Fabric and Hugging Face's ``Trainer`` with the same ``refit_every`` refit at the same steps.
+``Trainer(strategy="lsp_offload")`` adds one with the default schedule when none is given.
 
 Gradients are sampled by extra forward/backward passes over ``num_samples`` batches drawn from the training
 dataloader with a seeded, forked RNG (the run's own data order and random state are untouched, and a resumed run
@@ -14,6 +16,7 @@ training, these passes keep every projected layer's full input for backward.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -24,6 +27,7 @@ from typing_extensions import override
 from lightning_offload.engine.figures.refit_record import RefitRecord
 from lightning_offload.engine.fitting.projector_fitting import FitAgreement, ProjectorFitting, fit_projectors
 from lightning_offload.faces.trainer.gradient_sampling import GradientPasses, LossFn, sampling_rng, stop_if_terminated
+from lightning_offload.setup.refit_schedule import check_refit_every, refit_due
 from lightning_offload.setup.settings import OffloadSettings
 
 
@@ -42,11 +46,13 @@ class ProjectedTraining(Protocol):
 
 
 class ProjectorRefit(Callback):
-    """Fit LSP projectors before training and refit stale ones every ``every_n_steps`` optimizer steps.
+    """Fit LSP projectors before training and refit stale ones every ``refit_every`` optimizer steps.
 
     Args:
-        every_n_steps: measure (and refit when needed) before every ``every_n_steps``-th optimizer step; 0 turns
-            refits off and keeps only the initial fit. Default: ``500``.
+        refit_every: measure (and refit when needed) once ``refit_every`` optimizer steps have passed since the latest
+            fit or check (from the initial fit at step 0: before steps ``refit_every``, ``2·refit_every``, ...; without
+            an initial fit, counted from the start of training); 0 turns refits off and keeps only the initial fit.
+            Default: ``500``.
         threshold: refit a layer when ``err = ‖AᵀA G BᵀB − G‖/‖G‖`` on a fresh gradient exceeds it. For reference,
             unfitted (norm-scaled) random projectors sit near 1.0 and a fresh fit near 0.6–0.9 on held-out gradients
             of SmolLM2 at ``rank=0.25``. Default: ``0.9``.
@@ -68,6 +74,8 @@ class ProjectorRefit(Callback):
         loss_fn: ``loss_fn(module, batch) -> loss`` for the sampling passes. Default: ``None`` (the module's
             ``training_step`` with logging muted; needs automatic optimization).
         log: send :meth:`RefitRecord.metrics` to the trainer's loggers after each fit. Default: ``True``.
+        every_n_steps: the former name of ``refit_every`` (deprecated: a ``DeprecationWarning`` says so). Default:
+            ``None``.
 
     ``strategy="lsp_offload"`` with ``projectors="learned"`` adds ``ProjectorRefit(seed=...)`` with
     the strategy's seed when the Trainer has none; pass your own to change the schedule.
@@ -77,7 +85,7 @@ class ProjectorRefit(Callback):
         import lightning.pytorch as pl
         from lightning_offload import LSPOffloadStrategy, ProjectorRefit
 
-        refit = ProjectorRefit(every_n_steps=200, threshold=0.8, num_samples=2)
+        refit = ProjectorRefit(refit_every=200, threshold=0.8, num_samples=2)
         trainer = pl.Trainer(strategy=LSPOffloadStrategy(projectors="learned"), precision="bf16-mixed",
                              callbacks=[refit])
         trainer.fit(module)  # refit.history then holds a RefitRecord per fit or check
@@ -88,12 +96,12 @@ class ProjectorRefit(Callback):
     leaves_weights_alone = True
 
     def __repr__(self) -> str:
-        return (f"ProjectorRefit(every_n_steps={self.every_n_steps}, threshold={self.threshold}, "
+        return (f"ProjectorRefit(refit_every={self.refit_every}, threshold={self.threshold}, "
                 f"num_samples={self.num_samples}, max_iters={self.settings.max_iters})")
 
     def __init__(
         self,
-        every_n_steps: int = 500,
+        refit_every: int = 500,
         threshold: float = 0.9,
         num_samples: int = 4,
         max_iters: int = 32,
@@ -106,15 +114,20 @@ class ProjectorRefit(Callback):
         seed: int = 0,
         loss_fn: LossFn | None = None,
         log: bool = True,
+        *,
+        every_n_steps: int | None = None,
     ) -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ValueError(f"every_n_steps={every_n_steps!r} must be an int ≥ 0 (0 turns refits off).")
+        if every_n_steps is not None:
+            warnings.warn("ProjectorRefit(every_n_steps=...) is deprecated: the knob is refit_every, its name in every "
+                          "face (offload(), Fabric's strategies). Pass ProjectorRefit(refit_every=...).",
+                          DeprecationWarning, stacklevel=2)
+            refit_every = every_n_steps
         # The fit itself, and the validation of its settings, is the engine's
         # (any loop's): engine/fitting/projector_fitting.py.
         self.fitting = ProjectorFitting(threshold=float(threshold), num_samples=num_samples, norm_samples=norm_samples,
                                         max_iters=max_iters, target_error=target_error, lr=lr, l2=l2,
                                         fit_threads=fit_threads, seed=seed)
-        self.every_n_steps = every_n_steps
+        self.refit_every = check_refit_every(refit_every)
         self.initial_fit = initial_fit
         self.loss_fn = loss_fn
         self.log = log
@@ -122,7 +135,7 @@ class ProjectorRefit(Callback):
         self.refits_per_layer: dict[str, int] = {}
         self.fits_done = 0
         self._initial_fit_done = False
-        self._last_checked_step = -1
+        self._last_fit_step = -1  # the step of the latest fit or check (-1: none yet)
 
     # The fit's settings, read from the one value that holds them (kept as attributes of the callback for its users).
     threshold = property(lambda self: self.fitting.threshold, doc="Refit a layer whose error exceeds this.")
@@ -132,6 +145,12 @@ class ProjectorRefit(Callback):
     seed = property(lambda self: self.fitting.seed, doc="Seeds batch sampling and the indices redrawn at refits.")
     settings = property(lambda self: self.fitting.fit, doc="The per-layer optimisation's settings.")
 
+    @property
+    def every_n_steps(self) -> int:
+        """The former name of :attr:`refit_every` (deprecated)."""
+        warnings.warn("ProjectorRefit.every_n_steps is deprecated: read refit_every.", DeprecationWarning, stacklevel=2)
+        return self.refit_every
+
     # -------------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -139,7 +158,7 @@ class ProjectorRefit(Callback):
             return
         # Each fit draws new projectors; a checkpoint being resumed restores this flag after `setup`.
         self._initial_fit_done = False
-        self._last_checked_step = -1
+        self._last_fit_step = -1
         strategy = trainer.strategy
         if not isinstance(strategy, ProjectedTraining) or not strategy.settings.projection:
             raise ValueError(
@@ -165,24 +184,25 @@ class ProjectorRefit(Callback):
         if self.initial_fit and not self._initial_fit_done:
             self._run(trainer, pl_module, initial=True)
             self._initial_fit_done = True
+        if self._last_fit_step < 0:  # no fit (initial_fit=False), none restored: the schedule counts from here
+            self._last_fit_step = trainer.global_step
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        step = trainer.global_step
-        # on_train_batch_start fires for every micro-batch; the first one of an optimizer step checks.
-        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and step != self._last_checked_step:
-            self._last_checked_step = step
+        # on_train_batch_start fires for every micro-batch; the first one of an optimizer step checks (the later ones
+        # find the check just taken).
+        if refit_due(trainer.global_step, self._last_fit_step, self.refit_every):
             self._run(trainer, pl_module, initial=False)
 
     # ------------------------------------------------------------------------------------------------ fitting
     def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, initial: bool) -> None:
         strategy = trainer.strategy
         optimizer = strategy.offload_optimizer
+        step = self._last_fit_step = trainer.global_step
         layers = len(optimizer.projected_layers)
         if not layers:
             return
-        step = trainer.global_step
         fitting = self.fitting
         rank_zero_info(fitting.describe(layers, step, initial))
         passes = GradientPasses(trainer, pl_module, fitting.num_samples + fitting.norm_samples, self.loss_fn)
@@ -213,7 +233,7 @@ class ProjectorRefit(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "initial_fit_done": self._initial_fit_done,
-            "last_checked_step": self._last_checked_step,
+            "last_fit_step": self._last_fit_step,
             "refits_per_layer": dict(self.refits_per_layer),
             "fits_done": self.fits_done,
         }
@@ -221,6 +241,8 @@ class ProjectorRefit(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._initial_fit_done = bool(state_dict["initial_fit_done"])
-        self._last_checked_step = int(state_dict["last_checked_step"])
+        # Saved before the one schedule (issue 66): checks fell on multiples of every_n_steps from the initial fit at 0.
+        self._last_fit_step = int(state_dict["last_fit_step"]) if "last_fit_step" in state_dict else \
+            max(int(state_dict["last_checked_step"]), 0 if self._initial_fit_done else -1)
         self.refits_per_layer = dict(state_dict["refits_per_layer"])
         self.fits_done = int(state_dict["fits_done"])

@@ -5,7 +5,8 @@ Every kernel computes the same three products (:mod:`.reference` defines them) o
 
 * ``compress_tokens(P, x)``: ``P · xᵀ`` for token-major ``x`` (``T × n``), the forward's ``B Xᵀ`` and the
   backward's ``A Δᵀ``;
-* ``expand_columns(P, m)``: ``m · P``, the update's small side ``U B`` (or ``Uᵀ A`` for ``Conv1D``'s storage);
+* ``expand_columns(P, m)``: ``m · P``, the update's small side ``U B`` (or ``Uᵀ A`` for a transposed storage such
+  as ``Conv1D``'s: the layer's layout picks the sides, ``lsp/layouts``);
 * ``update_rows_(W, P, half, decay, generator)``: ``W ← W·decay + Pᵀ·half`` in place, bf16 weights rounded
   stochastically.
 

@@ -35,10 +35,6 @@ _FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread
 DEFAULT_THREADS = 1
 
 
-def _pointer(tensor: Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
-
-
 class NativeProjection:
     """The loaded kernels (:func:`native_projection` builds, checks and returns them).
 

@@ -1,9 +1,12 @@
-"""Benchmark runs through the one harness, :func:`~lightning_offload.cli.train.train`: overrides in, measurements out.
+"""Benchmark runs through the command line's own entry, :func:`lightning_offload.cli.train.train`: overrides in,
+measurements out; and the callbacks that time the steps of a benchmark's own Trainer.
 
 The benchmark scripts (``scripts/benchmark_*.py``) describe a run as Hydra overrides of the command line's config,
 the same ones a user would type, and read back what the run measured. :func:`recipe_overrides` is the fixed
 SmolLM2/``bible_lm`` recipe they share (no loggers, no progress bar, evaluation only before and after training);
-:func:`method_overrides` names each compared method in the config's own terms.
+:func:`method_overrides` names each compared method in the config's own terms. Benchmark-only, so it lives beside
+the scripts, not in the package: they import it by its bare name (``from benchmark_run import …``), as they import
+``harness``.
 """
 
 from __future__ import annotations
