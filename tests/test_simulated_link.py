@@ -330,3 +330,35 @@ def test_updates_cross_back_as_soon_as_computed() -> None:
             optimizer.zero_grad()
         assert optimizer.update_ring.fallbacks == 0 and optimizer.update_ring.prefetched == 0
         optimizer.close()
+
+
+def test_where_the_link_lags_behind_backward_the_deepest_gradients_cross_at_the_launch_with_the_same_results() -> None:
+    # A slow link: a step's copies to the host outlast its backward, so the engine sends the deepest layers'
+    # gradients at the launch (they cross during the next forward; their updates are needed last there). The
+    # results are the synchronous link's, bit for bit.
+    def run() -> tuple[dict[str, torch.Tensor], list[float]]:
+        # Tied embeddings: the deepest tensors are the last layer's small compressed gradients (an untied head, the
+        # deepest of all and larger than the forward's share of the link, would be sent in backward).
+        network = tiny_llama(vocab_size=256, hidden=128, layers=4, intermediate=256, seed=0)
+        optimizer = lightning_offload.offload(network, torch.optim.AdamW(network.parameters(), lr=1e-2),
+                                              max_grad_norm=1.0)
+        deferred = []
+        generator = torch.Generator().manual_seed(2)
+        for ids in [torch.randint(0, 256, (8, 64), generator=generator) for _ in range(6)]:
+            _loss(network, ids).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            deferred.append(optimizer.telemetry.last.deferred_sends)
+        weights = {name: p.detach().clone() for name, p in network.named_parameters()}
+        weights.update(_tensors(optimizer.state_dict(), "optimizer"))
+        optimizer.close()
+        return weights, deferred
+
+    with link(None):
+        synchronous, never = run()
+    with link("gbps=0.002,jitter_ms=1,seed=4"):
+        simulated, deferred = run()
+    assert not any(never)  # a link that copies at once never lags
+    assert max(deferred) > 0
+    differ = _differing(simulated, synchronous)
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[0]}"

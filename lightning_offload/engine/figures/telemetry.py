@@ -34,6 +34,8 @@ class StepTelemetry:
         bytes_between_ranks: with data parallelism, the bytes this rank handed to collectives for one step: its
             gradient buckets, the global norm, and the updates it broadcast or received (payload sizes; see
             :mod:`lightning_offload.engine.lanes.ranks`). 0 for one process.
+        deferred_sends: tensors whose gradient crossed at the step's launch rather than during backward, the deepest
+            layers' while the link lags behind backward (:mod:`~lightning_offload.engine.step.send_deferral`).
     """
 
     bytes_device_to_host: float = 0.0
@@ -49,6 +51,7 @@ class StepTelemetry:
     device_held_gradient_bytes: float = 0.0
     sparse_rows: float = 0.0
     bytes_between_ranks: float = 0.0
+    deferred_sends: float = 0.0
 
 
 @dataclass

@@ -34,7 +34,8 @@ class StepTimeline:
     """
 
     spans: list[Span] = field(default_factory=list)
-    # When the step's backward ended (host clock); None until then.
+    # When the step's first gradient was sent and when its backward ended (host clock); None until then.
+    backward_start: float | None = None
     backward_end: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

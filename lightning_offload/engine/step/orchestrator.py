@@ -30,6 +30,7 @@ from lightning_offload.engine.step.gradient_edits import edited_gradients_error,
 from lightning_offload.engine.step.gradients import GradientRouting, final_twice_error
 from lightning_offload.engine.step.commit import CommitAfterNorm
 from lightning_offload.engine.step.norm_probes import measure_norm_ratios
+from lightning_offload.engine.step.send_deferral import SendDeferral
 from lightning_offload.engine.step.sizes import device_persistent_bytes, host_state_bytes
 from lightning_offload.engine.step.slot_step import SlotStep
 from lightning_offload.engine.step.update_prefetch import UpdatePrefetch
@@ -64,6 +65,8 @@ class StepOrchestrator:
         self.records = {id(slot): SlotStep(slot) for slot in slots}  # where each slot's step stands
         commit.adopt(self.records.values())
         self.update_prefetch = UpdatePrefetch([self.records[id(slot)] for slot in slots], lanes)
+        # The deepest layers' gradients cross at the launch while the link lags behind backward (send_deferral.py).
+        self.deferral = SendDeferral(self.slots)
         self.norms = norms
         self.figures = figures
         self.on_nonfinite = on_nonfinite
@@ -129,6 +132,11 @@ class StepOrchestrator:
         """
         if self.is_sent(slot):
             raise final_twice_error(slot.name)
+        timeline = self.figures.timeline
+        if self.routing.collecting and timeline.backward_start is None:
+            timeline.backward_start = time.perf_counter()  # the first gradient: the forward's end, as the link sees it
+        if self.routing.collecting and self.deferral.defers(slot):
+            return  # it crosses at the launch, after the shallower layers' (send_deferral.py)
         record = self.records[id(slot)]
         with self.lanes.phases.phase("send"):
             slot.send(self.figures.timeline)
@@ -256,7 +264,9 @@ class StepOrchestrator:
             record.sent_round = -1  # clamped on the device (the scaled rule): what crossed must cross again
         resent = not self.is_sent(slot)
         if resent:
-            self.send_gradient(slot)  # manual optimization, or a gradient that changed after it was sent
+            # Deferred to this launch, manual optimization, or a gradient that changed after it was sent.
+            step.deferred_sends += self.deferral.defers(slot)
+            self.send_gradient(slot)
         self.commit.launch(record, self.round, clip, compute_done, step, slot.settings(), self.figures.timeline, resent)
         record.pending = True
         slot.release_gradient()
@@ -290,8 +300,11 @@ class StepOrchestrator:
         for slot in self.slots:
             self.finish(slot)
         self.lanes.worker.check()
+        completing = self.figures.in_flight
         with self.lanes.phases.phase("telemetry"):
             self.figures.complete(self.sizes)
+        if completing:
+            self.deferral.plan(self.figures.telemetry.last_timeline)
         self.routing.expose()  # the modules settled give back their plain dicts
 
     def abandon(self) -> None:
