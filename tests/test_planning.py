@@ -430,7 +430,9 @@ def test_today_s_models_fit_today_s_machines_at_the_defaults() -> None:
         assert "speculation backups" in found.table()
         dense = plan(model, "lsp_offload", device_memory="24GiB", hardware="rtx4090", host_memory="32GiB",
                      head="host", **common)
-        assert not dense.fits_host  # the dense head's state and backups are what did not fit
+        # A dense head's host state (master, landing, staging, moments, backups: 28 bytes an element of 525M-545M)
+        # is what projecting it saves: more than 12 GiB.
+        assert dense.host_bytes - found.host_bytes > 12 * 2**30, dense.table()
     llama1b = _meta(LlamaForCausalLM, LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                                                   num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                                                   tie_word_embeddings=True, head_dim=64))

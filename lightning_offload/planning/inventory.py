@@ -179,16 +179,18 @@ class Link:
 def host_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
     """Host bytes one slot holds in steady state (after its first step, when its optimizer's state exists), as
     ``OffloadOptimizer.host_state_bytes`` counts them, under the user's optimizer's ``rule``."""
-    n, fp32_copy = entry.host_numel, 4 if link.itemsize != 4 else 0
+    n = entry.host_numel
     moments, step = 4 * rule.moments, rule.step_bytes
+    # A gradient's fp32 working copy is the host jobs' shared buffer (host_scratch_bytes), no slot's own.
     if entry.kind == "dense":  # engine/slots/dense_slot.py + host_step_slot.py
         staged = entry.itemsize if entry.itemsize != 4 else 0  # the value crosses back in the parameter's dtype
-        held = n * (4 + link.itemsize + staged + fp32_copy + moments) + step
+        held = n * (4 + link.itemsize + staged + moments) + step
     elif entry.kind == "projected":  # engine/slots/projected_slot.py: Z, landing, staging in the link dtype
-        staged = link.itemsize if link.itemsize != 4 else 0  # U staged in a narrower link dtype
-        held = n * (4 + link.itemsize + staged + fp32_copy + moments) + step
+        # U staged in a narrower link dtype; Z then lives in the shared buffer, else it is kept until U crosses.
+        z_or_staged = link.itemsize if link.itemsize != 4 else 4
+        held = n * (z_or_staged + link.itemsize + moments) + step
     elif entry.kind == "scaled":  # engine/slots/scaled_slot.py: Z = channels × r, and two fp32 vectors per channel
-        held = n * (4 + link.itemsize + fp32_copy + moments) + step + 8 * entry.compressed[0]
+        held = n * (4 + link.itemsize + moments) + step + 8 * entry.compressed[0]
     elif entry.kind == "rows":  # engine/slots/row_slot.py and the row Adam (engine/rows/block_row_adam.py)
         return _row_slot_bytes(entry, link)
     else:
@@ -198,22 +200,36 @@ def host_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
 
 def speculation_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
     """Host bytes of one slot's speculation backup (part of :func:`host_bytes`): the speculative commit
-    (engine/step/speculation.py, its ``Backup`` in engine/step/slot_step.py) backs up the variable and its moments (and
-    step) before a speculative step."""
+    (engine/step/speculation.py, its ``Backup`` in engine/step/slot_step.py) backs up the moments (and step) before a
+    speculative step, and a dense parameter's fp32 master (a projected weight's ``Z`` restarts from zero)."""
     if not link.speculative or entry.kind not in ("dense", "projected"):
         return 0
-    return entry.host_numel * (4 + 4 * rule.moments) + rule.step_bytes
+    master = 4 if entry.kind == "dense" else 0
+    return entry.host_numel * (master + 4 * rule.moments) + rule.step_bytes
+
+
+def host_scratch_bytes(entries: list[Entry], link: Link) -> int:
+    """Bytes of the host jobs' shared fp32 working buffers (engine/lanes/host_scratch.py) where gradients land
+    narrower: the largest gradient a host-Adam slot steps, and the largest projected ``Z``. (A speculative step that
+    clamps an fp32 gradient grows the first at its first such step: not planned, as before.)"""
+    if link.itemsize == 4:
+        return 0
+    gradient = max((e.host_numel for e in entries if e.kind in ("dense", "projected", "scaled")), default=0)
+    variable = max((e.host_numel for e in entries if e.kind == "projected"), default=0)
+    return 4 * (gradient + variable)
 
 
 def _row_slot_bytes(entry: Entry, link: Link) -> int:
     rows, width = entry.shape
     cells = rows * width
+    # engine/slots/row_slot.py: a full-size master; landing, staging, fp32 copy and row numbers sized to the most
+    # rows a step sent (at most the step's tokens).
+    capacity = min(rows, link.rows_touched)
     staged = entry.itemsize if (link.pinned or entry.itemsize != 4) else 0
     fp32_copy = 4 if link.itemsize != 4 else 0
-    slot = cells * (4 + link.itemsize + staged + fp32_copy) + rows * 8  # master, landing, staging, row numbers
+    slot = cells * 4 + capacity * (width * (link.itemsize + staged + fp32_copy) + 8)
     row_adam = cells * 8 + rows * (8 + 16 + 8)  # moments; last step, two scales (float64), decay marks
-    capacity = min(rows, link.rows_touched)  # engine/rows/row_adam_kernel.py:RowWorkspace, grown to the most rows
-    workspace = capacity * (3 * width * 4 + 4 * 4 + 8 + 8)
+    workspace = capacity * (3 * width * 4 + 4 * 4 + 8 + 8)  # engine/rows/row_adam_kernel.py:RowWorkspace
     return slot + row_adam + workspace
 
 

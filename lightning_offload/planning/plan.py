@@ -25,7 +25,8 @@ from lightning_offload.planning.activations import Activations, blocks_of, measu
 from lightning_offload.planning.calibration import Hardware, hardware as hardware_of
 from lightning_offload.planning.cost import Workload, device_flops, device_seconds, host_seconds, step_time
 from lightning_offload.planning.device_bytes import DeviceParts, device_parts
-from lightning_offload.planning.inventory import Inventory, Link, host_bytes, inventory, link_bytes, speculation_bytes
+from lightning_offload.planning.inventory import (Inventory, Link, host_bytes, host_scratch_bytes, inventory,
+                                                 link_bytes, speculation_bytes)
 from lightning_offload.planning.meft_sizes import MEFTSizes, meft_sizes
 from lightning_offload.planning.projection_time import projection_seconds
 from lightning_offload.planning.report import Plan
@@ -267,6 +268,7 @@ def _assemble(strategy: str, settings: OffloadSettings | None, found: Inventory,
     to_host = sum(link_bytes(e, link)[0] for e in found.entries)
     to_device = sum(link_bytes(e, link)[1] for e in found.entries)
     host = sum(host_bytes(e, link, rule) for e in found.entries)
+    host += 0 if plain else host_scratch_bytes(found.entries, link)  # the host jobs' shared working buffers
     meft_host = meft_part.host_bytes if meft_part else 0
     meft_rows = meft_part.row_elements if meft_part else 0
     if meft_part is not None:

@@ -1,4 +1,5 @@
-"""What an engine's slots share, one floor under them: the host worker, the link and its update ring, the ranks."""
+"""What an engine's slots share, one floor under them: the host worker, the link and its update ring, the ranks, the
+host jobs' working buffer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import torch
 
 from lightning_offload.engine.figures.phases import DISABLED, PhaseClock
+from lightning_offload.engine.lanes.host_scratch import HostScratch
 from lightning_offload.engine.lanes.link import Link, UpdateRing
 from lightning_offload.engine.lanes.ranks import RankShards
 from lightning_offload.engine.lanes.simulated_link import simulated_link_for
@@ -19,8 +21,8 @@ log = logging.getLogger("lightning_offload")
 
 class Lanes:
     """What the slots of one engine share: where the device is, the link and the dtype gradients cross it in, the
-    host worker, the ring of device buffers compressed updates land in, the ranks (data parallelism), and the host
-    rule every slot steps by.
+    host worker, the ring of device buffers compressed updates land in, the ranks (data parallelism), the host rule
+    every slot steps by, and the host jobs' working buffer.
 
     Args:
         device: the training device.
@@ -55,6 +57,8 @@ class Lanes:
         self.pin = device.type == "cuda"
         # Set once the projected slots are known (its buffers fit the largest compressed update).
         self.ring: UpdateRing | None = None
+        # The host jobs' one fp32 working buffer, reserved by each slot at set-up (host_scratch.py).
+        self.scratch = HostScratch()
 
     def close(self) -> None:
         """Stop the worker and the link's own threads, and give the main thread back its cores."""

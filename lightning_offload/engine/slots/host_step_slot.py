@@ -29,13 +29,15 @@ class HostStepSlot(Slot):
         host_grad: where the gradient lands, in the link dtype.
         host_optimizer: its host optimizer (the state a checkpoint keeps).
         host_update: the update or value as it crosses back, where that dtype differs from ``host_param``'s.
-        host_grad_fp32: fp32 working copy of a gradient that lands narrower (preallocated: no host job allocates).
     """
 
     speculates = True
     #: Whether a speculative step holds its result back until the step confirms it (a dense value, which would
     #: overwrite the device weight; a projected update waits for its apply anyway).
     holds_value_back = False
+    #: Whether the host variable restarts from zero at every step (a projected weight's ``Z``, only the step's update):
+    #: then rolling a step back needs no copy of it.
+    restarts_each_step = False
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  host_param: Tensor, host_optimizer: Optimizer, host_update: Tensor | None, owner: int = 0) -> None:
@@ -44,14 +46,14 @@ class HostStepSlot(Slot):
         self.host_optimizer = host_optimizer
         self.host_grad = torch.zeros(host_param.shape, dtype=lanes.link_dtype, pin_memory=lanes.pin)
         self.host_update = host_update
-        self.host_grad_fp32 = torch.zeros(host_param.shape, dtype=torch.float32) \
-            if lanes.link_dtype != torch.float32 else None
+        # The fp32 copy of a gradient that lands narrower, or of one a speculative step clamps or adds L2 to, is made
+        # in the host jobs' shared buffer (engine/lanes/host_scratch.py): it lives only while the job runs. Reserved
+        # where every step needs it; the speculative case grows it at its first such step, as it used to allocate.
+        if lanes.link_dtype != torch.float32:
+            lanes.scratch.reserve(host_param.numel())
         # A projected weight's coupled L2 term λ·A W Bᵀ, landed from the device (dense parameters: the host optimizer
         # adds it).
         self.host_l2: Tensor | None = None
-        # fp32 copy of an fp32-link gradient that a speculative step clamps or adds L2 to: the landing buffer must stay
-        # as it arrived, in case the step is redone (allocated at the first such step).
-        self.host_grad_work: Tensor | None = None
 
     def send(self, timeline: StepTimeline) -> None:
         grad = self.gradient()
@@ -77,13 +79,12 @@ class HostStepSlot(Slot):
         self.lanes.link.host_wait(self.to_host_event)
         self._wait_for_l2()
         landed = time.perf_counter()
-        # In place: the landing buffer (or its fp32 working copy) is rewritten by the next step's copy anyway; a
-        # speculative step that changes the gradient works on a copy, which a redo then does not need.
-        grad = self.host_grad if self.host_grad_fp32 is None else self.host_grad_fp32.copy_(self.host_grad)
-        if speculative and grad is self.host_grad and (clip is not None or self.host_l2 is not None):
-            if self.host_grad_work is None:
-                self.host_grad_work = torch.empty_like(self.host_grad)
-            grad = self.host_grad_work.copy_(self.host_grad)
+        # In place: the landing buffer is rewritten by the next step's copy anyway. A gradient that landed narrower,
+        # or that a speculative step changes (a redo needs it as it arrived), is worked on in the shared scratch.
+        grad = self.host_grad
+        narrower = grad.dtype != torch.float32
+        if narrower or (speculative and (clip is not None or self.host_l2 is not None)):
+            grad = self.lanes.scratch.view(grad.shape, grow=not narrower).copy_(grad)
         clip_(grad, clip)
         if self.host_l2 is not None:
             # As torch's Adam: the gradient is clipped first, then λW is added — after the sign flip under
@@ -120,8 +121,7 @@ class HostStepSlot(Slot):
         self.host_optimizer.state.pop(self.host_param, None)
 
     def state_tensors(self) -> list[Tensor]:
-        tensors = [t for t in (self.host_param, self.host_grad, self.host_update, self.host_grad_fp32, self.host_l2,
-                               self.host_grad_work) if t is not None]
+        tensors = [t for t in (self.host_param, self.host_grad, self.host_update, self.host_l2) if t is not None]
         return tensors + [v for state in self.host_optimizer.state.values() for v in state.values()
                           if torch.is_tensor(v)]
 

@@ -91,15 +91,22 @@ class ProjectedSlot(HostStepSlot):
     """
 
     fetches_update = True
+    restarts_each_step = True  # Z = U: _before_host_step zeroes it
 
     def __init__(self, name: str, param: Tensor, group: dict[str, Any], lanes: Lanes, decoupled: bool,
                  layer: ProjectedWeight, generator: torch.Generator, owner: int = 0) -> None:
         shape = layer.compressed_shape
-        z = pinned_zeros(shape, lanes.pin)
+        narrower = lanes.link_dtype != torch.float32
+        # Z restarts from zero at every step. Where U crosses narrower, it is narrowed into its staging buffer right
+        # after the step, so Z lives only while the job runs: the host jobs' shared buffer holds it (rebound to it
+        # before every step, _before_host_step). Otherwise Z is what crosses back and is kept until then.
+        if narrower:
+            lanes.scratch.reserve(math.prod(shape), "variable")
+        z = lanes.scratch.view(shape, "variable") if narrower else pinned_zeros(shape, lanes.pin)
         # Weight decay of projected weights is applied to W on the device (decoupled) or added to S as
         # λ·A W Bᵀ (coupled L2), never to Z, whose value is only the step's update.
         host_optimizer = lanes.rule.optimizer_over(z, {**lanes.rule.hparams_of(group), "weight_decay": 0.0})
-        host_update = pinned_zeros(shape, lanes.pin, lanes.link_dtype) if lanes.link_dtype != z.dtype else None
+        host_update = pinned_zeros(shape, lanes.pin, lanes.link_dtype) if narrower else None
         super().__init__(name, param, group, lanes, decoupled, z, host_optimizer, host_update, owner)
         self.layer = layer
         self.generator = generator
@@ -177,6 +184,8 @@ class ProjectedSlot(HostStepSlot):
         self.lanes.link.host_wait(self.l2_event)
 
     def _before_host_step(self) -> None:
+        if self.host_update is not None:  # Z in the shared buffer (which set-up may have grown since this slot's)
+            self.host_param.set_(self.lanes.scratch.view(self.host_param.shape, "variable"))
         self.host_param.zero_()  # Z restarts at 0 every step, so after the step Z = U
 
     def _after_host_step(self, compute_done: Any, stepped: float, speculative: bool) -> None:
@@ -202,6 +211,11 @@ class ProjectedSlot(HostStepSlot):
         self.update_on_device, self.ring_index = None, None
 
     # ------------------------------------------------------------------------------------------------ state
+    def state_tensors(self) -> list[Tensor]:
+        tensors = super().state_tensors()
+        # Z in the shared buffer is counted once, with it (engine/step/sizes.py).
+        return [t for t in tensors if t is not self.host_param] if self.host_update is not None else tensors
+
     def checkpoint_part(self) -> dict[str, Any]:
         return projector_checkpoint(self.layer, self.generator)
 

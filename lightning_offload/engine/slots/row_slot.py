@@ -26,7 +26,10 @@ _EVERY_ROW = torch.zeros(0, dtype=torch.int64)
 class RowSlot(Slot):
     """An embedding matrix stepped row by row on the host.
 
-    Full-size host buffers (a step may touch every row), of which each step uses the first ``row_count`` rows.
+    The master and Adam's moments are full-size; the buffers rows cross through (landing, row numbers, staging, the
+    fp32 working copy) hold as many rows as the most a step has sent, grown when a step sends more (at the send, on
+    the main thread, while no copy or job uses them), of which each step uses the first ``row_count`` rows: a
+    batch touches a few thousand rows of a 128K vocabulary.
 
     Raises:
         ValueError: for a parameter that is not a matrix, or a group with ``amsgrad=True``.
@@ -45,18 +48,12 @@ class RowSlot(Slot):
             raise ValueError(f"embeddings='sparse' does not support amsgrad=True (param group of {name}). Use "
                              f"embeddings='host' or amsgrad=False.")
         super().__init__(name, param, group, lanes, decoupled)
-        pin = lanes.pin
         self.host_param = pinned_zeros(param.shape, False)
         self.host_param.copy_(param.detach())
         self.watch_weights()
         self.row_adam = BlockRowAdam([self.host_param], block_rows=1)
-        self.host_grad = pinned_zeros(param.shape, pin, lanes.link_dtype)
-        self.host_rows = pinned_zeros((param.shape[0],), pin, torch.int64)
-        # A staging buffer for the new rows: pinned for an async copy to a GPU, or in a narrower parameter dtype.
-        # On the CPU an fp32 embedding's rows are read straight from the row Adam's workspace.
-        self.host_update = pinned_zeros(param.shape, pin, param.dtype) if pin or param.dtype != torch.float32 else None
-        self.host_grad_fp32 = torch.zeros(param.shape, dtype=torch.float32) \
-            if lanes.link_dtype != torch.float32 else None
+        self.capacity = -1  # rows the buffers below hold (sized at the first send: _hold_rows)
+        self._hold_rows(0)
         # Rows whose device values show decay the master has not paid (settle), put back before a training forward.
         self.shown_rows: Tensor | None = None
         self.shown_step = -1  # the step count at the latest settle
@@ -66,6 +63,21 @@ class RowSlot(Slot):
         self.row_values: Tensor | None = None
         self.update_on_device: Tensor | None = None
 
+    def _hold_rows(self, count: int) -> None:
+        """Size the buffers rows cross through to at least ``count`` rows (main thread, before a send)."""
+        if count <= self.capacity:
+            return
+        pin, width = self.lanes.pin, self.param.shape[1]
+        self.capacity = count
+        self.host_grad = pinned_zeros((count, width), pin, self.lanes.link_dtype)
+        self.host_rows = pinned_zeros((count,), pin, torch.int64)
+        # A staging buffer for the new rows: pinned for an async copy to a GPU, or in a narrower parameter dtype.
+        # On the CPU an fp32 embedding's rows are read straight from the row Adam's workspace.
+        self.host_update = pinned_zeros((count, width), pin, self.param.dtype) \
+            if pin or self.param.dtype != torch.float32 else None
+        self.host_grad_fp32 = torch.zeros((count, width), dtype=torch.float32) \
+            if self.lanes.link_dtype != torch.float32 else None
+
     def send(self, timeline: StepTimeline) -> None:
         """Send the rows of the gradient that are nonzero (the rows of the batch's tokens)."""
         grad = self.param.grad
@@ -73,6 +85,9 @@ class RowSlot(Slot):
         # is the first layer, so its gradient comes last in backward and the wait costs little device time.
         rows = torch.nonzero(grad.ne(0).any(dim=1)).squeeze(1)
         count = rows.numel()
+        # The previous step's job and its copy back are done (applied before this layer's forward), so buffers that
+        # must grow are replaced with nothing reading them; a copy still reading an old one holds it.
+        self._hold_rows(count)
         values = grad.index_select(0, rows)
         if values.dtype != self.lanes.link_dtype:
             values = values.to(self.lanes.link_dtype)

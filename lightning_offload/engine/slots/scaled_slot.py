@@ -124,7 +124,8 @@ class ScaledSlot(HostStepSlot):
         self.lanes.link.host_wait(self.to_host_event)
         self.lanes.link.host_wait(self.squares_event)
         landed = time.perf_counter()
-        grad = self.host_grad if self.host_grad_fp32 is None else self.host_grad_fp32.copy_(self.host_grad)
+        grad = self.host_grad if self.host_grad.dtype == torch.float32 else \
+            self.lanes.scratch.view(self.host_grad.shape).copy_(self.host_grad)  # a job's fp32 working copy
         # ‖R_j‖ before clipping: the device's G is unclipped, so the scale ‖R̃_j‖/‖c·R_j‖ of the clipped c·G is
         # returned as ‖R̃_j‖/‖R_j‖ for G itself (the same update).
         gradient_norms = torch.linalg.vector_norm(grad, dim=1)

@@ -15,10 +15,11 @@ from lightning_offload.engine.slots.slot import Clip, JobSettings, Slot
 @dataclass(eq=False)
 class Backup:
     """What a host step committed before the step's decision keeps to be rolled back: the host variable (a dense
-    parameter's fp32 master, a projected weight's ``Z``) and Adam's state before it, what it assumed, the round it
-    belongs to, and whether its gradient is still the one the step uses."""
+    parameter's fp32 master; ``None`` for a projected weight's ``Z``, which every step recomputes from zero) and Adam's
+    state before it, what it assumed, the round it belongs to, and whether its gradient is still the one the step
+    uses."""
 
-    master: Tensor
+    master: Tensor | None
     round: int = -1
     valid: bool = False
     settings: JobSettings | None = None

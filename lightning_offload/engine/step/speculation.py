@@ -45,11 +45,13 @@ class SpeculativeCommit(CommitAfterNorm):
         self.norm_clip_fired = False
 
     def adopt(self, records: Iterable[SlotStep]) -> None:
-        # Z and a dense master are small next to the moments and preallocated now; the moments' copies are allocated
-        # at a slot's first step, when Adam creates its state, so no later step allocates. Owned host-Adam slots only.
+        # A dense master is preallocated now (Z is not kept: every step recomputes it from zero); the moments' copies
+        # are allocated at a slot's first step, when Adam creates its state, so no later step allocates. Owned
+        # host-Adam slots only.
         for record in records:
-            if record.slot.speculates and record.slot.owned:
-                record.backup = Backup(torch.empty_like(record.slot.host_param))
+            slot = record.slot
+            if slot.speculates and slot.owned:
+                record.backup = Backup(None if slot.restarts_each_step else torch.empty_like(slot.host_param))
                 self._backups.append(record.backup)
 
     # ------------------------------------------------------------------------------------------------ backward
@@ -107,7 +109,7 @@ class SpeculativeCommit(CommitAfterNorm):
         self.norm_clip_fired = clip is not None and clip[0] == "norm"
 
     def state_tensors(self) -> list[Tensor]:
-        tensors = [backup.master for backup in self._backups]
+        tensors = [backup.master for backup in self._backups if backup.master is not None]
         return tensors + [t for backup in self._backups for t in (backup.moments or {}).values()]
 
     # ------------------------------------------------------------------------------------------------ worker
@@ -148,7 +150,8 @@ class SpeculativeCommit(CommitAfterNorm):
                 self._allocate(record)
             for key, saved in backup.moments.items():
                 saved.copy_(state[key])
-        backup.master.copy_(slot.host_param)
+        if backup.master is not None:
+            backup.master.copy_(slot.host_param)
 
     @staticmethod
     def _restore(record: SlotStep) -> None:
@@ -160,4 +163,5 @@ class SpeculativeCommit(CommitAfterNorm):
             state = slot.host_optimizer_state()
             for key, saved in backup.moments.items():
                 state[key].copy_(saved)
-        slot.host_param.copy_(backup.master)
+        if backup.master is not None:
+            slot.host_param.copy_(backup.master)
