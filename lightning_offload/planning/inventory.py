@@ -186,9 +186,9 @@ def host_bytes(entry: Entry, link: Link, rule: HostRule) -> int:
         staged = entry.itemsize if entry.itemsize != 4 else 0  # the value crosses back in the parameter's dtype
         held = n * (4 + link.itemsize + staged + moments) + step
     elif entry.kind == "projected":  # engine/slots/projected_slot.py: Z, landing, staging in the link dtype
-        # U staged in a narrower link dtype; Z then lives in the shared buffer, else it is kept until U crosses.
-        z_or_staged = link.itemsize if link.itemsize != 4 else 4
-        held = n * (z_or_staged + link.itemsize + moments) + step
+        # The landing, and what U crosses from: Z itself at an fp32 link, else U staged in the link dtype (Z then
+        # lives in the shared buffer): the link's itemsize twice either way.
+        held = n * (2 * link.itemsize + moments) + step
     elif entry.kind == "scaled":  # engine/slots/scaled_slot.py: Z = channels × r, and two fp32 vectors per channel
         held = n * (4 + link.itemsize + moments) + step + 8 * entry.compressed[0]
     elif entry.kind == "rows":  # engine/slots/row_slot.py and the row Adam (engine/rows/block_row_adam.py)

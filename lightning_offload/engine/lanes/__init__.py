@@ -1,5 +1,5 @@
 """What an engine's slots share, one floor under them: the host worker, the link and its update ring, the ranks, the
-host jobs' working buffer."""
+host jobs' working buffers."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ log = logging.getLogger("lightning_offload")
 class Lanes:
     """What the slots of one engine share: where the device is, the link and the dtype gradients cross it in, the
     host worker, the ring of device buffers compressed updates land in, the ranks (data parallelism), the host rule
-    every slot steps by, and the host jobs' working buffer.
+    every slot steps by, and the host jobs' working buffers.
 
     Args:
         device: the training device.
@@ -57,7 +57,7 @@ class Lanes:
         self.pin = device.type == "cuda"
         # Set once the projected slots are known (its buffers fit the largest compressed update).
         self.ring: UpdateRing | None = None
-        # The host jobs' one fp32 working buffer, reserved by each slot at set-up (host_scratch.py).
+        # The host jobs' shared fp32 working buffers, reserved by the slots at set-up (host_scratch.py).
         self.scratch = HostScratch()
 
     def close(self) -> None:

@@ -139,10 +139,10 @@ class StepOrchestrator:
             return  # it crosses at the launch, after the shallower layers' (send_deferral.py)
         record = self.records[id(slot)]
         with self.lanes.phases.phase("send"):
-            slot.send(self.figures.timeline)
+            slot.send(timeline)
             record.sent_round = self.round
             if self.routing.collecting and self.commit.speculative:
-                self.commit.sent(record, self.round, self.figures.timeline)
+                self.commit.sent(record, self.round, timeline)
 
     def take_on(self, slots: list[Slot]) -> None:
         """Step ``slots`` too from the next step on, after every other slot (their host steps run after the norm:

@@ -45,11 +45,6 @@ class SendDeferral:
         """Whether ``slot``'s gradient waits for the launch this step."""
         return id(slot) in self._deferred
 
-    @property
-    def count(self) -> int:
-        """Tensors deferred this step."""
-        return len(self._deferred)
-
     def plan(self, timeline: StepTimeline) -> None:
         """Choose the next step's deferred tensors from the completed step's ``timeline`` (see the module docstring)."""
         if timeline.backward_start is None or timeline.backward_end is None:

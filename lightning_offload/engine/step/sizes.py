@@ -20,14 +20,14 @@ PERSISTENT_CATEGORIES = ("projectors", "update_ring", "scaled_projections", "dev
 
 def state_tensors(slots: Sequence[Slot], commit: CommitAfterNorm) -> list[Tensor]:
     """Every tensor of optimizer state the engine keeps: each slot's, the commit policy's (speculation's backups), and
-    the host jobs' shared working buffer (once)."""
+    the host jobs' shared working buffers (once)."""
     scratch = slots[0].lanes.scratch.buffers() if slots else []
     return [t for slot in slots for t in slot.state_tensors()] + commit.state_tensors() + scratch
 
 
 def host_state_bytes(slots: Sequence[Slot], commit: CommitAfterNorm) -> int:
     """Bytes of optimizer state on the host: moments, fp32 masters, ``Z``, landing and staging buffers, the
-    speculative steps' backups, and the host jobs' working buffer."""
+    speculative steps' backups, and the host jobs' working buffers."""
     # Counted at every step (telemetry): nbytes and is_cpu are the cheap reads of the same figures.
     return sum(t.nbytes for t in state_tensors(slots, commit) if t.is_cpu)
 
